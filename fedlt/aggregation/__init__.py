@@ -1,0 +1,25 @@
+"""Schemas, contributions, sums, and the table of privacy layers that produce sums.
+
+Layers are listed by import path so `fedlt` never imports the `privacy` package that implements the secure
+ones (imports point one way: fedlt ← privacy); the path is resolved only when a layer is asked for by name.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from fedlt.aggregation.schema import Contribution, Field, Schema
+from fedlt.aggregation.sums import SumLayer, Sums
+from fedlt.errors import ConfigError
+
+LAYERS: dict[str, str] = {"plaintext": "fedlt.aggregation.plaintext:PlaintextSum"}
+
+
+def make_layer(name: str) -> SumLayer:
+    if name not in LAYERS:
+        raise ConfigError("privacy", [f"unknown privacy layer {name!r}; allowed: {', '.join(LAYERS)}"])
+    module, _, attr = LAYERS[name].partition(":")
+    return getattr(importlib.import_module(module), attr)()
+
+
+__all__ = ["LAYERS", "Contribution", "Field", "Schema", "SumLayer", "Sums", "make_layer"]

@@ -1,0 +1,110 @@
+"""What a method declares before any data is seen: the named fields silos contribute and their bounds.
+
+The privacy layers size everything from the schema alone: fixed-point ranges and overflow checks (secagg),
+CKKS slots (ckks), noise sensitivities (dp). A silo's values are checked and clipped against it before they
+leave the method, so a wrong shape or a NaN never reaches the wire.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from fedlt.errors import ContributionError
+
+
+@dataclass(frozen=True)
+class Field:
+    """`bound` is the largest absolute value any element may take; values beyond it are clipped."""
+
+    name: str
+    shape: tuple[int, ...]
+    bound: float
+    doc: str = ""
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Schema:
+    fields: tuple[Field, ...]
+    phase: str = "train"
+
+    def __post_init__(self) -> None:
+        names = [f.name for f in self.fields]
+        problems = [f"duplicate field {n!r}" for n in sorted(set(names)) if names.count(n) > 1]
+        problems += [
+            f"field {f.name!r} needs a finite bound > 0, got {f.bound}"
+            for f in self.fields
+            if not (math.isfinite(f.bound) and f.bound > 0)
+        ]
+        problems += [
+            f"field {f.name!r} has an invalid shape {f.shape}"
+            for f in self.fields
+            if any(d < 1 for d in f.shape)
+        ]
+        if not self.fields:
+            problems.append("a schema needs at least one field")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.fields)
+
+    def field(self, name: str) -> Field:
+        for f in self.fields:
+            if f.name == name:
+                return f
+        raise KeyError(name)
+
+    def contribution(self, **values: torch.Tensor | float) -> Contribution:
+        """Check names, shapes and finiteness, clip to each field's bound, and freeze as float64."""
+        expected = {f.name for f in self.fields}
+        problems = [f"unknown field {n!r}" for n in sorted(set(values) - expected)]
+        problems += [f"missing field {n!r}" for n in sorted(expected - set(values))]
+        if problems:
+            raise ContributionError("; ".join(problems))
+        checked: dict[str, torch.Tensor] = {}
+        clipped = 0
+        for f in self.fields:
+            t = torch.as_tensor(values[f.name], dtype=torch.float64).detach()
+            if tuple(t.shape) != f.shape:
+                problems.append(f"field {f.name!r} has shape {tuple(t.shape)}, schema says {f.shape}")
+                continue
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                problems.append(f"field {f.name!r} has {bad} non-finite values")
+                continue
+            clipped += int((t.abs() > f.bound).sum())
+            checked[f.name] = t.clamp(-f.bound, f.bound).contiguous()
+        if problems:
+            raise ContributionError("; ".join(problems))
+        return Contribution(self, checked, clipped)
+
+    def flatten(self, values: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """One float64 vector in schema order: the form secure aggregation masks and CKKS encrypts."""
+        return torch.cat([values[f.name].reshape(-1) for f in self.fields])
+
+    def unflatten(self, vector: torch.Tensor) -> dict[str, torch.Tensor]:
+        if vector.shape != (self.size,):
+            raise ContributionError(f"vector of shape {tuple(vector.shape)}, schema needs ({self.size},)")
+        parts = torch.split(vector, [f.size for f in self.fields])
+        return {f.name: p.reshape(f.shape) for f, p in zip(self.fields, parts, strict=True)}
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One silo's validated values for one round; made only by `Schema.contribution`."""
+
+    schema: Schema
+    values: Mapping[str, torch.Tensor]
+    clipped: int = field(default=0)
+
+    def flat(self) -> torch.Tensor:
+        return self.schema.flatten(self.values)

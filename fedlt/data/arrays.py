@@ -1,0 +1,70 @@
+"""The one in-memory form of labelled image data that every loader returns and every method consumes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedlt.errors import DataError
+
+
+@dataclass(frozen=True)
+class LabeledImages:
+    """Images as float32 in [0, 1], shape (N, C, H, W), with int64 labels in [0, len(classes)).
+
+    `classes` names the label indices; it may list classes with no samples (a silo that lacks a class still
+    knows the consortium's class list).
+    """
+
+    x: np.ndarray
+    y: np.ndarray
+    classes: tuple[str, ...]
+    source: str = "<memory>"
+
+    def __post_init__(self) -> None:
+        problems = validation_problems(self.x, self.y, len(self.classes))
+        if problems:
+            raise DataError(self.source, "; ".join(problems))
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        c, h, w = self.x.shape[1:]
+        return int(c), int(h), int(w)
+
+    def class_counts(self) -> np.ndarray:
+        return np.bincount(self.y, minlength=self.num_classes).astype(np.int64)
+
+    def subset(self, indices: np.ndarray) -> LabeledImages:
+        idx = np.asarray(indices, dtype=np.int64)
+        return LabeledImages(self.x[idx], self.y[idx], self.classes, self.source)
+
+
+def validation_problems(x: np.ndarray, y: np.ndarray, num_classes: int) -> list[str]:
+    """Every reason the arrays are not valid LabeledImages; empty when they are."""
+    problems: list[str] = []
+    if num_classes < 1:
+        problems.append("the class list is empty")
+    if not isinstance(x, np.ndarray) or x.ndim != 4:
+        problems.append(f"images must have shape (N, C, H, W), got {getattr(x, 'shape', type(x))}")
+    elif x.dtype != np.float32:
+        problems.append(f"images must be float32, got {x.dtype}")
+    elif x.size and not (np.isfinite(x).all() and x.min() >= 0.0 and x.max() <= 1.0):
+        problems.append("image values must be finite and within [0, 1]")
+    if not isinstance(y, np.ndarray) or y.ndim != 1:
+        problems.append(f"labels must be one-dimensional, got {getattr(y, 'shape', type(y))}")
+    elif y.dtype != np.int64:
+        problems.append(f"labels must be int64, got {y.dtype}")
+    elif y.size and num_classes >= 1 and (y.min() < 0 or y.max() >= num_classes):
+        bad = np.unique(y[(y < 0) | (y >= num_classes)])[:5].tolist()
+        problems.append(f"labels out of range [0, {num_classes}): {bad}")
+    if not problems and x.shape[0] != y.shape[0]:
+        problems.append(f"{x.shape[0]} images but {y.shape[0]} labels")
+    return problems

@@ -1,0 +1,387 @@
+"""Loaders for a silo's own image data on disk, so a hospital or bank can join with its own files.
+
+Every loader returns `LabeledImages` and turns every problem with the files into a `DataError` that
+names the offending file, so the CLIs can print one clear line instead of a library's traceback.
+"""
+
+from __future__ import annotations
+
+import gzip
+import math
+import pickle
+import struct
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from numpy.lib.npyio import NpzFile
+from PIL import Image, ImageMode
+
+from fedlt.data.arrays import LabeledImages
+from fedlt.errors import DataError
+
+Color = Literal["gray", "rgb"]
+Split = Literal["train", "test"]
+
+IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff"})
+
+CIFAR10_CLASSES = (
+    "airplane",
+    "automobile",
+    "bird",
+    "cat",
+    "deer",
+    "dog",
+    "frog",
+    "horse",
+    "ship",
+    "truck",
+)
+
+# IDX type byte -> big-endian element type (the format stores everything big-endian).
+_IDX_DTYPES = {
+    0x08: np.dtype("u1"),
+    0x09: np.dtype("i1"),
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
+
+# The only globals a pickle of numpy arrays needs; anything else could run code on unpickling.
+_PICKLE_ALLOWED = frozenset(
+    {
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "scalar"),
+        ("numpy._core.numeric", "_frombuffer"),  # arrays pickled with protocol 5
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("_codecs", "encode"),  # bytes pickled by Python 3 with protocol <= 2
+    }
+)
+
+_GZIP_MAGIC = b"\x1f\x8b"
+_CIFAR_SIDE = 32
+_CIFAR_COLUMNS = 3 * _CIFAR_SIDE * _CIFAR_SIDE
+
+
+# --- shared helpers ---------------------------------------------------------------------------
+
+
+@contextmanager
+def _reading(source: Path, action: str) -> Iterator[None]:
+    """Re-raise a library's exception as a DataError naming the file.
+
+    numpy, Pillow, gzip and pickle raise many unrelated exception types on bad input, so any
+    exception is caught; our own DataErrors pass through untouched.
+    """
+    try:
+        yield
+    except DataError:
+        raise
+    except Exception as exc:
+        raise DataError(source, f"{action}: {exc}") from exc
+
+
+def _existing(path: str | Path, *, directory: bool | None = None) -> Path:
+    """Fail early with one clear message rather than deep inside a library; None accepts either."""
+    p = Path(path)
+    if not p.exists():
+        raise DataError(p, "no such file or directory")
+    if directory is True and not p.is_dir():
+        raise DataError(p, "expected a directory, found a file")
+    if directory is False and p.is_dir():
+        raise DataError(p, "expected a file, found a directory")
+    return p
+
+
+def _to_nchw(x: np.ndarray, source: Path) -> np.ndarray:
+    """Bring the layouts people actually save into (N, C, H, W); channels-last wins ties."""
+    if x.ndim == 3:
+        return x[:, np.newaxis]
+    if x.ndim == 4 and x.shape[3] in (1, 3):
+        return x.transpose(0, 3, 1, 2)
+    if x.ndim == 4 and x.shape[1] in (1, 3):
+        return x
+    layouts = "(N, H, W), (N, H, W, C) or (N, C, H, W) with C = 1 or 3"
+    raise DataError(source, f"images have shape {x.shape}; expected {layouts}")
+
+
+def _to_unit_float(x: np.ndarray, source: Path) -> np.ndarray:
+    """Scale 8-bit pixels to [0, 1]; refuse floats that are not already there rather than guess."""
+    if x.dtype == np.uint8:
+        return x.astype(np.float32) / np.float32(255)
+    if not np.issubdtype(x.dtype, np.floating):
+        raise DataError(source, f"image dtype {x.dtype.name} is neither uint8 nor float in [0, 1]")
+    if x.size:
+        if not np.isfinite(x).all():
+            raise DataError(source, "float images contain NaN or infinite values")
+        low, high = float(x.min()), float(x.max())
+        if low < 0.0 or high > 1.0:
+            raise DataError(
+                source,
+                f"float images must already be scaled to [0, 1]; found min {low:g}, max {high:g}",
+            )
+    return x.astype(np.float32)
+
+
+def _to_labels(y: Any, source: Path) -> np.ndarray:
+    """Accept any integer type but not floats: a float label usually means the wrong array."""
+    y = np.asarray(y)
+    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+        raise DataError(source, f"labels must be 1-D integers, got {y.dtype} {y.shape}")
+    return y.astype(np.int64)
+
+
+def _numbered_classes(y: np.ndarray, source: Path) -> tuple[str, ...]:
+    """Name classes "0".."max label" when the files carry no names."""
+    if not y.size:
+        raise DataError(source, "no labels to infer the classes from")
+    if y.min() < 0:
+        raise DataError(source, f"labels must be non-negative, found {int(y.min())}")
+    return tuple(str(i) for i in range(int(y.max()) + 1))
+
+
+# --- npz ----------------------------------------------------------------------------------------
+
+
+def load_npz(path: str | Path, *, classes: Sequence[str] | None = None) -> LabeledImages:
+    """Load an .npz with arrays `x`, `y` and optionally `classes`; pickle is refused."""
+    source = _existing(path, directory=False)
+    with _reading(source, "cannot read as .npz"):
+        archive = np.load(source, allow_pickle=False)
+    if not isinstance(archive, NpzFile):
+        raise DataError(source, "holds a single array, not an .npz archive with arrays 'x' and 'y'")
+    with archive, _reading(source, "cannot read array from .npz"):
+        missing = [name for name in ("x", "y") if name not in archive.files]
+        if missing:
+            found = ", ".join(archive.files) or "none"
+            raise DataError(source, f"missing array(s) {', '.join(missing)} (found: {found})")
+        x, y = archive["x"], archive["y"]
+        stored = archive["classes"] if "classes" in archive.files else None
+    labels = _to_labels(y, source)
+    if classes is not None:
+        names = tuple(classes)
+    elif stored is not None:
+        names = _stored_class_names(stored, source)
+    else:
+        names = _numbered_classes(labels, source)
+    images = _to_unit_float(_to_nchw(x, source), source)
+    return LabeledImages(images, labels, names, str(source))
+
+
+def _stored_class_names(stored: np.ndarray, source: Path) -> tuple[str, ...]:
+    if stored.ndim != 1 or stored.dtype.kind not in "US":
+        raise DataError(source, f"array 'classes' must be 1-D strings, got {stored.dtype.name}")
+    with _reading(source, "cannot decode array 'classes'"):
+        return tuple(s.decode() if isinstance(s, bytes) else str(s) for s in stored.tolist())
+
+
+# --- image folder ------------------------------------------------------------------------------
+
+
+def load_image_folder(path: str | Path, *, color: Color | None = None) -> LabeledImages:
+    """Load one sub-folder per class; `color=None` keeps colour only if some image has it."""
+    root = _existing(path, directory=True)
+    if color not in (None, "gray", "rgb"):
+        raise DataError(root, f"color must be 'gray', 'rgb' or None, got {color!r}")
+    class_dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not class_dirs:
+        raise DataError(root, "no class sub-folders (put each class's images in its own folder)")
+    files = [(f, label) for label, folder in enumerate(class_dirs) for f in _image_files(folder)]
+    if not files:
+        raise DataError(root, f"no images with extensions {', '.join(sorted(IMAGE_EXTENSIONS))}")
+    modes = _check_headers([file for file, _ in files])
+    if color is None:
+        color = "rgb" if any(ImageMode.getmode(m).basemode != "L" for m in modes) else "gray"
+    pixels = np.stack([_read_pixels(file, "RGB" if color == "rgb" else "L") for file, _ in files])
+    labels = np.array([label for _, label in files], dtype=np.int64)
+    images = _to_unit_float(_to_nchw(pixels, root), root)
+    return LabeledImages(images, labels, tuple(p.name for p in class_dirs), str(root))
+
+
+def _image_files(folder: Path) -> list[Path]:
+    return sorted(
+        p
+        for p in folder.iterdir()
+        if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS
+    )
+
+
+def _check_headers(files: list[Path]) -> set[str]:
+    """Read only the headers, so a size or depth mismatch is reported before decoding any pixels."""
+    modes: set[str] = set()
+    first = files[0]
+    first_size: tuple[int, int] | None = None
+    for file in files:
+        with _reading(file, "cannot read image"), Image.open(file) as image:
+            mode, size = image.mode, image.size
+        if ImageMode.getmode(mode).typestr not in ("|u1", "|b1"):
+            raise DataError(file, f"image mode {mode} is not 8-bit, the only depth supported")
+        if first_size is None:
+            first_size = size
+        elif size != first_size:
+            raise DataError(
+                file,
+                f"image is {size[0]}x{size[1]} but {first.parent.name}/{first.name} is "
+                f"{first_size[0]}x{first_size[1]}; all images must have the same size",
+            )
+        modes.add(mode)
+    return modes
+
+
+def _read_pixels(file: Path, mode: str) -> np.ndarray:
+    with _reading(file, "cannot read image"), Image.open(file) as image:
+        return np.asarray(image.convert(mode))
+
+
+# --- CIFAR-10 python batches -------------------------------------------------------------------
+
+
+def load_cifar10_batches(path: str | Path, *, split: Split = "train") -> LabeledImages:
+    """Load the CIFAR-10 "python version" directory without trusting its pickles."""
+    root = _existing(path, directory=True)
+    if split == "train":
+        batch_files = [root / f"data_batch_{i}" for i in range(1, 6)]
+        batch_files = [p for p in batch_files if p.is_file()]
+        if not batch_files:
+            raise DataError(root, "no training batches data_batch_1 .. data_batch_5")
+    elif split == "test":
+        batch_files = [_existing(root / "test_batch", directory=False)]
+    else:
+        raise DataError(root, f"split must be 'train' or 'test', got {split!r}")
+    batches = [_read_cifar_batch(p) for p in batch_files]
+    meta = root / "batches.meta"
+    classes = _cifar_class_names(meta) if meta.is_file() else CIFAR10_CLASSES
+    x = np.concatenate([images for images, _ in batches])
+    y = np.concatenate([labels for _, labels in batches])
+    return LabeledImages(_to_unit_float(x, root), y, classes, str(root))
+
+
+class _NumpyOnlyUnpickler(pickle.Unpickler):
+    """Refuses every global except the numpy array machinery, so a crafted file cannot run code."""
+
+    def __init__(self, file: Any, source: Path) -> None:
+        super().__init__(file, encoding="bytes")
+        self._source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith("numpy.core."):  # pickles written by numpy 1.x
+            module = "numpy._core." + module.removeprefix("numpy.core.")
+        if (module, name) not in _PICKLE_ALLOWED:
+            raise DataError(self._source, f"refusing to unpickle {module}.{name}")
+        return super().find_class(module, name)
+
+
+def _unpickle_dict(file: Path) -> dict[Any, Any]:
+    with _reading(file, "cannot unpickle"), file.open("rb") as handle:
+        loaded = _NumpyOnlyUnpickler(handle, file).load()
+    if not isinstance(loaded, dict):
+        raise DataError(file, f"expected a pickled dict, found {type(loaded).__name__}")
+    return loaded
+
+
+def _field(batch: dict[Any, Any], key: str, file: Path) -> Any:
+    """Look a key up as bytes (the official Python 2 pickles) or as str (re-saved ones)."""
+    for candidate in (key.encode(), key):
+        if candidate in batch:
+            return batch[candidate]
+    raise DataError(file, f"missing key {key!r}")
+
+
+def _read_cifar_batch(file: Path) -> tuple[np.ndarray, np.ndarray]:
+    batch = _unpickle_dict(file)
+    data, labels = _field(batch, "data", file), _to_labels(_field(batch, "labels", file), file)
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2:
+        raise DataError(file, "'data' must be a 2-D uint8 array")
+    if data.shape[1] != _CIFAR_COLUMNS:
+        raise DataError(file, f"'data' has {data.shape[1]} columns, expected {_CIFAR_COLUMNS}")
+    if data.shape[0] != labels.shape[0]:
+        raise DataError(file, f"{data.shape[0]} images but {labels.shape[0]} labels")
+    # Each row holds the whole R plane, then G, then B: that is already channels-first.
+    return data.reshape(-1, 3, _CIFAR_SIDE, _CIFAR_SIDE), labels
+
+
+def _cifar_class_names(meta: Path) -> tuple[str, ...]:
+    names = _field(_unpickle_dict(meta), "label_names", meta)
+    if not isinstance(names, list | tuple) or not all(isinstance(n, bytes | str) for n in names):
+        raise DataError(meta, "'label_names' must be a list of strings")
+    with _reading(meta, "cannot decode 'label_names'"):
+        return tuple(n.decode() if isinstance(n, bytes) else n for n in names)
+
+
+# --- IDX (MNIST) ---------------------------------------------------------------------------------
+
+
+def load_idx(images_path: str | Path, labels_path: str | Path) -> LabeledImages:
+    """Load an IDX image/label pair (MNIST's format), gzipped or not."""
+    images_file = _existing(images_path, directory=False)
+    labels_file = _existing(labels_path, directory=False)
+    images, labels = _read_idx(images_file), _read_idx(labels_file)
+    if images.ndim != 3:
+        raise DataError(images_file, f"IDX images must be 3-D (N, H, W), got shape {images.shape}")
+    y = _to_labels(labels, labels_file)
+    if images.shape[0] != y.shape[0]:
+        raise DataError(images_file, f"{len(images)} images but {labels_file} has {len(y)} labels")
+    x = _to_unit_float(_to_nchw(images, images_file), images_file)
+    return LabeledImages(x, y, _numbered_classes(y, labels_file), str(images_file))
+
+
+def _read_idx(file: Path) -> np.ndarray:
+    with _reading(file, "cannot read"):
+        raw = file.read_bytes()
+        if raw.startswith(_GZIP_MAGIC):
+            raw = gzip.decompress(raw)
+    if len(raw) < 4 or raw[:2] != b"\0\0" or raw[2] not in _IDX_DTYPES:
+        raise DataError(file, f"not an IDX file (magic bytes {raw[:4].hex() or 'missing'})")
+    dtype, ndim = _IDX_DTYPES[raw[2]], raw[3]
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise DataError(file, "truncated IDX header")
+    shape = struct.unpack(f">{ndim}I", raw[4:header])
+    expected, found = math.prod(shape) * dtype.itemsize, len(raw) - header
+    if found != expected:
+        problem = "truncated" if found < expected else "trailing bytes after the data"
+        raise DataError(file, f"{problem}: shape {shape} needs {expected} bytes, found {found}")
+    return np.frombuffer(raw, dtype=dtype, offset=header).reshape(shape)
+
+
+# --- one door -----------------------------------------------------------------------------------
+
+
+def _load_idx_option(path: str | Path, *, labels: str | Path | None = None) -> LabeledImages:
+    if labels is None:
+        raise DataError(path, "the idx format needs the labels file: pass labels=<path>")
+    return load_idx(path, labels)
+
+
+_LOADERS: dict[str, Callable[..., LabeledImages]] = {
+    "npz": load_npz,
+    "folder": load_image_folder,
+    "cifar10": load_cifar10_batches,
+    "idx": _load_idx_option,
+}
+
+
+def load_dataset(path: str | Path, *, format: str | None = None, **options: Any) -> LabeledImages:
+    """One entry point for configs and CLIs; infers the format when it is not given."""
+    if format is None:
+        format = _infer_format(path, options)
+    loader = _LOADERS.get(format)
+    if loader is None:
+        raise DataError(path, f"unknown format {format!r}; expected one of: {', '.join(_LOADERS)}")
+    return loader(path, **options)
+
+
+def _infer_format(path: str | Path, options: dict[str, Any]) -> str:
+    path = _existing(path)
+    if path.is_dir():
+        cifar = (path / "data_batch_1").exists() or (path / "test_batch").exists()
+        return "cifar10" if cifar else "folder"
+    if path.suffix.lower() == ".npz":
+        return "npz"
+    if "labels" in options:
+        return "idx"
+    raise DataError(path, f"cannot infer the format; pass format= one of: {', '.join(_LOADERS)}")

@@ -1,0 +1,30 @@
+"""The table of federated methods a configuration may name."""
+
+from __future__ import annotations
+
+from fedlt.errors import ConfigError
+from fedlt.methods.base import Method, ModelSpec, ServerContext, SiloContext
+from fedlt.methods.fedavg import FedAvg
+from fedlt.methods.fedprox import FedProx
+from fedlt.methods.local import TrainConfig
+from fedlt.methods.state import GlobalState
+
+METHODS: dict[str, type[Method]] = {m.name: m for m in (FedAvg, FedProx)}
+
+
+def method_class(name: str) -> type[Method]:
+    if name not in METHODS:
+        raise ConfigError("method.name", [f"unknown method {name!r}; allowed: {', '.join(METHODS)}"])
+    return METHODS[name]
+
+
+__all__ = [
+    "METHODS",
+    "GlobalState",
+    "Method",
+    "ModelSpec",
+    "ServerContext",
+    "SiloContext",
+    "TrainConfig",
+    "method_class",
+]

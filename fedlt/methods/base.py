@@ -1,0 +1,110 @@
+"""The keystone interface: a method is a schema, a silo half and a server half that only ever sees sums.
+
+    local_round(state, data, ctx) -> Contribution     on each silo, next to its data
+    server_step(state, sums, ctx) -> state            pure and seeded, on whoever holds the sums
+
+The simulator and the consortium call exactly these, over any privacy layer, so a seeded run gives the same
+numbers in both.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from fedlt.aggregation import Contribution, Schema, Sums
+from fedlt.data.arrays import LabeledImages
+from fedlt.errors import ContributionError
+from fedlt.methods.local import GradHook, TrainConfig
+from fedlt.methods.state import GlobalState
+from fedlt.models import SplitModel, build_model
+from fedlt.seeding import derive_seed, torch_generator
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    image_shape: tuple[int, int, int]
+    num_classes: int
+
+    def build(self, seed: int) -> SplitModel:
+        return build_model(self.name, image_shape=self.image_shape, num_classes=self.num_classes, seed=seed)
+
+
+@dataclass(frozen=True)
+class SiloContext:
+    """Where a silo's randomness comes from: the run seed, its identity and the round, nothing global."""
+
+    round: int
+    silo_id: str
+    seed: int
+
+    def generator(self, purpose: str) -> torch.Generator:
+        return torch_generator(self.seed, "silo", self.silo_id, self.round, purpose)
+
+
+@dataclass(frozen=True)
+class ServerContext:
+    round: int
+    seed: int
+
+    def generator(self, purpose: str) -> torch.Generator:
+        return torch_generator(self.seed, "server", self.round, purpose)
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """For methods without settings of their own."""
+
+
+class Method(ABC):
+    name: ClassVar[str]
+    Options: ClassVar[type] = NoOptions
+
+    def __init__(self, *, options: Any, train: TrainConfig, model: ModelSpec) -> None:
+        if not isinstance(options, self.Options):
+            raise TypeError(f"{self.name} takes {self.Options.__name__}, got {type(options).__name__}")
+        self.options = options
+        self.train = train
+        self.model_spec = model
+        self._work: SplitModel | None = None
+
+    def init_state(self, *, seed: int) -> GlobalState:
+        return GlobalState(0, self.model_spec.build(derive_seed(seed, "model-init")).state_dict())
+
+    @abstractmethod
+    def schema(self, state: GlobalState) -> Schema:
+        """The fields of the coming round; may depend on the state (a method's phase)."""
+
+    @abstractmethod
+    def local_round(self, state: GlobalState, data: LabeledImages, ctx: SiloContext) -> Contribution:
+        """Silo half: train on local data and return what the consortium sums."""
+
+    def server_step(self, state: GlobalState, sums: Sums, ctx: ServerContext) -> GlobalState:
+        """Server half; refuses anything but sums made by a privacy layer for this round's schema."""
+        if not isinstance(sums, Sums):
+            raise TypeError(f"server_step takes Sums from a privacy layer, got {type(sums).__name__}")
+        if sums.schema != self.schema(state):
+            raise ContributionError("sums were made for another schema or phase than this round's")
+        return self._server_step(state, sums, ctx)
+
+    @abstractmethod
+    def _server_step(self, state: GlobalState, sums: Sums, ctx: ServerContext) -> GlobalState: ...
+
+    def eval_model(self, state: GlobalState) -> SplitModel:
+        """The model to evaluate (methods that re-train the head override this)."""
+        return self.load(state.model)
+
+    def load(self, weights: Any) -> SplitModel:
+        """A working model holding `weights`, reused across calls to avoid rebuilding it every round."""
+        if self._work is None:
+            self._work = self.model_spec.build(0)
+        self._work.load_state_dict(weights)
+        return self._work
+
+    def before_step(self, model: SplitModel) -> GradHook | None:
+        """A gradient edit applied at every local step; none by default."""
+        return None

@@ -1,0 +1,67 @@
+"""Accuracy overall, per class, and by shot group (many/medium/few by training-set class size).
+
+Shot groups follow the common long-tail convention (Liu et al., CVPR 2019): many > 100, few < 20 training
+samples, medium in between; the thresholds are settings and every report states the ones it used. A group
+with no class in it has no accuracy: it is reported as None (JSON null), never as 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedlt.config import setting
+from fedlt.data.arrays import LabeledImages
+
+GROUPS = ("many", "medium", "few")
+
+
+@dataclass(frozen=True)
+class ShotThresholds:
+    many: int = setting(100, ge=0, doc="a class with more training samples than this is many-shot")
+    few: int = setting(20, ge=0, doc="a class with fewer training samples than this is few-shot")
+
+    def groups(self, train_counts: np.ndarray) -> dict[str, list[int]]:
+        many = [c for c, n in enumerate(train_counts) if n > self.many]
+        few = [c for c, n in enumerate(train_counts) if n < self.few]
+        medium = [c for c in range(len(train_counts)) if c not in many and c not in few]
+        return {"many": many, "medium": medium, "few": few}
+
+    def rules(self) -> dict[str, str]:
+        return {
+            "many": f"> {self.many} training samples",
+            "medium": f"{self.few}..{self.many} training samples",
+            "few": f"< {self.few} training samples",
+        }
+
+
+@torch.no_grad()
+def predict(model: nn.Module, x: np.ndarray, batch_size: int = 1024) -> np.ndarray:
+    model.eval()
+    images = torch.from_numpy(x)
+    return np.concatenate(
+        [model(images[i : i + batch_size]).argmax(1).numpy() for i in range(0, len(images), batch_size)]
+    )
+
+
+def accuracy_report(
+    y_true: np.ndarray, y_pred: np.ndarray, groups: dict[str, list[int]], num_classes: int
+) -> dict[str, object]:
+    correct = y_true == y_pred
+    per_class = [_mean(correct[y_true == c]) for c in range(num_classes)]
+    report: dict[str, object] = {"accuracy": _mean(correct)}
+    for name in GROUPS:
+        report[name] = _mean(correct[np.isin(y_true, groups[name])]) if groups[name] else None
+    report["per_class"] = per_class
+    return report
+
+
+def evaluate(model: nn.Module, test: LabeledImages, groups: dict[str, list[int]]) -> dict[str, object]:
+    return accuracy_report(test.y, predict(model, test.x), groups, test.num_classes)
+
+
+def _mean(values: np.ndarray) -> float | None:
+    return float(values.mean()) if values.size else None

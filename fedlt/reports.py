@@ -1,0 +1,78 @@
+"""What a person reads or looks at after a run: the accuracy table and two plots."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+from fedlt.metrics import GROUPS
+
+
+def percent(value: float | None) -> str:
+    return "   n/a" if value is None else f"{100 * value:5.1f}%"
+
+
+def accuracy_table(
+    final: dict, classes: Sequence[str], train_counts: Sequence[int], rules: dict[str, str]
+) -> str:
+    lines = [
+        f"{'overall':<10} {percent(final['accuracy'])}",
+        *(f"{g:<10} {percent(final[g])}   ({rules[g]})" for g in GROUPS),
+        "",
+        f"{'class':<10} {'train n':>8} {'accuracy':>9}",
+        *(
+            f"{name:<10} {int(n):>8} {percent(acc):>9}"
+            for name, n, acc in zip(classes, train_counts, final["per_class"], strict=True)
+        ),
+    ]
+    return "\n".join(lines)
+
+
+def plot_curves(rounds: Sequence[dict], path: Path, title: str) -> None:
+    fig = Figure(figsize=(7, 4.2))
+    ax = fig.subplots()
+    x = [r["round"] for r in rounds]
+    for key, style in (("accuracy", "k-"), ("many", "C0--"), ("medium", "C1--"), ("few", "C3--")):
+        y = [_pct(r[key]) for r in rounds]
+        ax.plot(x, y, style, label="overall" if key == "accuracy" else f"{key}-shot", linewidth=1.8)
+    ax.set(xlabel="round", ylabel="test accuracy (%)", ylim=(0, 100), title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    _save(fig, path)
+
+
+def plot_per_class(
+    final: dict, classes: Sequence[str], train_counts: Sequence[int], path: Path, title: str
+) -> None:
+    fig = Figure(figsize=(max(6, 0.6 * len(classes)), 4.2))
+    ax = fig.subplots()
+    bars = ax.bar(range(len(classes)), [_pct(a) for a in final["per_class"]], color="C0")
+    for bar, n in zip(bars, train_counts, strict=True):
+        ax.annotate(
+            f"n={int(n)}",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    ax.set_xticks(range(len(classes)), classes)
+    ax.set(
+        xlabel="class (training samples above each bar)",
+        ylabel="test accuracy (%)",
+        ylim=(0, 108),
+        title=title,
+    )
+    ax.grid(axis="y", alpha=0.3)
+    _save(fig, path)
+
+
+def _pct(value: float | None) -> float:
+    return float("nan") if value is None else 100 * value
+
+
+def _save(fig: Figure, path: Path) -> None:
+    """Figures built without pyplot hold no global state, so nothing needs closing."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

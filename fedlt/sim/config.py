@@ -1,0 +1,92 @@
+"""The simulator's configuration: a TOML file, overridden by command-line flags, validated as a whole."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from fedlt.aggregation import LAYERS
+from fedlt.config import as_table, as_toml, parse_section, read_toml, setting
+from fedlt.data.federation import DataConfig
+from fedlt.errors import ConfigError
+from fedlt.methods import METHODS, TrainConfig
+from fedlt.metrics import ShotThresholds
+from fedlt.models import MODELS
+
+
+@dataclass(frozen=True)
+class MethodChoice:
+    """`[method]`: `name` plus that method's own settings, checked against the method's Options."""
+
+    name: str = "fedavg"
+    options: Any = field(default_factory=METHODS["fedavg"].Options)
+
+    @classmethod
+    def from_table(cls, table: Mapping[str, Any], where: str, problems: list[str]) -> MethodChoice:
+        settings = dict(table)
+        name = settings.pop("name", "fedavg")
+        if name not in METHODS:
+            problems.append(f"{where}.name: unknown method {name!r}; allowed: {', '.join(METHODS)}")
+            return cls()
+        return cls(name, parse_section(METHODS[name].Options, settings, where, problems))
+
+    def to_table(self) -> dict[str, Any]:
+        return {"name": self.name, **as_table(self.options)}
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    name: str = setting("auto", choices=("auto", *MODELS), doc="auto picks by image size")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    seed: int = setting(0, ge=0)
+    rounds: int = setting(20, ge=1, le=100_000)
+    privacy: str = setting("plaintext", choices=tuple(LAYERS))
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelChoice = field(default_factory=ModelChoice)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    method: MethodChoice = field(default_factory=MethodChoice)
+    metrics: ShotThresholds = field(default_factory=ShotThresholds)
+
+    def fingerprint(self) -> str:
+        """Identifies the run a checkpoint belongs to; `rounds` is left out so a run can be extended."""
+        return hashlib.sha256(as_toml(replace(self, rounds=1)).encode()).hexdigest()
+
+
+# flag name -> (section, key) in the TOML tree
+FLAG_KEYS: dict[str, tuple[str, ...]] = {
+    "seed": ("seed",),
+    "rounds": ("rounds",),
+    "privacy": ("privacy",),
+    "dataset": ("data", "dataset"),
+    "imbalance": ("data", "imbalance"),
+    "alpha": ("data", "alpha"),
+    "silos": ("data", "silos"),
+    "model": ("model", "name"),
+    "local_epochs": ("train", "local_epochs"),
+    "method": ("method", "name"),
+}
+
+
+def load_sim_config(path: str | None, flags: Mapping[str, Any]) -> SimConfig:
+    """The file's settings with every flag that was given laid over them; all problems raised together."""
+    tree: dict[str, Any] = read_toml(path) if path else {}
+    for flag, value in flags.items():
+        if value is None:
+            continue
+        *sections, key = FLAG_KEYS[flag]
+        node = tree
+        for section in sections:
+            node = node.setdefault(section, {})
+            if not isinstance(node, dict):
+                raise ConfigError(path or "flags", [f"{section}: expected a table"])
+        node[key] = value
+    problems: list[str] = []
+    config = parse_section(SimConfig, tree, "", problems)
+    if problems:
+        raise ConfigError(path or "command-line flags", problems)
+    return config

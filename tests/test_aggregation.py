@@ -1,0 +1,90 @@
+import logging
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedlt.aggregation import LAYERS, Field, Schema, SumLayer, Sums, make_layer
+from fedlt.aggregation.plaintext import PlaintextSum
+from fedlt.errors import ConfigError, ContributionError
+
+SCHEMA = Schema((Field("delta", (3,), 5.0), Field("n", (), 100.0)))
+
+
+def test_contribution_is_checked_and_clipped():
+    c = SCHEMA.contribution(delta=torch.tensor([1.0, -7.0, 9.0]), n=4)
+    assert c.values["delta"].tolist() == [1.0, -5.0, 5.0]
+    assert c.clipped == 2
+    assert c.values["delta"].dtype == torch.float64
+    assert c.flat().tolist() == [1.0, -5.0, 5.0, 4.0]
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"delta": torch.zeros(3)}, "missing field 'n'"),
+        ({"delta": torch.zeros(3), "n": 1, "extra": 1}, "unknown field 'extra'"),
+        ({"delta": torch.zeros(4), "n": 1}, r"shape \(4,\), schema says \(3,\)"),
+        ({"delta": torch.tensor([0.0, float("nan"), float("inf")]), "n": 1}, "2 non-finite values"),
+    ],
+)
+def test_contribution_refuses_what_the_schema_does_not_allow(values, message):
+    with pytest.raises(ContributionError, match=message):
+        SCHEMA.contribution(**values)
+
+
+def test_schema_refuses_duplicates_and_bad_bounds():
+    with pytest.raises(ValueError, match="duplicate field 'a'"):
+        Schema((Field("a", (1,), 1.0), Field("a", (2,), 1.0)))
+    with pytest.raises(ValueError, match="finite bound > 0"):
+        Schema((Field("a", (1,), float("inf")),))
+
+
+def test_sums_cannot_be_made_outside_a_privacy_layer():
+    with pytest.raises(TypeError, match="only by a privacy layer"):
+        Sums(SCHEMA, torch.zeros(4), 1)
+
+
+@given(st.lists(st.lists(st.floats(-5, 5), min_size=4, max_size=4), min_size=1, max_size=8))
+@settings(max_examples=50, deadline=None)
+def test_plaintext_sum_is_the_sum(rows):
+    contributions = [SCHEMA.contribution(delta=torch.tensor(r[:3]), n=abs(r[3])) for r in rows]
+    sums = PlaintextSum().aggregate(SCHEMA, contributions)
+    total = torch.stack([c.flat() for c in contributions]).sum(0)
+    assert torch.allclose(SCHEMA.flatten(sums), total)
+    assert sums.contributors == len(rows)
+
+
+def test_plaintext_refuses_empty_and_foreign_rounds():
+    layer = PlaintextSum()
+    with pytest.raises(ContributionError, match="no contributions"):
+        layer.aggregate(SCHEMA, [])
+    other = Schema((Field("delta", (3,), 5.0), Field("n", (), 100.0)), phase="stats")
+    with pytest.raises(ContributionError, match=r"contributions \[1\] were built for another schema"):
+        layer.aggregate(
+            SCHEMA,
+            [SCHEMA.contribution(delta=torch.zeros(3), n=1), other.contribution(delta=torch.zeros(3), n=1)],
+        )
+
+
+def test_plaintext_says_loudly_what_it_is(caplog):
+    with caplog.at_level(logging.WARNING, logger="fedlt.aggregation.plaintext"):
+        make_layer("plaintext")
+    assert "in the clear" in caplog.text
+
+
+def test_layer_table():
+    assert isinstance(make_layer("plaintext"), SumLayer)
+    with pytest.raises(ConfigError, match="allowed: plaintext"):
+        make_layer("rot13")
+    assert set(LAYERS) >= {"plaintext"}
+
+
+def test_unflatten_round_trip_and_shape_check():
+    vec = torch.arange(4, dtype=torch.float64)
+    parts = SCHEMA.unflatten(vec)
+    assert parts["delta"].tolist() == [0.0, 1.0, 2.0]
+    assert parts["n"].shape == ()
+    with pytest.raises(ContributionError, match=r"schema needs \(4,\)"):
+        SCHEMA.unflatten(torch.zeros(5))

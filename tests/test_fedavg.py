@@ -1,0 +1,123 @@
+import numpy as np
+import pytest
+import torch
+
+from fedlt.aggregation import Field, Schema
+from fedlt.aggregation.plaintext import PlaintextSum
+from fedlt.data.arrays import LabeledImages
+from fedlt.methods import METHODS, ModelSpec, ServerContext, SiloContext, TrainConfig
+from fedlt.methods.fedavg import FedAvg, FedAvgOptions
+from fedlt.methods.fedprox import FedProx, FedProxOptions
+from fedlt.methods.state import GlobalState, flatten, float_keys
+
+SPEC = ModelSpec("cnn-small", (1, 8, 8), 10)
+TRAIN = TrainConfig(local_epochs=1, batch_size=8, lr=0.1)
+
+
+def _silo(n, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.random((n, 1, 8, 8), dtype=np.float32)
+    return LabeledImages(x, rng.integers(0, 10, n).astype(np.int64), tuple("0123456789"))
+
+
+def _fedavg(**options):
+    return FedAvg(options=FedAvgOptions(**options), train=TRAIN, model=SPEC)
+
+
+def test_server_step_is_the_hand_computed_weighted_average():
+    method = _fedavg()
+    state = method.init_state(seed=0)
+    keys = float_keys(state.model)
+    w0 = flatten(state.model, keys).double()
+    schema = method.schema(state)
+    # two silos with 30 and 10 samples whose local models moved by d1 and d2
+    d1 = torch.full_like(w0, 0.2)
+    d2 = torch.linspace(-1, 1, len(w0), dtype=torch.float64)
+    contributions = [schema.contribution(delta=30 * d1, n=30), schema.contribution(delta=10 * d2, n=10)]
+    new = method.server_step(state, PlaintextSum().aggregate(schema, contributions), ServerContext(1, 0))
+    expected = w0 + (30 * d1 + 10 * d2) / 40
+    assert new.round == 1
+    assert torch.allclose(flatten(new.model, keys).double(), expected, atol=1e-6)
+    assert new.model["encoder.0.weight"].dtype == torch.float32
+
+
+def test_server_lr_scales_the_step():
+    method = _fedavg(server_lr=0.5)
+    state = method.init_state(seed=0)
+    schema = method.schema(state)
+    size = schema.field("delta").size
+    c = schema.contribution(delta=torch.full((size,), 2.0 * 4), n=4)
+    new = method.server_step(state, PlaintextSum().aggregate(schema, [c]), ServerContext(1, 0))
+    keys = float_keys(state.model)
+    assert torch.allclose(flatten(new.model, keys) - flatten(state.model, keys), torch.full((size,), 1.0))
+
+
+def test_local_round_contributes_weighted_delta_and_count():
+    method = _fedavg()
+    state = method.init_state(seed=0)
+    data = _silo(24, 1)
+    c = method.local_round(state, data, SiloContext(1, "silo-0", 0))
+    assert float(c.values["n"]) == 24
+    keys = float_keys(state.model)
+    # the delta is n times the actual model change: redo the training and compare
+    again = method.local_round(state, data, SiloContext(1, "silo-0", 0))
+    assert torch.equal(c.values["delta"], again.values["delta"])
+    assert c.values["delta"].abs().max() > 0
+    model = method.load(state.model)
+    assert torch.equal(flatten(model.state_dict(), keys), flatten(state.model, keys))
+
+
+def test_local_round_depends_on_silo_and_round_randomness():
+    method = _fedavg()
+    state = method.init_state(seed=0)
+    data = _silo(24, 1)
+    a = method.local_round(state, data, SiloContext(1, "silo-0", 0)).values["delta"]
+    b = method.local_round(state, data, SiloContext(2, "silo-0", 0)).values["delta"]
+    assert not torch.equal(a, b)
+
+
+def test_server_step_takes_only_sums():
+    method = _fedavg()
+    state = method.init_state(seed=0)
+    c = method.local_round(state, _silo(10, 0), SiloContext(1, "silo-0", 0))
+    with pytest.raises(TypeError, match="takes Sums from a privacy layer"):
+        method.server_step(state, c.values, ServerContext(1, 0))
+
+
+def test_server_step_refuses_sums_of_another_schema():
+    method = _fedavg()
+    state = method.init_state(seed=0)
+    other = Schema((Field("n", (), 10.0),))
+    sums = PlaintextSum().aggregate(other, [other.contribution(n=1)])
+    with pytest.raises(Exception, match="another schema"):
+        method.server_step(state, sums, ServerContext(1, 0))
+
+
+def test_fedprox_with_zero_mu_is_fedavg_and_mu_pulls_towards_global():
+    state = _fedavg().init_state(seed=0)
+    data = _silo(40, 2)
+    ctx = SiloContext(1, "silo-0", 0)
+    plain = _fedavg().local_round(state, data, ctx).values["delta"]
+    prox0 = FedProx(options=FedProxOptions(mu=0.0), train=TRAIN, model=SPEC).local_round(state, data, ctx)
+    strong = FedProx(options=FedProxOptions(mu=5.0), train=TRAIN, model=SPEC).local_round(state, data, ctx)
+    assert torch.equal(plain, prox0.values["delta"])
+    assert strong.values["delta"].norm() < 0.8 * plain.norm()
+
+
+def test_oversized_silo_is_refused():
+    method = _fedavg(max_silo_samples=5)
+    state = method.init_state(seed=0)
+    with pytest.raises(Exception, match=r"must be in 1\.\.5"):
+        method.local_round(state, _silo(6, 0), SiloContext(1, "silo-0", 0))
+
+
+def test_digest_changes_with_any_weight():
+    state = _fedavg().init_state(seed=0)
+    model = {k: v.clone() for k, v in state.model.items()}
+    model["classifier.bias"][0] += 1e-7
+    assert GlobalState(0, model).digest() != state.digest()
+    assert GlobalState(0, dict(state.model)).digest() == state.digest()
+
+
+def test_registry_names():
+    assert set(METHODS) == {"fedavg", "fedprox"}
