@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m fedlt.sim --config configs/demo.toml --out runs/demo
+	$(PY) -m fedlt.sim --config configs/demo.toml --out runs/demo --fresh
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

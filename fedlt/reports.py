@@ -44,27 +44,39 @@ def plot_curves(rounds: Sequence[dict], path: Path, title: str) -> None:
 
 
 def plot_per_class(
-    final: dict, classes: Sequence[str], train_counts: Sequence[int], path: Path, title: str
+    final: dict,
+    classes: Sequence[str],
+    train_counts: Sequence[int],
+    groups: dict[str, list[int]],
+    path: Path,
+    title: str,
 ) -> None:
     fig = Figure(figsize=(max(6, 0.6 * len(classes)), 4.2))
     ax = fig.subplots()
-    bars = ax.bar(range(len(classes)), [_pct(a) for a in final["per_class"]], color="C0")
-    for bar, n in zip(bars, train_counts, strict=True):
-        ax.annotate(
-            f"n={int(n)}",
-            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-            ha="center",
-            va="bottom",
-            fontsize=8,
+    for group, color in zip(GROUPS, ("C0", "C1", "C3"), strict=True):
+        members = groups[group]
+        if not members:
+            continue
+        bars = ax.bar(
+            members, [_pct(final["per_class"][c]) for c in members], color=color, label=f"{group}-shot"
         )
+        for bar, c in zip(bars, members, strict=True):
+            ax.annotate(
+                f"n={int(train_counts[c])}",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
     ax.set_xticks(range(len(classes)), classes)
     ax.set(
         xlabel="class (training samples above each bar)",
         ylabel="test accuracy (%)",
-        ylim=(0, 108),
+        ylim=(0, 112),
         title=title,
     )
     ax.grid(axis="y", alpha=0.3)
+    ax.legend(loc="upper right", ncols=3, fontsize=8)
     _save(fig, path)
 
 

@@ -87,7 +87,9 @@ def run_simulation(
     data = config.data
     title = f"{config.method.name} on {data.dataset}, IF {data.imbalance:g}, α {data.alpha:g}"
     plot_curves(rounds, out / "accuracy.png", title)
-    plot_per_class(rounds[-1], federation.classes, federation.train_counts, out / "per_class.png", title)
+    plot_per_class(
+        rounds[-1], federation.classes, federation.train_counts, groups, out / "per_class.png", title
+    )
     table = accuracy_table(rounds[-1], federation.classes, federation.train_counts, config.metrics.rules())
     return RunResult(metrics, table, state)
 
