@@ -70,13 +70,6 @@ def parse_section(cls: type[T], table: Mapping[str, Any], where: str, problems: 
     return cls(**values)
 
 
-def check_known(table: Mapping[str, Any], allowed: Sequence[str], where: str, problems: list[str]) -> None:
-    """Report keys of a free-form table that are not among `allowed`."""
-    for key in table:
-        if key not in allowed:
-            problems.append(f"{_at(where, key)}: unknown setting{_did_you_mean(key, allowed)}")
-
-
 def as_table(obj: Any) -> dict[str, Any]:
     """A dataclass tree as plain dicts; a section with `to_table` decides its own form."""
     if hasattr(obj, "to_table"):

@@ -46,6 +46,12 @@ def test_folder_of_another_run_is_refused(tmp_path):
         run_simulation(_config(rounds=1, seed=5), tmp_path, echo=_quiet)
 
 
+def test_folder_with_more_rounds_than_asked_is_refused(tmp_path):
+    run_simulation(_config(rounds=2), tmp_path, echo=_quiet)
+    with pytest.raises(RunFolderError, match="already holds 2 rounds, more than the 1 asked for"):
+        run_simulation(_config(rounds=1), tmp_path, echo=_quiet)
+
+
 def test_run_folder_contents(tmp_path):
     result = run_simulation(_config(), tmp_path, echo=_quiet)
     metrics = json.loads((tmp_path / "metrics.json").read_text())

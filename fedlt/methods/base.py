@@ -51,18 +51,12 @@ class ServerContext:
     round: int
     seed: int
 
-    def generator(self, purpose: str) -> torch.Generator:
-        return torch_generator(self.seed, "server", self.round, purpose)
-
-
-@dataclass(frozen=True)
-class NoOptions:
-    """For methods without settings of their own."""
-
 
 class Method(ABC):
+    """`Options` is the dataclass of the method's own settings, the `[method]` table of a config."""
+
     name: ClassVar[str]
-    Options: ClassVar[type] = NoOptions
+    Options: ClassVar[type]
 
     def __init__(self, *, options: Any, train: TrainConfig, model: ModelSpec) -> None:
         if not isinstance(options, self.Options):

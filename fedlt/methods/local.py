@@ -26,12 +26,6 @@ class TrainConfig:
     weight_decay: float = setting(0.0, ge=0.0)
 
 
-@dataclass(frozen=True)
-class TrainStats:
-    steps: int
-    mean_loss: float
-
-
 GradHook = Callable[[], None]
 
 
@@ -43,15 +37,13 @@ def train_local(
     generator: torch.Generator,
     *,
     before_step: GradHook | None = None,
-) -> TrainStats:
+) -> None:
     """Cross-entropy SGD over (x, y); `before_step` may edit gradients (FedProx's proximal term)."""
     optimizer = torch.optim.SGD(
         model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
     )
     model.train()
     n = len(y)
-    total_loss = torch.zeros((), dtype=torch.float64)
-    steps = 0
     for _ in range(config.local_epochs):
         order = torch.randperm(n, generator=generator)
         for start in range(0, n, config.batch_size):
@@ -62,6 +54,3 @@ def train_local(
             if before_step is not None:
                 before_step()
             optimizer.step()
-            total_loss += loss.detach()
-            steps += 1
-    return TrainStats(steps, float(total_loss) / max(steps, 1))

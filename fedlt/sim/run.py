@@ -31,7 +31,7 @@ METRICS = "metrics.json"
 
 
 class RunFolderError(FedltError):
-    """The run folder holds another run's checkpoint."""
+    """The run folder holds a checkpoint this run cannot continue."""
 
 
 @dataclass(frozen=True)
@@ -97,10 +97,12 @@ def run_simulation(
 def _make_method(config: SimConfig, federation: Federation) -> Method:
     shape = federation.test.image_shape
     name = config.model.name if config.model.name != "auto" else DEFAULT_FOR_SIDE.get(shape[1], "resnet8")
-    spec = ModelSpec(name, shape, len(federation.classes))
-    spec.build(0)  # fail on an unsuitable model before any training
     cls = method_class(config.method.name)
-    return cls(options=config.method.options, train=config.train, model=spec)
+    return cls(
+        options=config.method.options,
+        train=config.train,
+        model=ModelSpec(name, shape, len(federation.classes)),
+    )
 
 
 def _metrics_header(config: SimConfig, federation: Federation, groups: dict[str, list[int]]) -> dict:
@@ -142,5 +144,10 @@ def _resume(out: Path, config: SimConfig) -> tuple[GlobalState, list[dict]] | No
         raise RunFolderError(
             f"{out} holds a run with different settings (see {out / 'config.toml'}); "
             "choose another --out or pass --fresh to discard it"
+        )
+    if saved["round"] > config.rounds:
+        raise RunFolderError(
+            f"{out} already holds {saved['round']} rounds, more than the {config.rounds} asked for; "
+            "ask for at least as many rounds, choose another --out, or pass --fresh"
         )
     return GlobalState(saved["round"], saved["model"], saved["extra"]), saved["rounds"]
