@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all lint clean
+.PHONY: demo test test-all lint protos clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -13,11 +13,22 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m fedlt.sim --config configs/demo.toml --out runs/demo --fresh
+	$(PY) -m aggregator demo --dir runs/consortium-demo
 
-lint: $(STAMP)
+TOOLS := .tools/node_modules/.bin
+$(TOOLS)/buf: .tools/package.json .tools/package-lock.json
+	cd .tools && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+lint: $(STAMP) $(TOOLS)/buf
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(TOOLS)/buf lint
+	$(TOOLS)/buf format --diff --exit-code
+
+# Regenerate the committed stubs after editing protos/ (tests/test_protos.py checks they are current).
+protos: $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. protos/fedlt/v1/*.proto
 
 test: lint
 	$(PY) -m pytest -m "not slow" -q
@@ -26,4 +37,4 @@ test-all: lint
 	$(PY) -m pytest -q
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) runs .pytest_cache .hypothesis .tools/node_modules

@@ -82,7 +82,11 @@ def as_table(obj: Any) -> dict[str, Any]:
 
 def as_toml(obj: Any) -> str:
     """A dataclass tree written back as TOML, so a run folder records exactly what ran."""
-    scalars, tables = _split(as_table(obj))
+    return render_toml(as_table(obj))
+
+
+def render_toml(tree: Mapping[str, Any]) -> str:
+    scalars, tables = _split(tree)
     lines = [f"{k} = {_toml_value(v)}" for k, v in scalars.items()]
     lines += _tables(tables, prefix="")
     return "\n".join(lines) + "\n"
@@ -98,6 +102,8 @@ def _check_value(hint: Any, value: Any, where: str, limits: Mapping[str, Any], p
             problems.append(f"{where}: expected a table, got {_kind(value)}")
             return _INVALID
         return expected.from_table(value, where, problems)
+    if typing.get_origin(expected) is tuple:
+        return _check_tuple(expected, value, where, problems)
     if dataclasses.is_dataclass(expected):
         if not isinstance(value, Mapping):
             problems.append(f"{where}: expected a table, got {_kind(value)}")
@@ -115,6 +121,17 @@ def _check_value(hint: Any, value: Any, where: str, limits: Mapping[str, Any], p
         problems.append(f"{where}: {message}")
         return _INVALID
     return value
+
+
+def _check_tuple(expected: Any, value: Any, where: str, problems: list[str]):
+    """`tuple[T, ...]` settings are TOML arrays whose items are all T (a bool is not an int here either)."""
+    item = typing.get_args(expected)[0]
+    if not isinstance(value, list) or not all(
+        isinstance(v, item) and not (item is int and isinstance(v, bool)) for v in value
+    ):
+        problems.append(f"{where}: expected a list of {item.__name__}, got {value!r}")
+        return _INVALID
+    return tuple(value)
 
 
 def _limit_problem(value: Any, limits: Mapping[str, Any]) -> str | None:

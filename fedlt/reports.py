@@ -15,16 +15,17 @@ def percent(value: float | None) -> str:
 
 
 def accuracy_table(
-    final: dict, classes: Sequence[str], train_counts: Sequence[int], rules: dict[str, str]
+    final: dict, classes: Sequence[str], train_counts: Sequence[int] | None, rules: dict[str, str]
 ) -> str:
+    counts = ["?"] * len(classes) if train_counts is None else [str(int(n)) for n in train_counts]
     lines = [
         f"{'overall':<10} {percent(final['accuracy'])}",
         *(f"{g:<10} {percent(final[g])}   ({rules[g]})" for g in GROUPS),
         "",
         f"{'class':<10} {'train n':>8} {'accuracy':>9}",
         *(
-            f"{name:<10} {int(n):>8} {percent(acc):>9}"
-            for name, n, acc in zip(classes, train_counts, final["per_class"], strict=True)
+            f"{name:<10} {n:>8} {percent(acc):>9}"
+            for name, n, acc in zip(classes, counts, final["per_class"], strict=True)
         ),
     ]
     return "\n".join(lines)
@@ -46,20 +47,23 @@ def plot_curves(rounds: Sequence[dict], path: Path, title: str) -> None:
 def plot_per_class(
     final: dict,
     classes: Sequence[str],
-    train_counts: Sequence[int],
+    train_counts: Sequence[int] | None,
     groups: dict[str, list[int]],
     path: Path,
     title: str,
 ) -> None:
     fig = Figure(figsize=(max(6, 0.6 * len(classes)), 4.2))
     ax = fig.subplots()
-    for group, color in zip(GROUPS, ("C0", "C1", "C3"), strict=True):
-        members = groups[group]
-        if not members:
-            continue
+    grouped = [(g, c, groups[g]) for g, c in zip(GROUPS, ("C0", "C1", "C3"), strict=True) if groups[g]]
+    for group, color, members in grouped or [("all", "C0", list(range(len(classes))))]:
         bars = ax.bar(
-            members, [_pct(final["per_class"][c]) for c in members], color=color, label=f"{group}-shot"
+            members,
+            [_pct(final["per_class"][c]) for c in members],
+            color=color,
+            label=f"{group}-shot" if grouped else None,
         )
+        if train_counts is None:
+            continue
         for bar, c in zip(bars, members, strict=True):
             ax.annotate(
                 f"n={int(train_counts[c])}",
@@ -69,14 +73,11 @@ def plot_per_class(
                 fontsize=8,
             )
     ax.set_xticks(range(len(classes)), classes)
-    ax.set(
-        xlabel="class (training samples above each bar)",
-        ylabel="test accuracy (%)",
-        ylim=(0, 112),
-        title=title,
-    )
+    xlabel = "class" if train_counts is None else "class (training samples above each bar)"
+    ax.set(xlabel=xlabel, ylabel="test accuracy (%)", ylim=(0, 112), title=title)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(loc="upper right", ncols=3, fontsize=8)
+    if grouped:
+        ax.legend(loc="upper right", ncols=3, fontsize=8)
     _save(fig, path)
 
 

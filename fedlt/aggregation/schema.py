@@ -23,7 +23,7 @@ class Field:
     name: str
     shape: tuple[int, ...]
     bound: float
-    doc: str = ""
+    doc: str = field(default="", compare=False)
 
     @property
     def size(self) -> int:

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 from fedlt.errors import ConfigError
 from fedlt.methods.base import Method, ModelSpec, ServerContext, SiloContext
-from fedlt.methods.fedavg import FedAvg
-from fedlt.methods.fedprox import FedProx
+from fedlt.methods.choice import METHODS, MethodChoice
 from fedlt.methods.local import TrainConfig
 from fedlt.methods.state import GlobalState
-
-METHODS: dict[str, type[Method]] = {m.name: m for m in (FedAvg, FedProx)}
 
 
 def method_class(name: str) -> type[Method]:
@@ -22,6 +19,7 @@ __all__ = [
     "METHODS",
     "GlobalState",
     "Method",
+    "MethodChoice",
     "ModelSpec",
     "ServerContext",
     "SiloContext",

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fedlt import tensorpack
+
 
 @dataclass(frozen=True)
 class GlobalState:
@@ -49,3 +51,21 @@ def unflatten(
         out[k] = vector[offset : offset + n].reshape(out[k].shape).to(out[k].dtype)
         offset += n
     return out
+
+
+def pack_state(state: GlobalState) -> bytes:
+    """The state as pickle-free bytes (fedlt.tensorpack), for the wire and for storage."""
+    tensors = {f"model/{k}": v for k, v in state.model.items()}
+    tensors.update({f"extra/{k}": v for k, v in state.extra.items()})
+    return tensorpack.pack(tensors)
+
+
+def unpack_state(data: bytes, round_number: int) -> GlobalState:
+    model: dict[str, torch.Tensor] = {}
+    extra: dict[str, torch.Tensor] = {}
+    for name, tensor in tensorpack.unpack(data).items():
+        group, _, key = name.partition("/")
+        if group not in ("model", "extra") or not key:
+            raise tensorpack.PackError(f"unexpected tensor {name!r} in a packed state")
+        (model if group == "model" else extra)[key] = tensor
+    return GlobalState(round_number, model, extra)

@@ -8,32 +8,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fedlt.aggregation import LAYERS
-from fedlt.config import as_table, as_toml, parse_section, read_toml, setting
+from fedlt.config import as_toml, parse_section, read_toml, setting
 from fedlt.data.federation import DataConfig
 from fedlt.errors import ConfigError
-from fedlt.methods import METHODS, TrainConfig
+from fedlt.methods import TrainConfig
+from fedlt.methods.choice import MethodChoice
 from fedlt.metrics import ShotThresholds
 from fedlt.models import MODELS
-
-
-@dataclass(frozen=True)
-class MethodChoice:
-    """`[method]`: `name` plus that method's own settings, checked against the method's Options."""
-
-    name: str = "fedavg"
-    options: Any = field(default_factory=METHODS["fedavg"].Options)
-
-    @classmethod
-    def from_table(cls, table: Mapping[str, Any], where: str, problems: list[str]) -> MethodChoice:
-        settings = dict(table)
-        name = settings.pop("name", "fedavg")
-        if name not in METHODS:
-            problems.append(f"{where}.name: unknown method {name!r}; allowed: {', '.join(METHODS)}")
-            return cls()
-        return cls(name, parse_section(METHODS[name].Options, settings, where, problems))
-
-    def to_table(self) -> dict[str, Any]:
-        return {"name": self.name, **as_table(self.options)}
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ killed run loses at most the round in flight and the same command resumes it. Al
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,13 +20,11 @@ from fedlt.config import as_table, as_toml
 from fedlt.data.federation import Federation, build_federation
 from fedlt.errors import FedltError
 from fedlt.methods import GlobalState, Method, ModelSpec, ServerContext, SiloContext, method_class
-from fedlt.metrics import evaluate
 from fedlt.models import DEFAULT_FOR_SIDE
-from fedlt.reports import accuracy_table, percent, plot_curves, plot_per_class
+from fedlt.recorder import RunRecorder, round_line
 from fedlt.sim.config import SimConfig
 
 CHECKPOINT = "checkpoint.pt"
-METRICS = "metrics.json"
 
 
 class RunFolderError(FedltError):
@@ -49,14 +46,22 @@ def run_simulation(
     on_round: Callable[[int, dict], None] | None = None,
 ) -> RunResult:
     federation = build_federation(config.data, seed=config.seed)
-    method = _make_method(config, federation)
+    method = make_method(config, federation.test.image_shape, len(federation.classes))
     layer = make_layer(config.privacy)
-    groups = config.metrics.groups(federation.train_counts)
     out.mkdir(parents=True, exist_ok=True)
     state, rounds = _resume(out, config) or (method.init_state(seed=config.seed), [])
     if rounds:
         echo(f"resuming {out} after round {state.round}")
-    metrics = _metrics_header(config, federation, groups)
+    recorder = RunRecorder(
+        out,
+        title=run_title(config),
+        test=federation.test,
+        train_counts=federation.train_counts,
+        thresholds=config.metrics,
+        header={"config": as_table(config), "dataset": _dataset_facts(config, federation)},
+        rounds=rounds,
+    )
+    atomic_write_text(out / "config.toml", as_toml(config))
     for r in range(state.round + 1, config.rounds + 1):
         started = time.perf_counter()
         contributions = [
@@ -65,64 +70,47 @@ def run_simulation(
         ]
         sums = layer.aggregate(method.schema(state), contributions)
         state = method.server_step(state, sums, ServerContext(r, config.seed))
-        report = evaluate(method.eval_model(state), federation.test, groups)
-        entry = {
-            "round": r,
-            **report,
-            "clipped_values": sum(c.clipped for c in contributions),
-            "seconds": round(time.perf_counter() - started, 3),
-            "state_digest": state.digest(),
-        }
-        rounds.append(entry)
-        _save(out, config, state, rounds, metrics)
-        echo(
-            f"round {r:>4}/{config.rounds}  acc {percent(entry['accuracy'])}  many {percent(entry['many'])}"
-            f"  medium {percent(entry['medium'])}  few {percent(entry['few'])}  ({entry['seconds']:.1f} s)"
+        entry = recorder.record(
+            r,
+            method.eval_model(state),
+            clipped_values=sum(c.clipped for c in contributions),
+            seconds=round(time.perf_counter() - started, 3),
+            state_digest=state.digest(),
         )
+        _save_checkpoint(out, config, state, recorder.rounds)
+        echo(round_line(entry, config.rounds))
         if on_round is not None:
             on_round(r, entry)
-    metrics["rounds"] = rounds
-    metrics["final"] = rounds[-1]
-    atomic_write_text(out / METRICS, json.dumps(metrics, indent=1))
-    data = config.data
-    title = f"{config.method.name} on {data.dataset}, IF {data.imbalance:g}, α {data.alpha:g}"
-    plot_curves(rounds, out / "accuracy.png", title)
-    plot_per_class(
-        rounds[-1], federation.classes, federation.train_counts, groups, out / "per_class.png", title
-    )
-    table = accuracy_table(rounds[-1], federation.classes, federation.train_counts, config.metrics.rules())
-    return RunResult(metrics, table, state)
+    table = recorder.finish()
+    return RunResult({**recorder.header, "rounds": recorder.rounds}, table, state)
 
 
-def _make_method(config: SimConfig, federation: Federation) -> Method:
-    shape = federation.test.image_shape
-    name = config.model.name if config.model.name != "auto" else DEFAULT_FOR_SIDE.get(shape[1], "resnet8")
+def make_method(config: SimConfig, image_shape: tuple[int, int, int], num_classes: int) -> Method:
+    """The configured method for data of this shape; `model = "auto"` picks by image size."""
+    auto = DEFAULT_FOR_SIDE.get(image_shape[1], "resnet8")
+    name = config.model.name if config.model.name != "auto" else auto
     cls = method_class(config.method.name)
-    return cls(
-        options=config.method.options,
-        train=config.train,
-        model=ModelSpec(name, shape, len(federation.classes)),
-    )
+    spec = ModelSpec(name, image_shape, num_classes)
+    return cls(options=config.method.options, train=config.train, model=spec)
 
 
-def _metrics_header(config: SimConfig, federation: Federation, groups: dict[str, list[int]]) -> dict:
+def run_title(config: SimConfig) -> str:
+    data = config.data
+    return f"{config.method.name} on {data.dataset}, IF {data.imbalance:g}, α {data.alpha:g}"
+
+
+def _dataset_facts(config: SimConfig, federation: Federation) -> dict:
     return {
-        "config": as_table(config),
-        "dataset": {
-            "name": config.data.dataset,
-            "classes": list(federation.classes),
-            "train_counts": federation.train_counts.tolist(),
-            "test_counts": federation.test.class_counts().tolist(),
-            "silo_sizes": [len(s) for s in federation.silos],
-            "label_skew_tv": round(federation.label_skew, 4),
-        },
-        "shot_groups": {
-            g: {"rule": rule, "classes": groups[g]} for g, rule in config.metrics.rules().items()
-        },
+        "name": config.data.dataset,
+        "classes": list(federation.classes),
+        "train_counts": federation.train_counts.tolist(),
+        "test_counts": federation.test.class_counts().tolist(),
+        "silo_sizes": [len(s) for s in federation.silos],
+        "label_skew_tv": round(federation.label_skew, 4),
     }
 
 
-def _save(out: Path, config: SimConfig, state: GlobalState, rounds: list[dict], header: dict) -> None:
+def _save_checkpoint(out: Path, config: SimConfig, state: GlobalState, rounds: list[dict]) -> None:
     checkpoint = {
         "fingerprint": config.fingerprint(),
         "round": state.round,
@@ -131,8 +119,6 @@ def _save(out: Path, config: SimConfig, state: GlobalState, rounds: list[dict], 
         "rounds": rounds,
     }
     atomic_write(out / CHECKPOINT, lambda fh: torch.save(checkpoint, fh))
-    atomic_write_text(out / METRICS, json.dumps({**header, "rounds": rounds}, indent=1))
-    atomic_write_text(out / "config.toml", as_toml(config))
 
 
 def _resume(out: Path, config: SimConfig) -> tuple[GlobalState, list[dict]] | None:

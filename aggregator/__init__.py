@@ -1,0 +1,1 @@
+"""The consortium aggregator: gRPC service, round state machine, persistence, operator CLI."""

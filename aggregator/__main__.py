@@ -1,0 +1,52 @@
+"""`python -m aggregator`: the consortium operator's commands (CA, serve, status, demo)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from aggregator.ca_cli import add_ca_parser, run_ca
+from fedlt.errors import FedltError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m aggregator", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_ca_parser(commands)
+    serve = commands.add_parser("serve", help="run the aggregator service")
+    serve.add_argument("--config", required=True, help="consortium.toml")
+    status = commands.add_parser("status", help="show rounds and silos of a running aggregator")
+    status.add_argument("--config", required=True, help="consortium.toml (for the address and CA)")
+    status.add_argument("--cert", required=True, help="operator certificate (from `ca issue-operator`)")
+    status.add_argument("--key", required=True, help="operator key")
+    demo = commands.add_parser("demo", help="a whole consortium on this machine: CA, aggregator, silos")
+    demo.add_argument("--dir", type=Path, default=Path("runs/consortium-demo"))
+    demo.add_argument("--silos", type=int, default=4)
+    demo.add_argument("--rounds", type=int, default=30)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        if args.command == "ca":
+            return run_ca(args)
+        if args.command == "serve":
+            from aggregator.config import load_consortium_config
+            from aggregator.server import serve as run_server
+
+            return run_server(load_consortium_config(args.config))
+        if args.command == "status":
+            from aggregator.status import show_status
+
+            return show_status(args.config, cert=args.cert, key=args.key)
+        from aggregator.demo import run_demo
+
+        return run_demo(args.dir, silos=args.silos, rounds=args.rounds)
+    except FedltError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""`python -m aggregator ca ...`: the operator's consortium CA commands (create, issue, revoke, list).
+
+Kept apart from `__main__` so the commands can be mounted on any argparse parser (the tests build their own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+from fedlt.errors import FedltError
+from privacy.pki.ca import (
+    CaPaths,
+    IssuedPaths,
+    init_ca,
+    issue_operator,
+    issue_server,
+    issue_silo,
+    list_issued,
+    revoke,
+)
+from privacy.pki.identity import ID_RULE, format_utc
+
+
+def add_ca_parser(subparsers: argparse._SubParsersAction) -> None:
+    what = "the consortium CA: create it, issue and revoke certificates"
+    ca = subparsers.add_parser("ca", help=what, description=what)
+    commands = ca.add_subparsers(dest="ca_command", required=True, metavar="COMMAND")
+
+    init = _command(commands, "init", _init, "create the consortium CA in a new directory")
+    init.add_argument("--name", required=True, help="the consortium's name, the CA certificate's subject")
+    init.add_argument("--days", type=int, default=3650, help="validity of the CA (default: %(default)s)")
+
+    server = _command(commands, "issue-server", _issue_server, "the aggregator's TLS certificate")
+    server.add_argument(
+        "--host", action="append", required=True, help="a DNS name or IP address silos dial; repeat for each"
+    )
+    _issue_options(server)
+
+    silo = _command(commands, "issue-silo", _issue_silo, "a silo's client certificate")
+    silo.add_argument("--silo-id", required=True, help=f"the silo's identity: {ID_RULE}")
+    _issue_options(silo)
+
+    operator = _command(commands, "issue-operator", _issue_operator, "a certificate for `aggregator status`")
+    operator.add_argument("--name", default="operator", help="the operator's name (default: %(default)s)")
+    _issue_options(operator)
+
+    revocation = _command(commands, "revoke", _revoke, "revoke a certificate; the aggregator reloads the CRL")
+    target = revocation.add_mutually_exclusive_group(required=True)
+    target.add_argument("--silo-id", help="revoke this silo's live certificate")
+    target.add_argument("--serial", type=_serial, help="revoke the certificate with this hexadecimal serial")
+
+    _command(commands, "list", _list, "every certificate the CA issued")
+
+
+def run_ca(args: argparse.Namespace) -> int:
+    """Refusals and file-system errors (a directory that cannot be written) are one line on stderr, exit 2."""
+    try:
+        return args.ca_run(args)
+    except (FedltError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _command(
+    commands: argparse._SubParsersAction, name: str, run: Callable[[argparse.Namespace], int], help_text: str
+) -> argparse.ArgumentParser:
+    parser = commands.add_parser(name, help=help_text, description=help_text)
+    parser.add_argument("--dir", type=Path, required=True, help="the CA directory")
+    parser.set_defaults(ca_run=run)
+    return parser
+
+
+def _issue_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, required=True, help="where to write the certificate and key")
+    parser.add_argument("--days", type=int, default=825, help="validity (default: %(default)s)")
+    parser.add_argument(
+        "--replace",
+        action="store_true",
+        help="revoke a live certificate for the same identity, overwrite files",
+    )
+
+
+def _serial(text: str) -> int:
+    try:
+        return int(text.replace(":", ""), 16)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a hexadecimal serial: {text!r}") from None
+
+
+def _init(args: argparse.Namespace) -> int:
+    paths = init_ca(args.dir, name=args.name, days=args.days)
+    print(f"created the consortium CA {args.name!r}")
+    _wrote(paths.certificate, "the CA certificate: every member needs it")
+    _wrote(paths.key, "the CA key (mode 0600): keep it here, offline if you can; never send it")
+    _wrote(paths.crl, "the revocation list the aggregator reads")
+    _wrote(paths.index, "the record of issued certificates")
+    print(f"next: ca issue-server --dir {args.dir} --out OUT --host HOST, then ca issue-silo for each silo")
+    return 0
+
+
+def _issue_server(args: argparse.Namespace) -> int:
+    issued = issue_server(args.dir, args.out, hosts=args.host, days=args.days, replace=args.replace)
+    return _issued(
+        issued, "the aggregator's server certificate", "name these files in [server] of consortium.toml"
+    )
+
+
+def _issue_silo(args: argparse.Namespace) -> int:
+    issued = issue_silo(args.dir, args.out, silo_id=args.silo_id, days=args.days, replace=args.replace)
+    handover = f"{CaPaths.of(args.dir).certificate}, {issued.certificate} and {issued.key}"
+    return _issued(
+        issued, f"silo {args.silo_id!r}'s", f"send {handover} to the silo over a channel you trust"
+    )
+
+
+def _issue_operator(args: argparse.Namespace) -> int:
+    issued = issue_operator(args.dir, args.out, name=args.name, days=args.days, replace=args.replace)
+    status = (
+        f"python -m aggregator status --config consortium.toml --cert {issued.certificate} --key {issued.key}"
+    )
+    return _issued(issued, f"a certificate for operator {args.name!r}", status)
+
+
+def _issued(issued: IssuedPaths, what: str, next_step: str) -> int:
+    print(f"issued {what}, serial {issued.serial:x}, valid until {format_utc(issued.not_after)}")
+    if issued.replaced is not None:
+        print(f"revoked the certificate it replaces, serial {issued.replaced:x}")
+    _wrote(issued.certificate, "the certificate")
+    _wrote(issued.key, "its private key (mode 0600)")
+    print(f"next: {next_step}")
+    return 0
+
+
+def _revoke(args: argparse.Namespace) -> int:
+    serial = revoke(args.dir, silo_id=args.silo_id, serial=args.serial)
+    print(f"revoked serial {serial:x}")
+    _wrote(
+        CaPaths.of(args.dir).crl, "the new revocation list; a running aggregator uses it from its next call"
+    )
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    records = list_issued(args.dir)
+    if not records:
+        print("no certificates issued yet")
+        return 0
+    now = datetime.now(UTC)
+    rows = [("serial", "kind", "id", "expires", "revoked")]
+    for r in records:
+        expires = format_utc(r.not_after) + (" (expired)" if r.not_after <= now else "")
+        revoked = "-" if r.revoked_at is None else format_utc(r.revoked_at)
+        rows.append((f"{r.serial:x}", r.kind, r.subject_id, expires, revoked))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def _wrote(path: Path, what: str) -> None:
+    print(f"  wrote {path}: {what}")

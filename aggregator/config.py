@@ -1,0 +1,98 @@
+"""`consortium.toml`: who the consortium is, where the aggregator listens, and what every round runs."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from fedlt.aggregation import LAYERS
+from fedlt.config import as_toml, parse_section, read_toml, setting
+from fedlt.data.embedded import EMBEDDED
+from fedlt.errors import ConfigError
+from fedlt.metrics import ShotThresholds
+from fedlt.plan import RoundPlan
+
+
+@dataclass(frozen=True)
+class ConsortiumSection:
+    id: str = setting("fedlt-consortium", doc="name silos check in every RoundSpec")
+    rounds: int = setting(20, ge=1)
+    seed: int = setting(0, ge=0)
+    privacy: str = setting("plaintext", choices=tuple(LAYERS))
+    min_silos: int = setting(2, ge=1, doc="a round needs this many contributions, else it is retried")
+    exit_when_done: bool = setting(True, doc="stop serving once the last round is committed")
+
+
+@dataclass(frozen=True)
+class ServerSection:
+    listen: str = setting("127.0.0.1:50051", doc="host:port; port 0 lets the OS choose")
+    certificate: str = "pki/aggregator.pem"
+    key: str = "pki/aggregator.key"
+    ca: str = "pki/ca.pem"
+    crl: str = "pki/crl.pem"
+    data_dir: str = setting("aggregator-data", doc="SQLite database and the run's metrics and plots")
+
+
+@dataclass(frozen=True)
+class TimeoutSection:
+    gather: float = setting(10.0, ge=0.0, doc="after min_silos are connected, wait this long for the rest")
+    round: float = setting(600.0, gt=0.0, doc="contributions must arrive within this many seconds")
+
+
+@dataclass(frozen=True)
+class EvaluationSection:
+    """An evaluation set the operator holds (never silo data); without it, rounds are not evaluated."""
+
+    dataset: str = setting("", choices=("", *EMBEDDED), doc="embedded test split to evaluate on")
+    test_per_class: int = setting(100, ge=1)
+    class_counts: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ConsortiumConfig:
+    consortium: ConsortiumSection = field(default_factory=ConsortiumSection)
+    server: ServerSection = field(default_factory=ServerSection)
+    timeouts: TimeoutSection = field(default_factory=TimeoutSection)
+    plan: RoundPlan = field(default_factory=RoundPlan)
+    evaluation: EvaluationSection = field(default_factory=EvaluationSection)
+    metrics: ShotThresholds = field(default_factory=ShotThresholds)
+    base_dir: Path = Path()
+
+    def path(self, value: str) -> Path:
+        """Relative paths in the file are relative to the file, so a consortium folder can move."""
+        p = Path(value)
+        return p if p.is_absolute() else self.base_dir / p
+
+    def fingerprint(self) -> str:
+        """The settings a data directory is bound to; `rounds` may grow, listening details may change."""
+        same_run = replace(self.consortium, rounds=1, exit_when_done=True)
+        text = as_toml(same_run) + self.plan.to_toml() + as_toml(self.evaluation)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+def load_consortium_config(path: str | Path) -> ConsortiumConfig:
+    path = Path(path)
+    tree = read_toml(path)
+    plan_tree = {k: tree.pop(k) for k in ("model", "train", "method") if k in tree}
+    problems: list[str] = []
+    sections = {
+        name: parse_section(cls, tree.pop(name, {}), name, problems)
+        for name, cls in (
+            ("consortium", ConsortiumSection),
+            ("server", ServerSection),
+            ("timeouts", TimeoutSection),
+            ("evaluation", EvaluationSection),
+            ("metrics", ShotThresholds),
+        )
+    }
+    plan = parse_section(RoundPlan, plan_tree, "", problems)
+    problems += [f"{key}: unknown section or setting" for key in tree]
+    counts = sections["evaluation"].class_counts
+    if counts and len(counts) != len(plan.model.classes):
+        problems.append(
+            f"evaluation.class_counts: {len(counts)} counts for {len(plan.model.classes)} classes"
+        )
+    if problems:
+        raise ConfigError(path, problems)
+    return ConsortiumConfig(plan=plan, base_dir=path.parent, **sections)

@@ -1,0 +1,172 @@
+"""`python -m aggregator demo`: a consortium on one machine, as an operator and silos would run it.
+
+It creates a consortium CA and certificates, writes `consortium.toml` and one `silo.toml` per silo, starts the
+aggregator and the silo agents as separate processes on 127.0.0.1 over mutual TLS, and shows the aggregator's
+progress. The silos' data are the shards of the embedded long-tailed MNIST-5k recipe, so the demo also knows
+the class counts that the aggregator reports shot groups with. Ctrl-C stops every process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from aggregator.config import ConsortiumSection, EvaluationSection, ServerSection, TimeoutSection
+from fedlt.config import as_table, render_toml
+from fedlt.data.federation import DataConfig, build_federation
+from fedlt.errors import FedltError
+from fedlt.methods import TrainConfig
+from fedlt.plan import ModelSection, RoundPlan
+from privacy.pki.ca import init_ca, issue_operator, issue_server, issue_silo
+
+RECIPE = DataConfig(dataset="mnist5k", imbalance=100.0, alpha=0.5, silos=4)
+DEMO_PLAN = RoundPlan(
+    model=ModelSection(name="cnn", image_shape=(1, 28, 28)),
+    train=TrainConfig(local_epochs=2, batch_size=32, lr=0.05, momentum=0.9),
+)
+STARTUP_SECONDS = 60
+
+
+class DemoError(FedltError):
+    """A demo process failed to start or stopped early."""
+
+
+def write_consortium(
+    directory: Path,
+    *,
+    recipe: DataConfig,
+    plan: RoundPlan,
+    consortium: ConsortiumSection,
+    timeouts: TimeoutSection,
+) -> tuple[Path, list[Path]]:
+    """CA, certificates and config files for a consortium on this machine, one silo per recipe shard.
+
+    The silo configs name the aggregator as ADDRESS until it is known (`point_silos_at`).
+    """
+    pki = directory / "pki"
+    init_ca(pki / "ca", name=f"{consortium.id} CA")
+    issue_server(pki / "ca", pki, hosts=["127.0.0.1", "localhost"])
+    issue_operator(pki / "ca", pki, name="operator")
+    counts = build_federation(recipe, seed=consortium.seed).train_counts.tolist()
+    server = ServerSection(listen="127.0.0.1:0", ca="pki/ca/ca.pem", crl="pki/ca/crl.pem")
+    evaluation = EvaluationSection(
+        dataset=recipe.dataset, test_per_class=recipe.test_per_class, class_counts=tuple(counts)
+    )
+    tree = {
+        "consortium": as_table(consortium),
+        "server": as_table(server),
+        "timeouts": as_table(timeouts),
+        **as_table(plan),
+        "evaluation": as_table(evaluation),
+    }
+    path = directory / "consortium.toml"
+    path.write_text(f"# A consortium on this machine, written by aggregator.demo.\n{render_toml(tree)}")
+    silo_configs = []
+    for k in range(recipe.silos):
+        issue_silo(pki / "ca", pki, silo_id=f"silo-{k}")
+        silo = {
+            "state_dir": f"silo-{k}-state",
+            "connection": {
+                "aggregator": "ADDRESS",
+                "ca": "pki/ca/ca.pem",
+                "certificate": f"pki/silo-{k}.pem",
+                "key": f"pki/silo-{k}.key",
+                "heartbeat_seconds": 2.0,
+                "max_backoff_seconds": 4.0,
+            },
+            "data": {"source": "embedded", "index": k, "seed": consortium.seed, "recipe": as_table(recipe)},
+            "policy": {"methods": [plan.method.name], "privacy": [consortium.privacy]},
+        }
+        silo_path = directory / f"silo-{k}.toml"
+        silo_path.write_text(f"# Silo {k}: shard {k} of the embedded recipe.\n{render_toml(silo)}")
+        silo_configs.append(silo_path)
+    return path, silo_configs
+
+
+def point_silos_at(address: str, silo_configs: list[Path]) -> None:
+    for path in silo_configs:
+        path.write_text(path.read_text().replace('"ADDRESS"', f'"{address}"'))
+
+
+def wait_for_address(data_dir: Path, process: subprocess.Popen, timeout: float = STARTUP_SECONDS) -> str:
+    """The address the aggregator bound (it may have asked the OS for a free port)."""
+    until = time.monotonic() + timeout
+    listening = data_dir / "listening.json"
+    while time.monotonic() < until:
+        if process.poll() is not None:
+            raise DemoError(f"the aggregator exited with code {process.returncode} before listening")
+        if listening.exists():
+            info = json.loads(listening.read_text())
+            if info["pid"] == process.pid:
+                return info["address"]
+        time.sleep(0.2)
+    raise DemoError(f"the aggregator did not start listening within {timeout:.0f} s")
+
+
+def stop_all(processes: list[subprocess.Popen], grace: float = 10.0) -> None:
+    for p in processes:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    until = time.monotonic() + grace
+    for p in processes:
+        try:
+            p.wait(max(0.1, until - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def run_demo(directory: Path, *, silos: int, rounds: int) -> int:
+    if directory.exists():
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+    print(f"setting up a consortium of {silos} silos in {directory}/ (CA, certificates, configs) ...")
+    recipe = replace(RECIPE, silos=silos)
+    consortium, silo_configs = write_consortium(
+        directory,
+        recipe=recipe,
+        plan=DEMO_PLAN,
+        consortium=ConsortiumSection(id="fedlt-demo", rounds=rounds, min_silos=silos),
+        timeouts=TimeoutSection(gather=5.0, round=120.0),
+    )
+    logs = directory / "logs"
+    logs.mkdir()
+    aggregator = subprocess.Popen(
+        [sys.executable, "-m", "aggregator", "serve", "--config", str(consortium)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    processes = [aggregator]
+    try:
+        address = wait_for_address(directory / "aggregator-data", aggregator)
+        point_silos_at(address, silo_configs)
+        for k, path in enumerate(silo_configs):
+            with (logs / f"silo-{k}.log").open("w") as log:
+                processes.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "silo", "run", "--config", str(path)], stdout=log, stderr=log
+                    )
+                )
+        print(f"started the aggregator on {address} and {silos} silo agents (logs in {logs}/)")
+        assert aggregator.stdout is not None
+        for line in aggregator.stdout:
+            print(line, end="", flush=True)
+        code = aggregator.wait()
+        for p in processes[1:]:
+            p.wait(timeout=30)
+        return code
+    except KeyboardInterrupt:
+        print("\nstopping the consortium ...", file=sys.stderr)
+        return 130
+    finally:
+        stop_all(processes)

@@ -1,0 +1,399 @@
+"""The round state machine: gather silos, publish a signed RoundSpec, collect contributions, sum, commit.
+
+Transport-free: the gRPC service translates calls into the methods below and maps `Refusal`s to status codes,
+so the machine is the same whether driven by a network or by a test. One driver thread runs the rounds; the
+service threads only hand in what silos send, under one lock.
+
+Stages of an attempt: GATHERING (waiting for at least `min_silos` connected silos), COLLECTING (RoundSpec out,
+contributions coming in until every participant has answered, the connected ones have and there are enough,
+or the deadline passes), then the sum, the server step and the commit. With fewer than `min_silos`
+contributions at the deadline the attempt is aborted and the round is tried again; a round is never committed
+on a partial set below the minimum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import numpy as np
+import torch
+
+from aggregator.config import ConsortiumConfig
+from aggregator.store import Store, StoreError, now_ms
+from fedlt.aggregation import Contribution, Schema, SumLayer
+from fedlt.errors import ContributionError, FedltError
+from fedlt.methods import GlobalState, Method, ServerContext
+from fedlt.methods.state import pack_state, unpack_state
+from fedlt.recorder import RunRecorder, round_line
+from fedlt.v1 import consortium_pb2 as pb
+from fedlt.v1 import round_pb2
+
+log = logging.getLogger("aggregator")
+
+ROUNDSPEC_CONTEXT = "fedlt/roundspec/v1"
+
+
+class Stage(StrEnum):
+    GATHERING = "gathering"
+    COLLECTING = "collecting"
+    COMMITTING = "committing"
+    FINISHED = "finished"
+
+
+class Refusal(FedltError):
+    """A request the round machine refuses; the service maps each kind to a gRPC status code."""
+
+
+class WrongRound(Refusal):
+    """The request names an attempt that is not the one in flight."""
+
+
+class NotParticipant(Refusal):
+    """The caller was not invited to the attempt in flight."""
+
+
+class BadContribution(Refusal):
+    """The payload does not fit the round's schema."""
+
+
+class AlreadySubmitted(Refusal):
+    """A different contribution was already accepted from this silo for this attempt."""
+
+
+@dataclass
+class Session:
+    """One open Join stream; a reconnecting silo replaces its older session."""
+
+    silo_id: str
+    directives: queue.Queue = field(default_factory=queue.Queue)
+    activity: str = "idle"
+    last_seen_ms: int = field(default_factory=now_ms)
+    closed: bool = False
+
+
+@dataclass
+class Attempt:
+    round: int
+    round_id: str
+    signed: round_pb2.SignedRoundSpec
+    schema: Schema
+    participants: list[str]
+    deadline_ms: int
+    state_bytes: bytes
+    started: float = field(default_factory=time.perf_counter)
+    submissions: dict[str, Contribution] = field(default_factory=dict)
+    receipts: dict[str, str] = field(default_factory=dict)
+
+
+class RoundEngine:
+    def __init__(
+        self,
+        *,
+        config: ConsortiumConfig,
+        store: Store,
+        method: Method,
+        layer: SumLayer,
+        sign: Callable[[bytes], bytes],
+        recorder: RunRecorder | None,
+        echo: Callable[[str], None] = print,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.method = method
+        self.layer = layer
+        self.sign = sign
+        self.recorder = recorder
+        self.echo = echo
+        self.plan_toml = config.plan.to_toml()
+        self._lock = threading.Condition()
+        self._sessions: dict[str, Session] = {}
+        self._last_contributed: dict[str, int] = {}
+        self.attempt: Attempt | None = None
+        self.stage = Stage.GATHERING
+        self.state = self._load_state()
+
+    # --- start-up ---------------------------------------------------------------------------------
+
+    def _load_state(self) -> GlobalState:
+        self.store.bind(self.config.fingerprint())
+        latest = self.store.latest_state()
+        if latest is None:
+            state = self.method.init_state(seed=self.config.consortium.seed)
+            self.store.save_initial_state(state.digest(), pack_state(state))
+            return state
+        state = unpack_state(latest.data, latest.round)
+        if state.digest() != latest.digest:
+            raise StoreError(f"stored state of round {latest.round} does not match its digest")
+        abandoned = self.store.abandon_open_attempts("aggregator restarted")
+        if abandoned:
+            log.warning("abandoned attempts left open by a restart: %s", ", ".join(abandoned))
+        return state
+
+    @property
+    def total_rounds(self) -> int:
+        return self.config.consortium.rounds
+
+    # --- called by the service --------------------------------------------------------------------
+
+    def connect(self, silo_id: str) -> Session:
+        with self._lock:
+            old = self._sessions.get(silo_id)
+            if old is not None:
+                old.closed = True
+                old.directives.put(None)
+            session = self._sessions[silo_id] = Session(silo_id)
+            if self.stage == Stage.FINISHED:
+                session.directives.put(self._finished())
+            elif self.attempt is not None and silo_id in self.attempt.participants:
+                session.directives.put(pb.JoinResponse(round_spec=self.attempt.signed))
+            self._lock.notify_all()
+            return session
+
+    def disconnect(self, session: Session) -> None:
+        with self._lock:
+            session.closed = True
+            if self._sessions.get(session.silo_id) is session:
+                del self._sessions[session.silo_id]
+            self._lock.notify_all()
+
+    def heartbeat(self, silo_id: str, activity: str) -> None:
+        with self._lock:
+            session = self._sessions.get(silo_id)
+            if session is not None:
+                session.activity = activity
+                session.last_seen_ms = now_ms()
+
+    def state_for(self, silo_id: str, round_id: str) -> bytes:
+        with self._lock:
+            return self._invited(silo_id, round_id).state_bytes
+
+    def expected_bytes(self, silo_id: str, round_id: str) -> int:
+        with self._lock:
+            return self._invited(silo_id, round_id).schema.size * 8
+
+    def submit(self, silo_id: str, round_id: str, payload: bytes) -> str:
+        """Check and keep one silo's plaintext contribution; returns its SHA-256 as the receipt."""
+        digest = hashlib.sha256(payload).hexdigest()
+        with self._lock:
+            attempt = self._invited(silo_id, round_id)
+            if silo_id in attempt.receipts:
+                if attempt.receipts[silo_id] == digest:
+                    return digest
+                raise AlreadySubmitted(f"{silo_id} already submitted a different contribution for {round_id}")
+            if self.stage != Stage.COLLECTING:
+                raise WrongRound(f"attempt {round_id} no longer takes contributions ({self.stage})")
+            contribution = _decode(attempt.schema, payload)
+            attempt.submissions[silo_id] = contribution
+            attempt.receipts[silo_id] = digest
+            self._last_contributed[silo_id] = attempt.round
+            self._lock.notify_all()
+        self.store.record_contribution(round_id, silo_id, digest)
+        return digest
+
+    def _invited(self, silo_id: str, round_id: str) -> Attempt:
+        attempt = self.attempt
+        if attempt is None or attempt.round_id != round_id:
+            current = attempt.round_id if attempt else "none"
+            raise WrongRound(f"no attempt {round_id!r} in flight (current: {current})")
+        if silo_id not in attempt.participants:
+            raise NotParticipant(f"{silo_id} is not a participant of {round_id}")
+        return attempt
+
+    def status(self) -> dict:
+        with self._lock:
+            attempt = self.attempt
+            silos = self.store.silos()
+            return {
+                "committed_rounds": self.state.round,
+                "stage": str(self.stage),
+                "round_id": attempt.round_id if attempt else "",
+                "deadline_ms": attempt.deadline_ms if attempt else 0,
+                "participants": list(attempt.participants) if attempt else [],
+                "submitted": sorted(attempt.submissions) if attempt else [],
+                "state_digest": self.state.digest(),
+                "silos": [
+                    {
+                        "silo_id": s,
+                        "connected": s in self._sessions,
+                        "last_seen_ms": self._sessions[s].last_seen_ms if s in self._sessions else seen,
+                        "activity": self._sessions[s].activity if s in self._sessions else "offline",
+                        "last_contributed_round": self._last_contributed.get(s, 0),
+                    }
+                    for s, seen in silos.items()
+                ],
+            }
+
+    # --- the driver -------------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        while self.state.round < self.total_rounds and not stop.is_set():
+            participants = self._gather(stop)
+            if participants is None:
+                break
+            attempt = self._start_attempt(participants)
+            contributors = self._collect(attempt, stop)
+            if contributors is None:
+                self._abort(attempt, "aggregator stopping")
+                break
+            if len(contributors) < self.config.consortium.min_silos:
+                self._abort(attempt, f"{len(contributors)} contributions, fewer than min_silos")
+                continue
+            self._commit(attempt, contributors)
+        with self._lock:
+            if self.state.round >= self.total_rounds:
+                self.stage = Stage.FINISHED
+                for session in self._sessions.values():
+                    session.directives.put(self._finished())
+            self.attempt = None
+            self._lock.notify_all()
+
+    def _gather(self, stop: threading.Event) -> list[str] | None:
+        """Wait for `min_silos` connections, then up to `gather` seconds for every registered silo.
+
+        Before the first round is committed, silos may still be starting and registering, so the whole
+        gather window is waited rather than ending when the silos registered so far are all connected.
+        """
+        minimum = self.config.consortium.min_silos
+        with self._lock:
+            self.stage = Stage.GATHERING
+            while not stop.is_set():
+                if not self._wait(stop, lambda: len(self._sessions) >= minimum):
+                    return None
+                until = time.monotonic() + self.config.timeouts.gather
+                everyone = lambda: self.state.round > 0 and set(self.store.silos()) <= set(self._sessions)  # noqa: E731
+                self._wait(stop, everyone, until=until)
+                if len(self._sessions) >= minimum:
+                    return sorted(self._sessions)
+            return None
+
+    def _start_attempt(self, participants: list[str]) -> Attempt:
+        round_number = self.state.round + 1
+        attempt_number, round_id = self.store.begin_attempt(round_number, participants, secrets.token_hex(4))
+        schema = self.method.schema(self.state)
+        state_bytes = pack_state(self.state)
+        deadline = now_ms() + int(1000 * self.config.timeouts.round)
+        spec = round_pb2.RoundSpec(
+            consortium_id=self.config.consortium.id,
+            round=round_number,
+            attempt=attempt_number,
+            round_id=round_id,
+            method=self.config.plan.method.name,
+            schema=round_pb2.Schema(
+                phase=schema.phase,
+                fields=[
+                    round_pb2.FieldSpec(name=f.name, shape=f.shape, bound=f.bound) for f in schema.fields
+                ],
+            ),
+            method_config=self.plan_toml,
+            config_sha256=hashlib.sha256(self.plan_toml.encode()).hexdigest(),
+            state_digest=self.state.digest(),
+            state_bytes=len(state_bytes),
+            seed=self.config.consortium.seed,
+            privacy=self.config.consortium.privacy,
+            participants=participants,
+            deadline_unix_ms=deadline,
+        )
+        blob = spec.SerializeToString()
+        signed = round_pb2.SignedRoundSpec(spec=blob, signature=self.sign(blob))
+        attempt = Attempt(round_number, round_id, signed, schema, participants, deadline, state_bytes)
+        with self._lock:
+            self.attempt = attempt
+            self.stage = Stage.COLLECTING
+            for silo in participants:
+                if silo in self._sessions:
+                    self._sessions[silo].directives.put(pb.JoinResponse(round_spec=signed))
+        log.info("round %d: attempt %s with %s", round_number, round_id, ", ".join(participants))
+        return attempt
+
+    def _collect(self, attempt: Attempt, stop: threading.Event) -> list[str] | None:
+        minimum = self.config.consortium.min_silos
+
+        def answered() -> bool:
+            pending = [s for s in attempt.participants if s not in attempt.submissions]
+            connected_pending = [s for s in pending if s in self._sessions]
+            return not pending or (not connected_pending and len(attempt.submissions) >= minimum)
+
+        with self._lock:
+            until = time.monotonic() + max(0.0, (attempt.deadline_ms - now_ms()) / 1000)
+            self._wait(stop, answered, until=until)
+            if stop.is_set():
+                return None
+            self.stage = Stage.COMMITTING
+            return sorted(attempt.submissions)
+
+    def _commit(self, attempt: Attempt, contributors: list[str]) -> None:
+        sums = self.layer.aggregate(attempt.schema, [attempt.submissions[s] for s in contributors])
+        state = self.method.server_step(
+            self.state, sums, ServerContext(attempt.round, self.config.consortium.seed)
+        )
+        entry = None
+        if self.recorder is not None:
+            entry = self.recorder.evaluate(
+                attempt.round,
+                self.method.eval_model(state),
+                contributors=contributors,
+                seconds=round(time.perf_counter() - attempt.started, 3),
+                state_digest=state.digest(),
+            )
+        self.store.commit_round(
+            round_number=attempt.round,
+            round_id=attempt.round_id,
+            digest=state.digest(),
+            data=pack_state(state),
+            contributors=contributors,
+            metrics=entry,
+        )
+        with self._lock:
+            self.state = state
+            self.attempt = None
+        if entry is not None and self.recorder is not None:
+            self.recorder.append(entry)
+            self.echo(round_line(entry, self.total_rounds) + f"  [{len(contributors)} silos]")
+        else:
+            self.echo(f"round {attempt.round:>4}/{self.total_rounds} committed, {len(contributors)} silos")
+
+    def _abort(self, attempt: Attempt, reason: str) -> None:
+        self.store.abort_attempt(attempt.round_id, reason)
+        with self._lock:
+            for silo in attempt.participants:
+                if silo in self._sessions:
+                    abort = pb.Abort(round_id=attempt.round_id, reason=reason)
+                    self._sessions[silo].directives.put(pb.JoinResponse(abort=abort))
+            self.attempt = None
+        log.warning("round %d: attempt %s aborted: %s", attempt.round, attempt.round_id, reason)
+
+    def _finished(self) -> pb.JoinResponse:
+        return pb.JoinResponse(
+            finished=pb.Finished(rounds=self.state.round, state_digest=self.state.digest())
+        )
+
+    def _wait(
+        self, stop: threading.Event, predicate: Callable[[], bool], *, until: float | None = None
+    ) -> bool:
+        """Wait on the lock (held by the caller) until `predicate`, `stop`, or `until` (monotonic)."""
+        while not predicate():
+            if stop.is_set():
+                return False
+            left = 0.5 if until is None else min(0.5, until - time.monotonic())
+            if left <= 0:
+                return False
+            self._lock.wait(left)
+        return True
+
+
+def _decode(schema: Schema, payload: bytes) -> Contribution:
+    if len(payload) != schema.size * 8:
+        raise BadContribution(f"contribution has {len(payload)} bytes; the schema needs {schema.size * 8}")
+    vector = torch.from_numpy(np.frombuffer(payload, dtype="<f8").copy())
+    try:
+        return schema.contribution(**schema.unflatten(vector))
+    except ContributionError as exc:
+        raise BadContribution(str(exc)) from None

@@ -1,0 +1,140 @@
+"""Assemble and run the aggregator: mutual-TLS gRPC server, round engine, store, evaluation, shutdown."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from aggregator.config import ConsortiumConfig
+from aggregator.rounds import ROUNDSPEC_CONTEXT, RoundEngine
+from aggregator.service import ConsortiumServicer, Identity, OperatorServicer
+from aggregator.store import Store
+from fedlt.aggregation import make_layer
+from fedlt.atomic import atomic_write_text
+from fedlt.config import as_table
+from fedlt.data.embedded import load_embedded, split_balanced_test
+from fedlt.errors import ConfigError
+from fedlt.recorder import RunRecorder
+from fedlt.seeding import derive_seed
+from fedlt.v1 import consortium_pb2, consortium_pb2_grpc, operator_pb2, operator_pb2_grpc
+from privacy.pki.identity import RevocationList
+from privacy.pki.signing import load_private_key, sign
+
+log = logging.getLogger("aggregator")
+
+DATABASE = "consortium.sqlite"
+LISTENING = "listening.json"
+# Each connected silo holds one worker for its directive stream; the rest serve unary calls.
+WORKERS = 128
+
+
+def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo=print) -> int:
+    stop = stop or threading.Event()
+    tls = _read_tls(config)
+    data_dir = config.path(config.server.data_dir)
+    store = Store(data_dir / DATABASE)
+    key = load_private_key(config.path(config.server.key))
+    method = config.plan.build_method()
+    engine = RoundEngine(
+        config=config,
+        store=store,
+        method=method,
+        layer=make_layer(config.consortium.privacy),
+        sign=lambda blob: sign(key, blob, context=ROUNDSPEC_CONTEXT),
+        recorder=_recorder(config, data_dir, store),
+        echo=echo,
+    )
+    identity = Identity(RevocationList.load(config.path(config.server.ca), config.path(config.server.crl)))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="grpc"))
+    consortium_pb2_grpc.add_ConsortiumServiceServicer_to_server(
+        ConsortiumServicer(engine, store, identity, tls["certificate"]), server
+    )
+    operator_pb2_grpc.add_OperatorServiceServicer_to_server(OperatorServicer(engine, identity), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    services = (
+        consortium_pb2.DESCRIPTOR.services_by_name["ConsortiumService"].full_name,
+        operator_pb2.DESCRIPTOR.services_by_name["OperatorService"].full_name,
+        health.SERVICE_NAME,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(services, server)
+    credentials = grpc.ssl_server_credentials(
+        [(tls["key"], tls["certificate"])], root_certificates=tls["ca"], require_client_auth=True
+    )
+    port = server.add_secure_port(config.server.listen, credentials)
+    if port == 0:
+        raise ConfigError("server.listen", [f"cannot listen on {config.server.listen}"])
+    host = config.server.listen.rsplit(":", 1)[0]
+    server.start()
+    for name in services[:2]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    atomic_write_text(data_dir / LISTENING, json.dumps({"address": f"{host}:{port}", "pid": os.getpid()}))
+    echo(f"aggregator {config.consortium.id!r} listening on {host}:{port} (mutual TLS); data in {data_dir}")
+    _stop_on_signals(stop)
+    driver = threading.Thread(target=engine.run, args=(stop,), name="rounds", daemon=True)
+    driver.start()
+    try:
+        while driver.is_alive():
+            driver.join(0.5)
+        if not stop.is_set() and not config.consortium.exit_when_done:
+            stop.wait()
+    finally:
+        stop.set()
+        health_servicer.enter_graceful_shutdown()
+        server.stop(grace=3).wait()
+        store.close()
+    if engine.recorder is not None and engine.recorder.rounds:
+        echo(f"\nfinal test accuracy after round {engine.state.round}:\n{engine.recorder.finish()}")
+    finished = engine.state.round >= config.consortium.rounds
+    echo("all rounds committed" if finished else f"stopped after round {engine.state.round}")
+    return 0
+
+
+def _read_tls(config: ConsortiumConfig) -> dict[str, bytes]:
+    files = {"certificate": config.server.certificate, "key": config.server.key, "ca": config.server.ca}
+    missing = [
+        f"server.{name}: no such file {config.path(p)}"
+        for name, p in files.items()
+        if not config.path(p).is_file()
+    ]
+    if missing:
+        raise ConfigError(config.base_dir / "consortium.toml", missing)
+    return {name: config.path(p).read_bytes() for name, p in files.items()}
+
+
+def _recorder(config: ConsortiumConfig, data_dir: Path, store: Store) -> RunRecorder | None:
+    """The operator's own evaluation set, if configured; the history is restored from the store."""
+    evaluation = config.evaluation
+    if not evaluation.dataset:
+        return None
+    seed = derive_seed(config.consortium.seed, "test-split")
+    _, test = split_balanced_test(
+        load_embedded(evaluation.dataset), per_class=evaluation.test_per_class, seed=seed
+    )
+    method = config.plan.method.name
+    return RunRecorder(
+        data_dir / "run",
+        title=f"{method} consortium {config.consortium.id!r}, evaluated on {evaluation.dataset}",
+        test=test,
+        train_counts=evaluation.class_counts or None,
+        thresholds=config.metrics,
+        header={"consortium": as_table(config.consortium), "plan": as_table(config.plan)},
+        rounds=store.metrics_history(),
+    )
+
+
+def _stop_on_signals(stop: threading.Event) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())

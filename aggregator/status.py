@@ -1,0 +1,57 @@
+"""`python -m aggregator status`: the operator's view of a running aggregator, over mutual TLS."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import grpc
+
+from aggregator.config import load_consortium_config
+from aggregator.server import LISTENING
+from fedlt.v1 import operator_pb2, operator_pb2_grpc
+
+
+def show_status(config_path: str | Path, *, cert: str | Path, key: str | Path) -> int:
+    config = load_consortium_config(config_path)
+    listening = config.path(config.server.data_dir) / LISTENING
+    address = json.loads(listening.read_text())["address"] if listening.exists() else config.server.listen
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=config.path(config.server.ca).read_bytes(),
+        private_key=Path(key).read_bytes(),
+        certificate_chain=Path(cert).read_bytes(),
+    )
+    with grpc.secure_channel(address, credentials) as channel:
+        try:
+            status = operator_pb2_grpc.OperatorServiceStub(channel).Status(
+                operator_pb2.StatusRequest(), timeout=10
+            )
+        except grpc.RpcError as exc:
+            print(f"error: {address}: {exc.code().name}: {exc.details()}")
+            return 1
+    print(render(status))
+    return 0
+
+
+def render(status: operator_pb2.StatusResponse) -> str:
+    now = time.time() * 1000
+    lines = [
+        f"consortium {status.consortium_id!r}: {status.method} over {status.privacy}",
+        f"rounds committed: {status.committed_rounds}/{status.total_rounds}   stage: {status.stage}",
+        f"state digest: {status.state_digest[:16]}",
+    ]
+    if status.round_id:
+        left = max(0.0, (status.stage_deadline_unix_ms - now) / 1000)
+        lines.append(
+            f"in flight: {status.round_id}, {len(status.submitted)}/{len(status.participants)} "
+            f"contributions, deadline in {left:.0f} s"
+        )
+    lines += ["", f"{'silo':<20} {'connected':<10} {'activity':<10} {'last seen':>10} {'last round':>10}"]
+    for s in status.silos:
+        seen = f"{(now - s.last_seen_unix_ms) / 1000:.0f} s ago" if s.last_seen_unix_ms else "never"
+        connected = "yes" if s.connected else "no"
+        lines.append(
+            f"{s.silo_id:<20} {connected:<10} {s.activity:<10} {seen:>10} {s.last_contributed_round:>10}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,272 @@
+"""The aggregator's durable memory in one SQLite file: silos, round attempts, committed states, audit log.
+
+A round becomes real only in `commit_round`, one transaction that stores the new global state, closes the
+attempt and appends the audit record; an aggregator killed at any moment restarts from the last committed
+round and never loses or repeats one. The audit log is append-only (triggers refuse UPDATE and DELETE) and
+hash-chained, so a record removed or edited behind SQLite's back shows up in `verify_audit`.
+Contributions are never stored: only what the operator may show an auditor is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedlt.errors import FedltError
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS silos (
+    silo_id TEXT PRIMARY KEY, cert_sha256 TEXT NOT NULL, first_seen_ms INTEGER NOT NULL,
+    last_seen_ms INTEGER NOT NULL, agent_version TEXT NOT NULL, policy TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS attempts (
+    round INTEGER NOT NULL, attempt INTEGER NOT NULL, round_id TEXT NOT NULL UNIQUE,
+    participants TEXT NOT NULL, started_ms INTEGER NOT NULL, status TEXT NOT NULL,
+    ended_ms INTEGER, reason TEXT, PRIMARY KEY (round, attempt)
+);
+CREATE TABLE IF NOT EXISTS states (
+    round INTEGER PRIMARY KEY, digest TEXT NOT NULL, data BLOB NOT NULL, committed_ms INTEGER NOT NULL,
+    round_id TEXT, contributors TEXT NOT NULL, metrics TEXT
+);
+CREATE TABLE IF NOT EXISTS audit (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, at_ms INTEGER NOT NULL, event TEXT NOT NULL,
+    detail TEXT NOT NULL, prev_hash TEXT NOT NULL, hash TEXT NOT NULL
+);
+CREATE TRIGGER IF NOT EXISTS audit_no_update BEFORE UPDATE ON audit
+    BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END;
+CREATE TRIGGER IF NOT EXISTS audit_no_delete BEFORE DELETE ON audit
+    BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END;
+"""
+
+GENESIS = "0" * 64
+KEEP_STATES = 3
+
+
+class StoreError(FedltError):
+    """The database belongs to another consortium or is inconsistent."""
+
+
+@dataclass(frozen=True)
+class CommittedState:
+    round: int
+    digest: str
+    data: bytes
+
+
+@dataclass(frozen=True)
+class AuditRecord:
+    seq: int
+    at_ms: int
+    event: str
+    detail: dict
+    prev_hash: str
+    hash: str
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Store:
+    """Thread-safe: the gRPC handlers and the round driver share one connection behind a lock."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(SCHEMA)
+        self._lock = threading.RLock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    # --- identity of the run ---------------------------------------------------------------------
+
+    def bind(self, fingerprint: str) -> bool:
+        """Tie the database to one consortium configuration; True when it is new."""
+        with self._transaction() as db:
+            row = db.execute("SELECT value FROM meta WHERE key = 'fingerprint'").fetchone()
+            if row is None:
+                db.execute("INSERT INTO meta VALUES ('fingerprint', ?)", (fingerprint,))
+                return True
+        if row[0] != fingerprint:
+            raise StoreError(
+                "this data directory holds a consortium run with other settings; "
+                "use a new data_dir for a new run"
+            )
+        return False
+
+    # --- silos ------------------------------------------------------------------------------------
+
+    def register_silo(self, silo_id: str, cert_sha256: str, agent_version: str, policy: dict) -> None:
+        at = now_ms()
+        with self._transaction() as db:
+            known = db.execute("SELECT cert_sha256 FROM silos WHERE silo_id = ?", (silo_id,)).fetchone()
+            db.execute(
+                "INSERT INTO silos VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(silo_id) DO UPDATE SET "
+                "cert_sha256 = excluded.cert_sha256, last_seen_ms = excluded.last_seen_ms, "
+                "agent_version = excluded.agent_version, policy = excluded.policy",
+                (silo_id, cert_sha256, at, at, agent_version, json.dumps(policy, sort_keys=True)),
+            )
+            if known is None or known[0] != cert_sha256:
+                event = "silo_enrolled" if known is None else "silo_certificate_changed"
+                self._audit(db, event, {"silo": silo_id, "cert_sha256": cert_sha256})
+
+    def touch_silo(self, silo_id: str) -> None:
+        with self._lock:
+            self._db.execute("UPDATE silos SET last_seen_ms = ? WHERE silo_id = ?", (now_ms(), silo_id))
+
+    def silos(self) -> dict[str, int]:
+        """Registered silo ids and when each was last seen."""
+        with self._lock:
+            return dict(self._db.execute("SELECT silo_id, last_seen_ms FROM silos ORDER BY silo_id"))
+
+    # --- rounds -----------------------------------------------------------------------------------
+
+    def latest_state(self) -> CommittedState | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT round, digest, data FROM states ORDER BY round DESC LIMIT 1"
+            ).fetchone()
+        return CommittedState(*row) if row else None
+
+    def metrics_history(self) -> list[dict]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT metrics FROM states WHERE metrics IS NOT NULL ORDER BY round"
+            ).fetchall()
+        return [json.loads(r[0]) for r in rows]
+
+    def save_initial_state(self, digest: str, data: bytes) -> None:
+        with self._transaction() as db:
+            db.execute("INSERT INTO states VALUES (0, ?, ?, ?, NULL, '[]', NULL)", (digest, data, now_ms()))
+            self._audit(db, "initial_state", {"digest": digest, "bytes": len(data)})
+
+    def abandon_open_attempts(self, reason: str) -> list[str]:
+        """Close attempts left open by a crash; their round is simply run again."""
+        with self._transaction() as db:
+            open_ids = [r[0] for r in db.execute("SELECT round_id FROM attempts WHERE status = 'open'")]
+            for round_id in open_ids:
+                self._close_attempt(db, round_id, "abandoned", reason)
+        return open_ids
+
+    def begin_attempt(self, round_number: int, participants: list[str], nonce: str) -> tuple[int, str]:
+        with self._transaction() as db:
+            (last,) = db.execute(
+                "SELECT COALESCE(MAX(attempt), 0) FROM attempts WHERE round = ?", (round_number,)
+            ).fetchone()
+            attempt = last + 1
+            round_id = f"r{round_number}.a{attempt}.{nonce}"
+            db.execute(
+                "INSERT INTO attempts VALUES (?, ?, ?, ?, ?, 'open', NULL, NULL)",
+                (round_number, attempt, round_id, json.dumps(participants), now_ms()),
+            )
+            self._audit(db, "attempt_started", {"round_id": round_id, "participants": participants})
+        return attempt, round_id
+
+    def abort_attempt(self, round_id: str, reason: str) -> None:
+        with self._transaction() as db:
+            self._close_attempt(db, round_id, "aborted", reason)
+
+    def record_contribution(self, round_id: str, silo_id: str, sha256: str) -> None:
+        with self._transaction() as db:
+            self._audit(
+                db, "contribution_accepted", {"round_id": round_id, "silo": silo_id, "sha256": sha256}
+            )
+
+    def commit_round(
+        self,
+        *,
+        round_number: int,
+        round_id: str,
+        digest: str,
+        data: bytes,
+        contributors: list[str],
+        metrics: dict | None,
+    ) -> None:
+        with self._transaction() as db:
+            (latest,) = db.execute("SELECT COALESCE(MAX(round), -1) FROM states").fetchone()
+            if latest != round_number - 1:
+                raise StoreError(f"cannot commit round {round_number} on top of round {latest}")
+            db.execute(
+                "INSERT INTO states VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    round_number,
+                    digest,
+                    data,
+                    now_ms(),
+                    round_id,
+                    json.dumps(contributors),
+                    json.dumps(metrics) if metrics is not None else None,
+                ),
+            )
+            db.execute("UPDATE states SET data = x'' WHERE round <= ?", (round_number - KEEP_STATES,))
+            self._close_attempt(db, round_id, "committed", None)
+            self._audit(
+                db,
+                "round_committed",
+                {"round": round_number, "round_id": round_id, "digest": digest, "contributors": contributors},
+            )
+
+    def _close_attempt(self, db: sqlite3.Connection, round_id: str, status: str, reason: str | None) -> None:
+        db.execute(
+            "UPDATE attempts SET status = ?, ended_ms = ?, reason = ? WHERE round_id = ? AND status = 'open'",
+            (status, now_ms(), reason, round_id),
+        )
+        if status != "committed":
+            self._audit(db, f"attempt_{status}", {"round_id": round_id, "reason": reason})
+
+    # --- audit ------------------------------------------------------------------------------------
+
+    def audit(self, event: str, detail: dict) -> None:
+        with self._transaction() as db:
+            self._audit(db, event, detail)
+
+    def _audit(self, db: sqlite3.Connection, event: str, detail: dict) -> None:
+        row = db.execute("SELECT hash FROM audit ORDER BY seq DESC LIMIT 1").fetchone()
+        prev = row[0] if row else GENESIS
+        at = now_ms()
+        text = json.dumps(detail, sort_keys=True)
+        db.execute(
+            "INSERT INTO audit (at_ms, event, detail, prev_hash, hash) VALUES (?, ?, ?, ?, ?)",
+            (at, event, text, prev, _chain(prev, at, event, text)),
+        )
+
+    def audit_log(self) -> list[AuditRecord]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM audit ORDER BY seq").fetchall()
+        return [AuditRecord(s, at, e, json.loads(d), p, h) for s, at, e, d, p, h in rows]
+
+    def verify_audit(self) -> None:
+        """Raise StoreError at the first record whose chain link or content hash is wrong."""
+        prev = GENESIS
+        for rec in self.audit_log():
+            text = json.dumps(rec.detail, sort_keys=True)
+            if rec.prev_hash != prev or rec.hash != _chain(prev, rec.at_ms, rec.event, text):
+                raise StoreError(f"audit record {rec.seq} ({rec.event}) does not match the hash chain")
+            prev = rec.hash
+
+
+def _chain(prev: str, at_ms: int, event: str, detail_json: str) -> str:
+    return hashlib.sha256(f"{prev}\x1f{at_ms}\x1f{event}\x1f{detail_json}".encode()).hexdigest()

@@ -1,0 +1,58 @@
+"""What every silo runs in a round — model, local training, method — as one TOML document.
+
+The aggregator writes it into the signed RoundSpec; a silo parses it with the same validation as any config
+and builds exactly the method the simulator would build, which is what makes a consortium run and a
+simulator run of the same settings produce the same model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tomllib
+from dataclasses import dataclass, field
+
+from fedlt.config import as_toml, parse_section, setting
+from fedlt.errors import ConfigError
+from fedlt.methods import Method, MethodChoice, ModelSpec, TrainConfig, method_class
+from fedlt.models import MODELS
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    name: str = setting("cnn", choices=tuple(MODELS))
+    image_shape: tuple[int, ...] = (1, 28, 28)
+    classes: tuple[str, ...] = tuple(str(d) for d in range(10))
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    model: ModelSection = field(default_factory=ModelSection)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    method: MethodChoice = field(default_factory=MethodChoice)
+
+    def build_method(self) -> Method:
+        channels, height, width = self.model.image_shape
+        spec = ModelSpec(self.model.name, (channels, height, width), len(self.model.classes))
+        return method_class(self.method.name)(options=self.method.options, train=self.train, model=spec)
+
+    def to_toml(self) -> str:
+        return as_toml(self)
+
+    def sha256(self) -> str:
+        return hashlib.sha256(self.to_toml().encode()).hexdigest()
+
+    @classmethod
+    def from_toml(cls, text: str, source: str) -> RoundPlan:
+        try:
+            tree = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(source, [f"not valid TOML: {exc}"]) from None
+        problems: list[str] = []
+        plan = parse_section(cls, tree, "", problems)
+        if len(plan.model.image_shape) != 3:
+            problems.append(
+                f"model.image_shape: expected [channels, height, width], got {plan.model.image_shape}"
+            )
+        if problems:
+            raise ConfigError(source, problems)
+        return plan

@@ -1,0 +1,253 @@
+from fedlt.v1 import round_pb2 as _round_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SiloActivity(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SILO_ACTIVITY_UNSPECIFIED: _ClassVar[SiloActivity]
+    SILO_ACTIVITY_IDLE: _ClassVar[SiloActivity]
+    SILO_ACTIVITY_FETCHING: _ClassVar[SiloActivity]
+    SILO_ACTIVITY_TRAINING: _ClassVar[SiloActivity]
+    SILO_ACTIVITY_UPLOADING: _ClassVar[SiloActivity]
+
+class ContributionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CONTRIBUTION_KIND_UNSPECIFIED: _ClassVar[ContributionKind]
+    CONTRIBUTION_KIND_PLAINTEXT: _ClassVar[ContributionKind]
+    CONTRIBUTION_KIND_MASKED: _ClassVar[ContributionKind]
+    CONTRIBUTION_KIND_CKKS: _ClassVar[ContributionKind]
+SILO_ACTIVITY_UNSPECIFIED: SiloActivity
+SILO_ACTIVITY_IDLE: SiloActivity
+SILO_ACTIVITY_FETCHING: SiloActivity
+SILO_ACTIVITY_TRAINING: SiloActivity
+SILO_ACTIVITY_UPLOADING: SiloActivity
+CONTRIBUTION_KIND_UNSPECIFIED: ContributionKind
+CONTRIBUTION_KIND_PLAINTEXT: ContributionKind
+CONTRIBUTION_KIND_MASKED: ContributionKind
+CONTRIBUTION_KIND_CKKS: ContributionKind
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("agent_version", "accepted_methods", "accepted_privacy", "accepted_disclosures")
+    AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_METHODS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PRIVACY_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DISCLOSURES_FIELD_NUMBER: _ClassVar[int]
+    agent_version: str
+    accepted_methods: _containers.RepeatedScalarFieldContainer[str]
+    accepted_privacy: _containers.RepeatedScalarFieldContainer[str]
+    accepted_disclosures: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, agent_version: _Optional[str] = ..., accepted_methods: _Optional[_Iterable[str]] = ..., accepted_privacy: _Optional[_Iterable[str]] = ..., accepted_disclosures: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("silo_id", "consortium_id", "aggregator_certificate")
+    SILO_ID_FIELD_NUMBER: _ClassVar[int]
+    CONSORTIUM_ID_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATOR_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    silo_id: str
+    consortium_id: str
+    aggregator_certificate: bytes
+    def __init__(self, silo_id: _Optional[str] = ..., consortium_id: _Optional[str] = ..., aggregator_certificate: _Optional[bytes] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("last_round",)
+    LAST_ROUND_FIELD_NUMBER: _ClassVar[int]
+    last_round: int
+    def __init__(self, last_round: _Optional[int] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("round_spec", "abort", "finished")
+    ROUND_SPEC_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    round_spec: _round_pb2.SignedRoundSpec
+    abort: Abort
+    finished: Finished
+    def __init__(self, round_spec: _Optional[_Union[_round_pb2.SignedRoundSpec, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
+
+class Abort(_message.Message):
+    __slots__ = ("round_id", "reason")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    round_id: str
+    reason: str
+    def __init__(self, round_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Finished(_message.Message):
+    __slots__ = ("rounds", "state_digest")
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    rounds: int
+    state_digest: str
+    def __init__(self, rounds: _Optional[int] = ..., state_digest: _Optional[str] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("round_id", "activity")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTIVITY_FIELD_NUMBER: _ClassVar[int]
+    round_id: str
+    activity: SiloActivity
+    def __init__(self, round_id: _Optional[str] = ..., activity: _Optional[_Union[SiloActivity, str]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("server_time_unix_ms",)
+    SERVER_TIME_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    server_time_unix_ms: int
+    def __init__(self, server_time_unix_ms: _Optional[int] = ...) -> None: ...
+
+class FetchStateRequest(_message.Message):
+    __slots__ = ("round_id",)
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    round_id: str
+    def __init__(self, round_id: _Optional[str] = ...) -> None: ...
+
+class FetchStateResponse(_message.Message):
+    __slots__ = ("offset", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SubmitHeader(_message.Message):
+    __slots__ = ("round_id", "kind", "total_bytes", "sha256")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    round_id: str
+    kind: ContributionKind
+    total_bytes: int
+    sha256: str
+    def __init__(self, round_id: _Optional[str] = ..., kind: _Optional[_Union[ContributionKind, str]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class SubmitRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: SubmitHeader
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[SubmitHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class SubmitResponse(_message.Message):
+    __slots__ = ("round_id", "sha256", "accepted_unix_ms")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    round_id: str
+    sha256: str
+    accepted_unix_ms: int
+    def __init__(self, round_id: _Optional[str] = ..., sha256: _Optional[str] = ..., accepted_unix_ms: _Optional[int] = ...) -> None: ...
+
+class AdvertiseKeysRequest(_message.Message):
+    __slots__ = ("round_id", "c_public_key", "s_public_key", "signature")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    C_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    S_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    round_id: str
+    c_public_key: bytes
+    s_public_key: bytes
+    signature: bytes
+    def __init__(self, round_id: _Optional[str] = ..., c_public_key: _Optional[bytes] = ..., s_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class AdvertiseKeysResponse(_message.Message):
+    __slots__ = ("round_id",)
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    round_id: str
+    def __init__(self, round_id: _Optional[str] = ...) -> None: ...
+
+class EncryptedShare(_message.Message):
+    __slots__ = ("sender", "recipient", "ciphertext")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    RECIPIENT_FIELD_NUMBER: _ClassVar[int]
+    CIPHERTEXT_FIELD_NUMBER: _ClassVar[int]
+    sender: str
+    recipient: str
+    ciphertext: bytes
+    def __init__(self, sender: _Optional[str] = ..., recipient: _Optional[str] = ..., ciphertext: _Optional[bytes] = ...) -> None: ...
+
+class ShareKeysRequest(_message.Message):
+    __slots__ = ("round_id", "shares")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    round_id: str
+    shares: _containers.RepeatedCompositeFieldContainer[EncryptedShare]
+    def __init__(self, round_id: _Optional[str] = ..., shares: _Optional[_Iterable[_Union[EncryptedShare, _Mapping]]] = ...) -> None: ...
+
+class ShareKeysResponse(_message.Message):
+    __slots__ = ("round_id",)
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    round_id: str
+    def __init__(self, round_id: _Optional[str] = ...) -> None: ...
+
+class ConsistencyRequest(_message.Message):
+    __slots__ = ("round_id", "signature")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    round_id: str
+    signature: bytes
+    def __init__(self, round_id: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class ConsistencyResponse(_message.Message):
+    __slots__ = ("round_id",)
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    round_id: str
+    def __init__(self, round_id: _Optional[str] = ...) -> None: ...
+
+class RevealedShare(_message.Message):
+    __slots__ = ("owner", "share")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    share: bytes
+    def __init__(self, owner: _Optional[str] = ..., share: _Optional[bytes] = ...) -> None: ...
+
+class UnmaskRequest(_message.Message):
+    __slots__ = ("round_id", "self_mask_shares", "mask_key_shares")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    SELF_MASK_SHARES_FIELD_NUMBER: _ClassVar[int]
+    MASK_KEY_SHARES_FIELD_NUMBER: _ClassVar[int]
+    round_id: str
+    self_mask_shares: _containers.RepeatedCompositeFieldContainer[RevealedShare]
+    mask_key_shares: _containers.RepeatedCompositeFieldContainer[RevealedShare]
+    def __init__(self, round_id: _Optional[str] = ..., self_mask_shares: _Optional[_Iterable[_Union[RevealedShare, _Mapping]]] = ..., mask_key_shares: _Optional[_Iterable[_Union[RevealedShare, _Mapping]]] = ...) -> None: ...
+
+class UnmaskResponse(_message.Message):
+    __slots__ = ("round_id",)
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    round_id: str
+    def __init__(self, round_id: _Optional[str] = ...) -> None: ...
+
+class ShareCkksContextRequest(_message.Message):
+    __slots__ = ("recipient", "sealed_context")
+    RECIPIENT_FIELD_NUMBER: _ClassVar[int]
+    SEALED_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    recipient: str
+    sealed_context: bytes
+    def __init__(self, recipient: _Optional[str] = ..., sealed_context: _Optional[bytes] = ...) -> None: ...
+
+class ShareCkksContextResponse(_message.Message):
+    __slots__ = ("recipient",)
+    RECIPIENT_FIELD_NUMBER: _ClassVar[int]
+    recipient: str
+    def __init__(self, recipient: _Optional[str] = ...) -> None: ...
+
+class FetchEncryptedSumRequest(_message.Message):
+    __slots__ = ("round_id",)
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    round_id: str
+    def __init__(self, round_id: _Optional[str] = ...) -> None: ...
+
+class FetchEncryptedSumResponse(_message.Message):
+    __slots__ = ("offset", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""Secure aggregation, CKKS, differential privacy and the consortium PKI; imports `fedlt`, not the reverse."""

@@ -1,0 +1,1 @@
+"""The silo agent: a long-running process next to a silo's data that takes part in consortium rounds."""

@@ -1,0 +1,292 @@
+"""The silo agent: connect, check every claim the aggregator makes, train, upload; survive restarts.
+
+For each RoundSpec the agent verifies the aggregator's signature (with the certificate it checked against the
+consortium CA at registration), that it is addressed to this consortium and this silo, that its method,
+privacy layer and disclosures are allowed by the silo's policy, that the plan matches its hash, and that the
+state it streams matches the signed digest. Only then does it train. A finished contribution is written to
+disk before upload, so an agent restarted mid-upload sends the same bytes instead of training again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from fedlt.aggregation import Field, Schema
+from fedlt.atomic import atomic_write, atomic_write_text
+from fedlt.data.arrays import LabeledImages
+from fedlt.errors import FedltError
+from fedlt.methods import SiloContext
+from fedlt.methods.state import unpack_state
+from fedlt.plan import RoundPlan
+from fedlt.v1 import consortium_pb2 as pb
+from fedlt.v1 import consortium_pb2_grpc, round_pb2
+from privacy.pki.errors import PkiError
+from privacy.pki.identity import load_certificate, verify_chain
+from privacy.pki.signing import verify
+from silo.config import SiloConfig
+
+log = logging.getLogger("silo")
+
+VERSION = "fedlt-silo/0.1"
+ROUNDSPEC_CONTEXT = "fedlt/roundspec/v1"
+CHUNK = 1 << 20
+# Calls other than the directive stream must not hang forever on a silent network.
+CALL_TIMEOUT = 120.0
+
+
+class RefusedRound(FedltError):
+    """A RoundSpec this silo will not act on (bad signature, policy, mismatched state)."""
+
+
+class Fatal(FedltError):
+    """A condition retrying cannot fix: refused certificate, wrong consortium."""
+
+
+class SiloAgent:
+    def __init__(self, config: SiloConfig, *, stop: threading.Event | None = None) -> None:
+        self.config = config
+        self.stop = stop or threading.Event()
+        self.state_dir = config.path(config.state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.data: LabeledImages = config.load_data()
+        conn = config.connection
+        self.ca_pem = config.path(conn.ca).read_bytes()
+        self.credentials = grpc.ssl_channel_credentials(
+            root_certificates=self.ca_pem,
+            private_key=config.path(conn.key).read_bytes(),
+            certificate_chain=config.path(conn.certificate).read_bytes(),
+        )
+        self.silo_id = ""
+        self.aggregator_cert = None
+        self.activity = pb.SILO_ACTIVITY_IDLE
+        self.round_id = ""
+
+    # --- the long-running loop ----------------------------------------------------------------
+
+    def run(self) -> int:
+        """Keep a session up until the consortium is finished, with jittered exponential backoff."""
+        backoff = 1.0
+        while not self.stop.is_set():
+            try:
+                if self._session():
+                    return 0
+                backoff = 1.0
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    raise Fatal(f"the aggregator refuses this silo: {exc.details()}") from None
+                log.warning(
+                    "connection problem (%s: %s); retrying in %.0f s", code.name, exc.details(), backoff
+                )
+            self.stop.wait(backoff * random.uniform(0.8, 1.2))
+            backoff = min(backoff * 2, self.config.connection.max_backoff_seconds)
+        return 0
+
+    def _session(self) -> bool:
+        conn = self.config.connection
+        options = [("grpc.ssl_target_name_override", conn.server_name)] if conn.server_name else []
+        session_over = threading.Event()
+        with grpc.secure_channel(conn.aggregator, self.credentials, options=options) as channel:
+            stub = consortium_pb2_grpc.ConsortiumServiceStub(channel)
+            self._register(stub)
+            stream = stub.Join(pb.JoinRequest(last_round=self._progress().get("committed", 0)))
+            threading.Thread(target=self._heartbeats, args=(stub, session_over), daemon=True).start()
+            threading.Thread(target=self._cancel_on_stop, args=(stream, session_over), daemon=True).start()
+            try:
+                return self._follow(stub, stream)
+            finally:
+                session_over.set()
+
+    def _follow(self, stub: consortium_pb2_grpc.ConsortiumServiceStub, stream: Iterator) -> bool:
+        """Act on directives until the stream ends; True when the consortium is finished."""
+        for directive in stream:
+            kind = directive.WhichOneof("directive")
+            if kind == "round_spec":
+                self._round(stub, directive.round_spec)
+            elif kind == "abort":
+                log.warning("aggregator aborted %s: %s", directive.abort.round_id, directive.abort.reason)
+            elif kind == "finished":
+                done = directive.finished
+                log.info(
+                    "consortium finished after %d rounds (state %s)", done.rounds, done.state_digest[:16]
+                )
+                self._save_progress(committed=done.rounds)
+                return True
+        return False
+
+    def _cancel_on_stop(self, stream: grpc.Future, session_over: threading.Event) -> None:
+        while not session_over.is_set():
+            if self.stop.wait(0.5):
+                stream.cancel()
+                return
+
+    def _register(self, stub: consortium_pb2_grpc.ConsortiumServiceStub) -> None:
+        policy = self.config.policy
+        reply = stub.Register(
+            pb.RegisterRequest(
+                agent_version=VERSION,
+                accepted_methods=policy.methods,
+                accepted_privacy=policy.privacy,
+                accepted_disclosures=policy.disclosures,
+            ),
+            timeout=CALL_TIMEOUT,
+        )
+        try:
+            cert = load_certificate(reply.aggregator_certificate)
+            verify_chain(cert, load_certificate(self.ca_pem))
+        except PkiError as exc:
+            raise Fatal(
+                f"the aggregator's signing certificate is not from this consortium's CA: {exc}"
+            ) from None
+        self.aggregator_cert, self.silo_id = cert, reply.silo_id
+        log.info("registered as %s with consortium %r", reply.silo_id, reply.consortium_id)
+
+    def _heartbeats(
+        self, stub: consortium_pb2_grpc.ConsortiumServiceStub, session_over: threading.Event
+    ) -> None:
+        while not session_over.wait(self.config.connection.heartbeat_seconds) and not self.stop.is_set():
+            try:
+                stub.Heartbeat(
+                    pb.HeartbeatRequest(round_id=self.round_id, activity=self.activity), timeout=10
+                )
+            except grpc.RpcError:
+                return
+
+    # --- one round ------------------------------------------------------------------------------
+
+    def _round(
+        self, stub: consortium_pb2_grpc.ConsortiumServiceStub, signed: round_pb2.SignedRoundSpec
+    ) -> None:
+        try:
+            spec, plan = self._check_spec(signed)
+        except (RefusedRound, PkiError) as exc:
+            log.error("refusing a round: %s", exc)
+            return
+        self.round_id = spec.round_id
+        payload = self._pending(spec.round_id) or self._train(stub, spec, plan)
+        if payload is None:
+            return
+        self.activity = pb.SILO_ACTIVITY_UPLOADING
+        try:
+            receipt = stub.Submit(_submit_stream(spec.round_id, payload), timeout=CALL_TIMEOUT)
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+                log.warning("contribution for %s refused: %s", spec.round_id, exc.details())
+                self._clear_pending()
+                return
+            raise
+        finally:
+            self.activity = pb.SILO_ACTIVITY_IDLE
+        if receipt.sha256 != hashlib.sha256(payload).hexdigest():
+            log.error("receipt for %s names other bytes than were sent", spec.round_id)
+        self._clear_pending()
+        self._save_progress(committed=spec.round - 1, submitted=spec.round_id)
+        log.info("round %d: contribution accepted (%s)", spec.round, receipt.sha256[:16])
+
+    def _check_spec(self, signed: round_pb2.SignedRoundSpec) -> tuple[round_pb2.RoundSpec, RoundPlan]:
+        verify(self.aggregator_cert, signed.signature, signed.spec, context=ROUNDSPEC_CONTEXT)
+        spec = round_pb2.RoundSpec.FromString(signed.spec)
+        policy = self.config.policy
+        problems = []
+        if self.silo_id not in spec.participants:
+            problems.append(f"this silo ({self.silo_id}) is not among the participants")
+        if spec.method not in policy.methods:
+            problems.append(f"method {spec.method!r} is not allowed by policy.methods")
+        if spec.privacy not in policy.privacy:
+            problems.append(f"privacy layer {spec.privacy!r} is not allowed by policy.privacy")
+        extra = sorted(set(spec.disclosures) - set(policy.disclosures))
+        if extra:
+            problems.append(f"disclosures {extra} are not allowed by policy.disclosures")
+        if hashlib.sha256(spec.method_config.encode()).hexdigest() != spec.config_sha256:
+            problems.append("method_config does not match config_sha256")
+        if spec.state_bytes > policy.max_state_mb * 2**20:
+            problems.append(f"state of {spec.state_bytes} bytes exceeds policy.max_state_mb")
+        if problems:
+            raise RefusedRound(f"{spec.round_id}: " + "; ".join(problems))
+        plan = RoundPlan.from_toml(spec.method_config, f"RoundSpec {spec.round_id}")
+        if plan.method.name != spec.method:
+            raise RefusedRound(f"{spec.round_id}: plan runs {plan.method.name!r}, spec says {spec.method!r}")
+        if (
+            tuple(plan.model.image_shape) != self.data.image_shape
+            or len(plan.model.classes) != self.data.num_classes
+        ):
+            raise RefusedRound(
+                f"{spec.round_id}: the model takes {plan.model.image_shape} images of "
+                f"{len(plan.model.classes)} classes; local data is {self.data.image_shape}, "
+                f"{self.data.num_classes} classes"
+            )
+        return spec, plan
+
+    def _train(self, stub, spec: round_pb2.RoundSpec, plan: RoundPlan) -> bytes | None:
+        self.activity = pb.SILO_ACTIVITY_FETCHING
+        data = b"".join(
+            part.data
+            for part in stub.FetchState(pb.FetchStateRequest(round_id=spec.round_id), timeout=CALL_TIMEOUT)
+        )
+        state = unpack_state(data, spec.round - 1)
+        if len(data) != spec.state_bytes or state.digest() != spec.state_digest:
+            log.error("%s: the state received does not match the signed digest; not training", spec.round_id)
+            return None
+        method = plan.build_method()
+        schema = method.schema(state)
+        if schema != _schema_of(spec):
+            log.error("%s: the signed schema differs from the method's own; not training", spec.round_id)
+            return None
+        self.activity = pb.SILO_ACTIVITY_TRAINING
+        started = time.perf_counter()
+        contribution = method.local_round(state, self.data, SiloContext(spec.round, self.silo_id, spec.seed))
+        payload = contribution.flat().numpy().astype("<f8").tobytes()
+        atomic_write(self.state_dir / "pending.bin", lambda fh: fh.write(payload))
+        atomic_write_text(self.state_dir / "pending.json", json.dumps({"round_id": spec.round_id}))
+        log.info(
+            "round %d: trained on %d samples in %.1f s",
+            spec.round,
+            len(self.data),
+            time.perf_counter() - started,
+        )
+        return payload
+
+    # --- what survives a restart ----------------------------------------------------------------
+
+    def _pending(self, round_id: str) -> bytes | None:
+        meta = self.state_dir / "pending.json"
+        if meta.exists() and json.loads(meta.read_text()).get("round_id") == round_id:
+            log.info("resending the contribution saved for %s", round_id)
+            return (self.state_dir / "pending.bin").read_bytes()
+        return None
+
+    def _clear_pending(self) -> None:
+        for name in ("pending.json", "pending.bin"):
+            (self.state_dir / name).unlink(missing_ok=True)
+
+    def _progress(self) -> dict:
+        path = self.state_dir / "progress.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def _save_progress(self, **facts: object) -> None:
+        atomic_write_text(self.state_dir / "progress.json", json.dumps({**self._progress(), **facts}))
+
+
+def _schema_of(spec: round_pb2.RoundSpec) -> Schema:
+    fields = tuple(Field(f.name, tuple(f.shape), f.bound) for f in spec.schema.fields)
+    return Schema(fields, phase=spec.schema.phase)
+
+
+def _submit_stream(round_id: str, payload: bytes) -> Iterator[pb.SubmitRequest]:
+    header = pb.SubmitHeader(
+        round_id=round_id,
+        kind=pb.CONTRIBUTION_KIND_PLAINTEXT,
+        total_bytes=len(payload),
+        sha256=hashlib.sha256(payload).hexdigest(),
+    )
+    yield pb.SubmitRequest(header=header)
+    for offset in range(0, len(payload), CHUNK):
+        yield pb.SubmitRequest(chunk=payload[offset : offset + CHUNK])

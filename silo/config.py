@@ -1,0 +1,93 @@
+"""`silo.toml`: how to reach the aggregator, which data to train on, and what this silo agrees to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fedlt.aggregation import LAYERS
+from fedlt.config import parse_section, read_toml, setting
+from fedlt.data.arrays import LabeledImages
+from fedlt.data.federation import DataConfig, build_federation
+from fedlt.data.files import load_dataset
+from fedlt.errors import ConfigError
+from fedlt.methods import METHODS
+
+
+@dataclass(frozen=True)
+class ConnectionSection:
+    aggregator: str = setting("127.0.0.1:50051", doc="host:port of the aggregator")
+    server_name: str = setting("", doc="name in the aggregator's certificate, if not the host above")
+    ca: str = "pki/ca.pem"
+    certificate: str = "pki/silo.pem"
+    key: str = "pki/silo.key"
+    heartbeat_seconds: float = setting(10.0, gt=0.0)
+    max_backoff_seconds: float = setting(30.0, gt=0.0)
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """Either this silo's own files, or (demos, tests) shard `index` of an embedded long-tail recipe."""
+
+    source: str = setting("files", choices=("files", "embedded"))
+    path: str = ""
+    format: str = setting("", choices=("", "npz", "folder", "cifar10", "idx"))
+    labels: str = setting("", doc="labels file, for the idx format")
+    index: int = setting(0, ge=0, doc="embedded: which silo of the recipe this is")
+    seed: int = setting(0, ge=0, doc="embedded: the recipe's seed")
+    recipe: DataConfig = field(default_factory=DataConfig)
+
+
+@dataclass(frozen=True)
+class PolicySection:
+    """What this silo agrees to; a RoundSpec asking for anything else is refused, not negotiated."""
+
+    methods: tuple[str, ...] = tuple(METHODS)
+    privacy: tuple[str, ...] = ("secagg", "ckks")
+    disclosures: tuple[str, ...] = ()
+    max_state_mb: float = setting(2048.0, gt=0.0)
+
+
+@dataclass(frozen=True)
+class SiloConfig:
+    connection: ConnectionSection = field(default_factory=ConnectionSection)
+    data: DataSection = field(default_factory=DataSection)
+    policy: PolicySection = field(default_factory=PolicySection)
+    state_dir: str = setting("silo-state", doc="progress and pending uploads survive restarts here")
+    base_dir: Path = Path()
+
+    def path(self, value: str) -> Path:
+        p = Path(value)
+        return p if p.is_absolute() else self.base_dir / p
+
+    def load_data(self) -> LabeledImages:
+        data = self.data
+        if data.source == "embedded":
+            federation = build_federation(data.recipe, seed=data.seed)
+            return federation.silos[data.index]
+        options = {"labels": str(self.path(data.labels))} if data.labels else {}
+        return load_dataset(self.path(data.path), format=data.format or None, **options)
+
+
+def load_silo_config(path: str | Path) -> SiloConfig:
+    path = Path(path)
+    tree = read_toml(path)
+    problems: list[str] = []
+    tree.pop("base_dir", None)
+    config = parse_section(SiloConfig, tree, "", problems)
+    config = SiloConfig(config.connection, config.data, config.policy, config.state_dir, path.parent)
+    unknown_methods = sorted(set(config.policy.methods) - set(METHODS))
+    if unknown_methods:
+        problems.append(f"policy.methods: unknown {unknown_methods}; known: {', '.join(METHODS)}")
+    unknown_layers = sorted(set(config.policy.privacy) - {*LAYERS, "secagg", "ckks"})
+    if unknown_layers:
+        problems.append(f"policy.privacy: unknown {unknown_layers}")
+    if config.data.source == "files" and not config.data.path:
+        problems.append("data.path: required when data.source = 'files'")
+    if config.data.source == "embedded" and config.data.index >= config.data.recipe.silos:
+        problems.append(
+            f"data.index: {config.data.index} but the recipe has {config.data.recipe.silos} silos"
+        )
+    if problems:
+        raise ConfigError(path, problems)
+    return config

@@ -1,0 +1,145 @@
+"""Start and stop a real consortium (aggregator + silo processes on 127.0.0.1) for tests.
+
+Every wait is bounded and every process started here is killed when the test ends, pass or fail.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aggregator.config import ConsortiumSection, TimeoutSection
+from aggregator.demo import point_silos_at, wait_for_address, write_consortium
+from aggregator.store import Store
+from fedlt.data.federation import DataConfig
+from fedlt.methods import TrainConfig
+from fedlt.methods.state import GlobalState, unpack_state
+from fedlt.plan import ModelSection, RoundPlan
+
+RECIPE = DataConfig(dataset="digits", imbalance=10.0, alpha=0.5, silos=3, min_silo_size=10, test_per_class=30)
+PLAN = RoundPlan(
+    model=ModelSection(name="cnn-small", image_shape=(1, 8, 8)),
+    train=TrainConfig(local_epochs=1, batch_size=16, lr=0.05, momentum=0.9),
+)
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+@dataclass
+class Consortium:
+    directory: Path
+    silo_configs: list[Path]
+    aggregator: subprocess.Popen | None = None
+    silos: dict[int, subprocess.Popen] = field(default_factory=dict)
+    output: list[str] = field(default_factory=list)
+    address: str = ""
+
+    @classmethod
+    def create(
+        cls, directory: Path, *, rounds: int, min_silos: int, round_timeout: float = 30.0, silos: int = 3
+    ) -> Consortium:
+        recipe = DataConfig(**{**RECIPE.__dict__, "silos": silos})
+        _, silo_configs = write_consortium(
+            directory,
+            recipe=recipe,
+            plan=PLAN,
+            consortium=ConsortiumSection(id="test-consortium", rounds=rounds, min_silos=min_silos),
+            timeouts=TimeoutSection(gather=3.0, round=round_timeout),
+        )
+        return cls(directory, silo_configs)
+
+    @property
+    def data_dir(self) -> Path:
+        return self.directory / "aggregator-data"
+
+    def start_aggregator(self) -> None:
+        """Start (or restart) the aggregator; a restart listens on the port of the first start, as a
+        deployment with a fixed port would, so running silos find it again."""
+        if self.address:
+            config = self.directory / "consortium.toml"
+            config.write_text(
+                config.read_text().replace('listen = "127.0.0.1:0"', f'listen = "{self.address}"')
+            )
+        self.aggregator = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "aggregator",
+                "serve",
+                "--config",
+                str(self.directory / "consortium.toml"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=ENV,
+        )
+        threading.Thread(target=self._pump, args=(self.aggregator,), daemon=True).start()
+        address = wait_for_address(self.data_dir, self.aggregator, timeout=60)
+        if not self.address:
+            point_silos_at(address, self.silo_configs)
+            self.address = address
+
+    def _pump(self, process: subprocess.Popen) -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            self.output.append(line.rstrip("\n"))
+
+    def start_silo(self, k: int) -> None:
+        log = (self.directory / f"silo-{k}.log").open("a")
+        self.silos[k] = subprocess.Popen(
+            [sys.executable, "-m", "silo", "run", "--config", str(self.silo_configs[k])],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=ENV,
+        )
+
+    def start(self) -> None:
+        self.start_aggregator()
+        for k in range(len(self.silo_configs)):
+            self.start_silo(k)
+
+    def wait_for_output(self, predicate: Callable[[str], bool], timeout: float) -> str:
+        until = time.monotonic() + timeout
+        while time.monotonic() < until:
+            for line in list(self.output):
+                if predicate(line):
+                    return line
+            time.sleep(0.1)
+        raise AssertionError(
+            f"no matching aggregator output within {timeout} s; got:\n" + "\n".join(self.output)
+        )
+
+    def wait_aggregator(self, timeout: float) -> int:
+        assert self.aggregator is not None
+        try:
+            return self.aggregator.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("aggregator did not finish; output:\n" + "\n".join(self.output)) from None
+
+    def kill(self, process: subprocess.Popen) -> None:
+        process.send_signal(signal.SIGKILL)
+        process.wait(10)
+
+    def stop(self) -> None:
+        for p in [self.aggregator, *self.silos.values()]:
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+    def final_state(self) -> GlobalState:
+        store = Store(self.data_dir / "consortium.sqlite")
+        try:
+            latest = store.latest_state()
+            return unpack_state(latest.data, latest.round)
+        finally:
+            store.close()
+
+    def store(self) -> Store:
+        return Store(self.data_dir / "consortium.sqlite")

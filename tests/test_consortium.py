@@ -1,0 +1,114 @@
+"""A real consortium: aggregator and silo agents as processes talking gRPC over mutual TLS on 127.0.0.1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedlt.sim.config import ModelChoice, SimConfig
+from fedlt.sim.run import run_simulation
+from tests.consortium_harness import PLAN, RECIPE, Consortium
+
+
+@pytest.fixture
+def make_consortium(tmp_path):
+    made: list[Consortium] = []
+
+    def make(**options) -> Consortium:
+        consortium = Consortium.create(tmp_path / f"c{len(made)}", **options)
+        made.append(consortium)
+        return consortium
+
+    yield make
+    for consortium in made:
+        consortium.stop()
+
+
+def simulated_state(tmp_path, rounds: int, silos: int = 3):
+    config = SimConfig(
+        seed=0,
+        rounds=rounds,
+        data=RECIPE.__class__(**{**RECIPE.__dict__, "silos": silos}),
+        model=ModelChoice(PLAN.model.name),
+        train=PLAN.train,
+    )
+    return run_simulation(config, tmp_path / "sim", echo=lambda _: None).state
+
+
+def assert_same_model(a, b):
+    assert a.round == b.round
+    assert set(a.model) == set(b.model)
+    for name in a.model:
+        assert torch.allclose(a.model[name].double(), b.model[name].double(), atol=1e-5), name
+
+
+def contributors(consortium: Consortium) -> dict[int, list[str]]:
+    store = consortium.store()
+    try:
+        rows = store._db.execute("SELECT round, contributors FROM states WHERE round > 0").fetchall()
+    finally:
+        store.close()
+    import json
+
+    return {r: json.loads(c) for r, c in rows}
+
+
+def test_full_run_gives_the_simulators_model(make_consortium, tmp_path):
+    consortium = make_consortium(rounds=2, min_silos=3)
+    consortium.start()
+    assert consortium.wait_aggregator(timeout=180) == 0
+    assert any("all rounds committed" in line for line in consortium.output)
+    assert_same_model(consortium.final_state(), simulated_state(tmp_path, rounds=2))
+    for silo in consortium.silos.values():
+        assert silo.wait(30) == 0, "silo agents exit cleanly once the consortium is finished"
+    store = consortium.store()
+    store.verify_audit()
+    events = [r.event for r in store.audit_log()]
+    store.close()
+    assert events.count("silo_enrolled") == 3
+    assert events.count("round_committed") == 2
+    assert (consortium.data_dir / "run" / "metrics.json").exists()
+
+
+def test_round_completes_without_a_killed_silo_when_enough_remain(make_consortium):
+    consortium = make_consortium(rounds=3, min_silos=2)
+    consortium.start()
+    consortium.wait_for_output(lambda line: line.startswith("round    1/3"), timeout=120)
+    consortium.kill(consortium.silos[2])
+    assert consortium.wait_aggregator(timeout=180) == 0
+    rounds = contributors(consortium)
+    assert rounds[1] == ["silo-0", "silo-1", "silo-2"]
+    assert rounds[3] == ["silo-0", "silo-1"]
+
+
+def test_round_is_retried_when_too_few_remain(make_consortium):
+    consortium = make_consortium(rounds=2, min_silos=3, round_timeout=6.0)
+    consortium.start()
+    consortium.wait_for_output(lambda line: line.startswith("round    1/2"), timeout=120)
+    consortium.kill(consortium.silos[2])
+    consortium.wait_for_output(lambda line: "aborted" in line or "fewer than min_silos" in line, timeout=60)
+    consortium.start_silo(2)
+    assert consortium.wait_aggregator(timeout=180) == 0
+    store = consortium.store()
+    statuses = store._db.execute("SELECT round, status FROM attempts ORDER BY round, attempt").fetchall()
+    store.close()
+    assert (2, "aborted") in statuses
+    assert statuses[-1] == (2, "committed")
+    assert contributors(consortium)[2] == ["silo-0", "silo-1", "silo-2"]
+
+
+def test_aggregator_killed_mid_run_resumes_to_the_same_model(make_consortium, tmp_path):
+    consortium = make_consortium(rounds=3, min_silos=3)
+    consortium.start()
+    consortium.wait_for_output(lambda line: line.startswith("round    1/3"), timeout=120)
+    consortium.kill(consortium.aggregator)
+    consortium.output.clear()
+    consortium.start_aggregator()
+    assert consortium.wait_aggregator(timeout=180) == 0
+    store = consortium.store()
+    events = [r.event for r in store.audit_log()]
+    committed = [r for (r,) in store._db.execute("SELECT round FROM states ORDER BY round")]
+    store.close()
+    assert committed == [0, 1, 2, 3], "no round lost or repeated"
+    assert events.count("round_committed") == 3
+    assert_same_model(consortium.final_state(), simulated_state(tmp_path, rounds=3))

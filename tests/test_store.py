@@ -1,0 +1,98 @@
+import sqlite3
+
+import pytest
+
+from aggregator.store import Store, StoreError
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(tmp_path / "db.sqlite")
+    yield s
+    s.close()
+
+
+def test_binding_refuses_another_consortium(tmp_path):
+    s = Store(tmp_path / "db.sqlite")
+    assert s.bind("a") is True
+    assert s.bind("a") is False
+    with pytest.raises(StoreError, match="other settings"):
+        s.bind("b")
+    s.close()
+
+
+def test_rounds_commit_in_order_and_survive_reopening(tmp_path):
+    s = Store(tmp_path / "db.sqlite")
+    s.save_initial_state("d0", b"state0")
+    attempt, round_id = s.begin_attempt(1, ["silo-0", "silo-1"], "n1")
+    assert attempt == 1
+    s.commit_round(
+        round_number=1,
+        round_id=round_id,
+        digest="d1",
+        data=b"state1",
+        contributors=["silo-0"],
+        metrics={"round": 1, "accuracy": 0.5},
+    )
+    with pytest.raises(StoreError, match="cannot commit round 3 on top of round 1"):
+        s.commit_round(round_number=3, round_id="x", digest="d3", data=b"", contributors=[], metrics=None)
+    s.close()
+    again = Store(tmp_path / "db.sqlite")
+    latest = again.latest_state()
+    assert (latest.round, latest.digest, latest.data) == (1, "d1", b"state1")
+    assert again.metrics_history() == [{"round": 1, "accuracy": 0.5}]
+    again.close()
+
+
+def test_open_attempts_are_abandoned_and_the_round_gets_a_new_attempt(store):
+    store.save_initial_state("d0", b"")
+    _, first = store.begin_attempt(1, ["a"], "n1")
+    assert store.abandon_open_attempts("restart") == [first]
+    attempt, second = store.begin_attempt(1, ["a"], "n2")
+    assert attempt == 2
+    assert second != first
+    events = [r.event for r in store.audit_log()]
+    assert events == ["initial_state", "attempt_started", "attempt_abandoned", "attempt_started"]
+
+
+def test_audit_log_is_append_only(store):
+    store.audit("test", {"k": 1})
+    with pytest.raises(sqlite3.IntegrityError, match="append-only"):
+        store._db.execute("UPDATE audit SET event = 'x'")
+    with pytest.raises(sqlite3.IntegrityError, match="append-only"):
+        store._db.execute("DELETE FROM audit")
+
+
+def test_audit_chain_detects_edits_behind_sqlites_back(store):
+    for i in range(3):
+        store.audit("event", {"i": i})
+    store.verify_audit()
+    store._db.execute("DROP TRIGGER audit_no_update")
+    store._db.execute("UPDATE audit SET detail = '{\"i\": 7}' WHERE seq = 2")
+    with pytest.raises(StoreError, match="audit record 2"):
+        store.verify_audit()
+
+
+def test_registration_is_audited_once_per_certificate(store):
+    store.register_silo("silo-0", "c1", "v", {})
+    store.register_silo("silo-0", "c1", "v", {})
+    store.register_silo("silo-0", "c2", "v", {})
+    assert [r.event for r in store.audit_log()] == ["silo_enrolled", "silo_certificate_changed"]
+    assert list(store.silos()) == ["silo-0"]
+
+
+def test_old_states_are_pruned_but_latest_kept(store):
+    store.save_initial_state("d0", b"s0")
+    for r in range(1, 6):
+        _, rid = store.begin_attempt(r, ["a"], f"n{r}")
+        store.commit_round(
+            round_number=r,
+            round_id=rid,
+            digest=f"d{r}",
+            data=f"s{r}".encode(),
+            contributors=["a"],
+            metrics=None,
+        )
+    sizes = dict(store._db.execute("SELECT round, length(data) FROM states"))
+    assert sizes == {0: 0, 1: 0, 2: 0, 3: 2, 4: 2, 5: 2}
+    assert store.latest_state().data == b"s5"
