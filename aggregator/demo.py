@@ -45,6 +45,7 @@ def write_consortium(
     plan: RoundPlan,
     consortium: ConsortiumSection,
     timeouts: TimeoutSection,
+    silo_threads: int = 0,
 ) -> tuple[Path, list[Path]]:
     """CA, certificates and config files for a consortium on this machine, one silo per recipe shard.
 
@@ -83,6 +84,7 @@ def write_consortium(
             },
             "data": {"source": "embedded", "index": k, "seed": consortium.seed, "recipe": as_table(recipe)},
             "policy": {"methods": [plan.method.name], "privacy": [consortium.privacy]},
+            "compute": {"threads": silo_threads},
         }
         silo_path = directory / f"silo-{k}.toml"
         silo_path.write_text(f"# Silo {k}: shard {k} of the embedded recipe.\n{render_toml(silo)}")
@@ -135,6 +137,8 @@ def run_demo(directory: Path, *, silos: int, rounds: int) -> int:
         plan=DEMO_PLAN,
         consortium=ConsortiumSection(id="fedlt-demo", rounds=rounds, min_silos=silos),
         timeouts=TimeoutSection(gather=5.0, round=120.0),
+        # the silos share this machine's cores; on machines of their own they would use all of theirs
+        silo_threads=max(1, (os.cpu_count() or 1) // silos),
     )
     logs = directory / "logs"
     logs.mkdir()

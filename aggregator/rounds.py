@@ -20,6 +20,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -113,12 +114,19 @@ class RoundEngine:
         self.recorder = recorder
         self.echo = echo
         self.plan_toml = config.plan.to_toml()
+        # evaluation is reporting: it runs beside the next round, on a method instance of its own
+        self._evaluator = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluation")
+        self._eval_method = config.plan.build_method() if recorder is not None else None
         self._lock = threading.Condition()
         self._sessions: dict[str, Session] = {}
         self._last_contributed: dict[str, int] = {}
         self.attempt: Attempt | None = None
+        self.failure: Exception | None = None
         self.stage = Stage.GATHERING
         self.state = self._load_state()
+        self._state_bytes = pack_state(self.state)
+        if recorder is not None and self.state.round > len(recorder.rounds) and self.state.round > 0:
+            self._evaluator.submit(self._report, self.state, None, None)
 
     # --- start-up ---------------------------------------------------------------------------------
 
@@ -179,9 +187,8 @@ class RoundEngine:
         with self._lock:
             return self._invited(silo_id, round_id).schema.size * 8
 
-    def submit(self, silo_id: str, round_id: str, payload: bytes) -> str:
-        """Check and keep one silo's plaintext contribution; returns its SHA-256 as the receipt."""
-        digest = hashlib.sha256(payload).hexdigest()
+    def submit(self, silo_id: str, round_id: str, payload: bytes, digest: str) -> str:
+        """Check and keep one silo's plaintext contribution, whose SHA-256 the caller has checked."""
         with self._lock:
             attempt = self._invited(silo_id, round_id)
             if silo_id in attempt.receipts:
@@ -223,7 +230,7 @@ class RoundEngine:
                     {
                         "silo_id": s,
                         "connected": s in self._sessions,
-                        "last_seen_ms": self._sessions[s].last_seen_ms if s in self._sessions else seen,
+                        "last_seen_unix_ms": self._sessions[s].last_seen_ms if s in self._sessions else seen,
                         "activity": self._sessions[s].activity if s in self._sessions else "offline",
                         "last_contributed_round": self._last_contributed.get(s, 0),
                     }
@@ -234,6 +241,17 @@ class RoundEngine:
     # --- the driver -------------------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
+        """Drive rounds until done or stopped; an unexpected error is kept in `failure` for the caller."""
+        try:
+            self._run(stop)
+        except Exception as exc:
+            log.exception("the round driver stopped on an unexpected error")
+            self.failure = exc
+            stop.set()
+        finally:
+            self._evaluator.shutdown(wait=True)
+
+    def _run(self, stop: threading.Event) -> None:
         while self.state.round < self.total_rounds and not stop.is_set():
             participants = self._gather(stop)
             if participants is None:
@@ -246,7 +264,10 @@ class RoundEngine:
             if len(contributors) < self.config.consortium.min_silos:
                 self._abort(attempt, f"{len(contributors)} contributions, fewer than min_silos")
                 continue
-            self._commit(attempt, contributors)
+            try:
+                self._commit(attempt, contributors)
+            except FedltError as exc:
+                self._abort(attempt, f"the sums could not be used: {exc}")
         with self._lock:
             if self.state.round >= self.total_rounds:
                 self.stage = Stage.FINISHED
@@ -278,7 +299,7 @@ class RoundEngine:
         round_number = self.state.round + 1
         attempt_number, round_id = self.store.begin_attempt(round_number, participants, secrets.token_hex(4))
         schema = self.method.schema(self.state)
-        state_bytes = pack_state(self.state)
+        state_bytes = self._state_bytes
         deadline = now_ms() + int(1000 * self.config.timeouts.round)
         spec = round_pb2.RoundSpec(
             consortium_id=self.config.consortium.id,
@@ -310,7 +331,7 @@ class RoundEngine:
             for silo in participants:
                 if silo in self._sessions:
                     self._sessions[silo].directives.put(pb.JoinResponse(round_spec=signed))
-        log.info("round %d: attempt %s with %s", round_number, round_id, ", ".join(participants))
+        log.debug("round %d: attempt %s with %s", round_number, round_id, ", ".join(participants))
         return attempt
 
     def _collect(self, attempt: Attempt, stop: threading.Event) -> list[str] | None:
@@ -330,35 +351,47 @@ class RoundEngine:
             return sorted(attempt.submissions)
 
     def _commit(self, attempt: Attempt, contributors: list[str]) -> None:
+        timer = _Stopwatch()
         sums = self.layer.aggregate(attempt.schema, [attempt.submissions[s] for s in contributors])
         state = self.method.server_step(
             self.state, sums, ServerContext(attempt.round, self.config.consortium.seed)
         )
-        entry = None
-        if self.recorder is not None:
-            entry = self.recorder.evaluate(
-                attempt.round,
-                self.method.eval_model(state),
-                contributors=contributors,
-                seconds=round(time.perf_counter() - attempt.started, 3),
-                state_digest=state.digest(),
-            )
+        timer.lap("sum and server step")
+        packed = pack_state(state)
         self.store.commit_round(
             round_number=attempt.round,
             round_id=attempt.round_id,
             digest=state.digest(),
-            data=pack_state(state),
+            data=packed,
             contributors=contributors,
-            metrics=entry,
         )
+        timer.lap("commit")
         with self._lock:
-            self.state = state
+            self.state, self._state_bytes = state, packed
             self.attempt = None
-        if entry is not None and self.recorder is not None:
-            self.recorder.append(entry)
-            self.echo(round_line(entry, self.total_rounds) + f"  [{len(contributors)} silos]")
-        else:
+        seconds = round(time.perf_counter() - attempt.started, 3)
+        log.debug("round %d committed: %s", attempt.round, timer)
+        if self.recorder is None:
             self.echo(f"round {attempt.round:>4}/{self.total_rounds} committed, {len(contributors)} silos")
+        else:
+            self._evaluator.submit(self._report, state, contributors, seconds)
+
+    def _report(self, state: GlobalState, contributors: list[str] | None, seconds: float | None) -> None:
+        """Evaluate a committed state on the operator's evaluation set and keep the result."""
+        try:
+            entry = self.recorder.evaluate(
+                state.round,
+                self._eval_method.eval_model(state),
+                contributors=contributors,
+                state_digest=state.digest(),
+            )
+            entry["seconds"] = seconds
+            self.store.save_metrics(state.round, entry)
+            self.recorder.append(entry)
+            silos = f"  [{len(contributors)} silos]" if contributors else ""
+            self.echo(round_line(entry, self.total_rounds) + silos)
+        except Exception:
+            log.exception("evaluating round %d failed; training goes on", state.round)
 
     def _abort(self, attempt: Attempt, reason: str) -> None:
         self.store.abort_attempt(attempt.round_id, reason)
@@ -387,6 +420,22 @@ class RoundEngine:
                 return False
             self._lock.wait(left)
         return True
+
+
+class _Stopwatch:
+    """Where a round's time goes, for the operator's debug log."""
+
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+        self.laps: list[str] = []
+
+    def lap(self, what: str) -> None:
+        now = time.perf_counter()
+        self.laps.append(f"{what} {now - self.last:.3f} s")
+        self.last = now
+
+    def __str__(self) -> str:
+        return ", ".join(self.laps)
 
 
 def _decode(schema: Schema, payload: bytes) -> Contribution:

@@ -95,6 +95,9 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
         store.close()
     if engine.recorder is not None and engine.recorder.rounds:
         echo(f"\nfinal test accuracy after round {engine.state.round}:\n{engine.recorder.finish()}")
+    if engine.failure is not None:
+        echo(f"stopped after round {engine.state.round} on an internal error (see the log above)")
+        return 1
     finished = engine.state.round >= config.consortium.rounds
     echo("all rounds committed" if finished else f"stopped after round {engine.state.round}")
     return 0

@@ -190,16 +190,19 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
         expected = self.engine.expected_bytes(silo, header.round_id)
         if header.total_bytes != expected:
             raise BadContribution(f"header announces {header.total_bytes} bytes; the schema needs {expected}")
-        payload = bytearray()
+        chunks, received, hasher = [], 0, hashlib.sha256()
         for part in request_iterator:
-            if not part.HasField("chunk") or len(payload) + len(part.chunk) > expected:
+            if not part.HasField("chunk") or received + len(part.chunk) > expected:
                 raise Malformed("after the header come only chunks, adding up to total_bytes")
-            payload += part.chunk
-        if len(payload) != expected:
-            raise BadContribution(f"received {len(payload)} of {expected} bytes")
-        if hashlib.sha256(payload).hexdigest() != header.sha256:
+            chunks.append(part.chunk)
+            hasher.update(part.chunk)
+            received += len(part.chunk)
+        if received != expected:
+            raise BadContribution(f"received {received} of {expected} bytes")
+        digest = hasher.hexdigest()
+        if digest != header.sha256:
             raise BadContribution("payload does not match the SHA-256 in its header")
-        digest = self.engine.submit(silo, header.round_id, bytes(payload))
+        self.engine.submit(silo, header.round_id, b"".join(chunks), digest)
         return pb.SubmitResponse(round_id=header.round_id, sha256=digest, accepted_unix_ms=now_ms())
 
 

@@ -203,7 +203,6 @@ class Store:
         digest: str,
         data: bytes,
         contributors: list[str],
-        metrics: dict | None,
     ) -> None:
         with self._transaction() as db:
             (latest,) = db.execute("SELECT COALESCE(MAX(round), -1) FROM states").fetchone()
@@ -218,7 +217,7 @@ class Store:
                     now_ms(),
                     round_id,
                     json.dumps(contributors),
-                    json.dumps(metrics) if metrics is not None else None,
+                    None,
                 ),
             )
             db.execute("UPDATE states SET data = x'' WHERE round <= ?", (round_number - KEEP_STATES,))
@@ -228,6 +227,10 @@ class Store:
                 "round_committed",
                 {"round": round_number, "round_id": round_id, "digest": digest, "contributors": contributors},
             )
+
+    def save_metrics(self, round_number: int, metrics: dict) -> None:
+        with self._transaction() as db:
+            db.execute("UPDATE states SET metrics = ? WHERE round = ?", (json.dumps(metrics), round_number))
 
     def _close_attempt(self, db: sqlite3.Connection, round_id: str, status: str, reason: str | None) -> None:
         db.execute(

@@ -61,11 +61,6 @@ class RunRecorder:
         self.rounds.append(entry)
         atomic_write_text(self.out / METRICS, json.dumps({**self.header, "rounds": self.rounds}, indent=1))
 
-    def record(self, round_number: int, model: nn.Module, **facts: object) -> dict:
-        entry = self.evaluate(round_number, model, **facts)
-        self.append(entry)
-        return entry
-
     def finish(self) -> str:
         """Write the final metrics and plots; return the accuracy table for the terminal."""
         final = self.rounds[-1]

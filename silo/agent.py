@@ -18,12 +18,14 @@ import time
 from collections.abc import Iterator
 
 import grpc
+import numpy as np
+import torch
 
 from fedlt.aggregation import Field, Schema
 from fedlt.atomic import atomic_write, atomic_write_text
 from fedlt.data.arrays import LabeledImages
 from fedlt.errors import FedltError
-from fedlt.methods import SiloContext
+from fedlt.methods import Method, SiloContext
 from fedlt.methods.state import unpack_state
 from fedlt.plan import RoundPlan
 from fedlt.v1 import consortium_pb2 as pb
@@ -56,6 +58,8 @@ class SiloAgent:
         self.stop = stop or threading.Event()
         self.state_dir = config.path(config.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        if config.compute.threads:
+            torch.set_num_threads(config.compute.threads)
         self.data: LabeledImages = config.load_data()
         conn = config.connection
         self.ca_pem = config.path(conn.ca).read_bytes()
@@ -68,6 +72,7 @@ class SiloAgent:
         self.aggregator_cert = None
         self.activity = pb.SILO_ACTIVITY_IDLE
         self.round_id = ""
+        self._method: tuple[str, Method] | None = None
 
     # --- the long-running loop ----------------------------------------------------------------
 
@@ -235,7 +240,7 @@ class SiloAgent:
         if len(data) != spec.state_bytes or state.digest() != spec.state_digest:
             log.error("%s: the state received does not match the signed digest; not training", spec.round_id)
             return None
-        method = plan.build_method()
+        method = self._method_for(plan, spec.config_sha256)
         schema = method.schema(state)
         if schema != _schema_of(spec):
             log.error("%s: the signed schema differs from the method's own; not training", spec.round_id)
@@ -243,7 +248,7 @@ class SiloAgent:
         self.activity = pb.SILO_ACTIVITY_TRAINING
         started = time.perf_counter()
         contribution = method.local_round(state, self.data, SiloContext(spec.round, self.silo_id, spec.seed))
-        payload = contribution.flat().numpy().astype("<f8").tobytes()
+        payload = np.ascontiguousarray(contribution.flat().numpy(), dtype="<f8").tobytes()
         atomic_write(self.state_dir / "pending.bin", lambda fh: fh.write(payload))
         atomic_write_text(self.state_dir / "pending.json", json.dumps({"round_id": spec.round_id}))
         log.info(
@@ -253,6 +258,12 @@ class SiloAgent:
             time.perf_counter() - started,
         )
         return payload
+
+    def _method_for(self, plan: RoundPlan, config_sha256: str) -> Method:
+        """The same plan from round to round reuses one method (and its working model)."""
+        if self._method is None or self._method[0] != config_sha256:
+            self._method = (config_sha256, plan.build_method())
+        return self._method[1]
 
     # --- what survives a restart ----------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fedlt.aggregation import LAYERS
@@ -49,10 +49,16 @@ class PolicySection:
 
 
 @dataclass(frozen=True)
+class ComputeSection:
+    threads: int = setting(0, ge=0, doc="CPU threads for training; 0 uses every core")
+
+
+@dataclass(frozen=True)
 class SiloConfig:
     connection: ConnectionSection = field(default_factory=ConnectionSection)
     data: DataSection = field(default_factory=DataSection)
     policy: PolicySection = field(default_factory=PolicySection)
+    compute: ComputeSection = field(default_factory=ComputeSection)
     state_dir: str = setting("silo-state", doc="progress and pending uploads survive restarts here")
     base_dir: Path = Path()
 
@@ -75,7 +81,7 @@ def load_silo_config(path: str | Path) -> SiloConfig:
     problems: list[str] = []
     tree.pop("base_dir", None)
     config = parse_section(SiloConfig, tree, "", problems)
-    config = SiloConfig(config.connection, config.data, config.policy, config.state_dir, path.parent)
+    config = replace(config, base_dir=path.parent)
     unknown_methods = sorted(set(config.policy.methods) - set(METHODS))
     if unknown_methods:
         problems.append(f"policy.methods: unknown {unknown_methods}; known: {', '.join(METHODS)}")

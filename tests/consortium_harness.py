@@ -11,24 +11,33 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
 
 from aggregator.config import ConsortiumSection, TimeoutSection
 from aggregator.demo import point_silos_at, wait_for_address, write_consortium
+from aggregator.service import ConsortiumServicer, Identity
 from aggregator.store import Store
 from fedlt.data.federation import DataConfig
 from fedlt.methods import TrainConfig
 from fedlt.methods.state import GlobalState, unpack_state
 from fedlt.plan import ModelSection, RoundPlan
+from fedlt.v1 import consortium_pb2_grpc
+from privacy.pki.ca import init_ca, issue_server, issue_silo
+from privacy.pki.identity import RevocationList
 
 RECIPE = DataConfig(dataset="digits", imbalance=10.0, alpha=0.5, silos=3, min_silo_size=10, test_per_class=30)
 PLAN = RoundPlan(
     model=ModelSection(name="cnn-small", image_shape=(1, 8, 8)),
     train=TrainConfig(local_epochs=1, batch_size=16, lr=0.05, momentum=0.9),
 )
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 @dataclass
@@ -143,3 +152,48 @@ class Consortium:
 
     def store(self) -> Store:
         return Store(self.data_dir / "consortium.sqlite")
+
+
+class PayloadEngine:
+    """Stands in for the round engine behind the real servicer: hands out and accepts one payload size."""
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+        self.config = SimpleNamespace(consortium=SimpleNamespace(id="payload", privacy="plaintext"))
+
+    def state_for(self, silo_id: str, round_id: str) -> bytes:
+        return self.payload
+
+    def expected_bytes(self, silo_id: str, round_id: str) -> int:
+        return len(self.payload)
+
+    def submit(self, silo_id: str, round_id: str, payload: bytes, digest: str) -> str:
+        return digest
+
+
+@contextmanager
+def payload_server(directory: Path, payload: bytes) -> Iterator[consortium_pb2_grpc.ConsortiumServiceStub]:
+    """The real ConsortiumServicer over mutual TLS on 127.0.0.1, and a stub connected as silo-0."""
+    init_ca(directory / "ca", name="payload CA")
+    issue_server(directory / "ca", directory, hosts=["127.0.0.1"])
+    issue_silo(directory / "ca", directory, silo_id="silo-0")
+    ca = (directory / "ca" / "ca.pem").read_bytes()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    identity = Identity(RevocationList.load(directory / "ca" / "ca.pem", directory / "ca" / "crl.pem"))
+    servicer = ConsortiumServicer(PayloadEngine(payload), None, identity, b"")
+    consortium_pb2_grpc.add_ConsortiumServiceServicer_to_server(servicer, server)
+    key_pair = ((directory / "aggregator.key").read_bytes(), (directory / "aggregator.pem").read_bytes())
+    port = server.add_secure_port(
+        "127.0.0.1:0", grpc.ssl_server_credentials([key_pair], root_certificates=ca, require_client_auth=True)
+    )
+    server.start()
+    client = grpc.ssl_channel_credentials(
+        root_certificates=ca,
+        private_key=(directory / "silo-0.key").read_bytes(),
+        certificate_chain=(directory / "silo-0.pem").read_bytes(),
+    )
+    try:
+        with grpc.secure_channel(f"127.0.0.1:{port}", client) as channel:
+            yield consortium_pb2_grpc.ConsortiumServiceStub(channel)
+    finally:
+        server.stop(0)

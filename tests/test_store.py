@@ -26,16 +26,11 @@ def test_rounds_commit_in_order_and_survive_reopening(tmp_path):
     s.save_initial_state("d0", b"state0")
     attempt, round_id = s.begin_attempt(1, ["silo-0", "silo-1"], "n1")
     assert attempt == 1
-    s.commit_round(
-        round_number=1,
-        round_id=round_id,
-        digest="d1",
-        data=b"state1",
-        contributors=["silo-0"],
-        metrics={"round": 1, "accuracy": 0.5},
-    )
+    s.commit_round(round_number=1, round_id=round_id, digest="d1", data=b"state1", contributors=["silo-0"])
+    assert s.metrics_history() == []
+    s.save_metrics(1, {"round": 1, "accuracy": 0.5})
     with pytest.raises(StoreError, match="cannot commit round 3 on top of round 1"):
-        s.commit_round(round_number=3, round_id="x", digest="d3", data=b"", contributors=[], metrics=None)
+        s.commit_round(round_number=3, round_id="x", digest="d3", data=b"", contributors=[])
     s.close()
     again = Store(tmp_path / "db.sqlite")
     latest = again.latest_state()
@@ -91,7 +86,6 @@ def test_old_states_are_pruned_but_latest_kept(store):
             digest=f"d{r}",
             data=f"s{r}".encode(),
             contributors=["a"],
-            metrics=None,
         )
     sizes = dict(store._db.execute("SELECT round, length(data) FROM states"))
     assert sizes == {0: 0, 1: 0, 2: 0, 3: 2, 4: 2, 5: 2}

@@ -21,7 +21,14 @@ class GlobalState:
     extra: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
     def digest(self) -> str:
-        """SHA-256 over names, dtypes, shapes and bytes: what silos verify and sign before a round."""
+        """SHA-256 over names, dtypes, shapes and bytes: what silos verify and sign before a round.
+
+        Computed once per state (states are never modified in place: every step makes a new one)."""
+        if "_digest" not in self.__dict__:
+            object.__setattr__(self, "_digest", self._compute_digest())
+        return self.__dict__["_digest"]
+
+    def _compute_digest(self) -> str:
         h = hashlib.sha256(f"round={self.round}".encode())
         for group, tensors in (("model", self.model), ("extra", self.extra)):
             for name in sorted(tensors):

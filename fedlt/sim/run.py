@@ -70,13 +70,14 @@ def run_simulation(
         ]
         sums = layer.aggregate(method.schema(state), contributions)
         state = method.server_step(state, sums, ServerContext(r, config.seed))
-        entry = recorder.record(
+        entry = recorder.evaluate(
             r,
             method.eval_model(state),
             clipped_values=sum(c.clipped for c in contributions),
-            seconds=round(time.perf_counter() - started, 3),
             state_digest=state.digest(),
         )
+        entry["seconds"] = round(time.perf_counter() - started, 3)
+        recorder.append(entry)
         _save_checkpoint(out, config, state, recorder.rounds)
         echo(round_line(entry, config.rounds))
         if on_round is not None:

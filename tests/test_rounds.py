@@ -1,0 +1,117 @@
+"""The round engine without a network: submissions, refusals, status, and failures that must not kill it."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import numpy as np
+import pytest
+
+from aggregator.config import ConsortiumConfig, ConsortiumSection
+from aggregator.rounds import (
+    AlreadySubmitted,
+    BadContribution,
+    NotParticipant,
+    RoundEngine,
+    Stage,
+    WrongRound,
+)
+from aggregator.store import Store
+from fedlt.aggregation.plaintext import PlaintextSum
+from tests.consortium_harness import PLAN
+
+
+@pytest.fixture
+def engine(tmp_path):
+    config = ConsortiumConfig(consortium=ConsortiumSection(rounds=2, min_silos=2), plan=PLAN)
+    store = Store(tmp_path / "db.sqlite")
+    store.register_silo("a", "c", "v", {})
+    store.register_silo("b", "c", "v", {})
+    lines: list[str] = []
+    engine = RoundEngine(
+        config=config,
+        store=store,
+        method=PLAN.build_method(),
+        layer=PlaintextSum(),
+        sign=lambda blob: b"signature",
+        recorder=None,
+        echo=lines.append,
+    )
+    engine.lines = lines
+    yield engine
+    store.close()
+
+
+def payload(engine: RoundEngine, n: float) -> tuple[bytes, str]:
+    vector = np.zeros(engine.method.schema(engine.state).size, dtype="<f8")
+    vector[-1] = n
+    data = vector.tobytes()
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def test_submissions_are_checked_against_the_attempt(engine):
+    for silo in ("a", "b"):
+        engine.connect(silo)
+    attempt = engine._start_attempt(["a", "b"])
+    data, digest = payload(engine, 3.0)
+    assert engine.submit("a", attempt.round_id, data, digest) == digest
+    assert engine.submit("a", attempt.round_id, data, digest) == digest  # an identical resend is idempotent
+    other, other_digest = payload(engine, 4.0)
+    with pytest.raises(AlreadySubmitted):
+        engine.submit("a", attempt.round_id, other, other_digest)
+    with pytest.raises(NotParticipant):
+        engine.submit("c", attempt.round_id, data, digest)
+    with pytest.raises(WrongRound):
+        engine.submit("b", "r1.a9.other", data, digest)
+    with pytest.raises(BadContribution, match="schema needs"):
+        engine.submit("b", attempt.round_id, data[:-8], digest)
+    status = engine.status()
+    assert status["submitted"] == ["a"]
+    assert status["participants"] == ["a", "b"]
+    assert {s["silo_id"]: s["connected"] for s in status["silos"]} == {"a": True, "b": True}
+    assert set(status["silos"][0]) == {
+        "silo_id",
+        "connected",
+        "last_seen_unix_ms",
+        "activity",
+        "last_contributed_round",
+    }
+
+
+def test_a_participants_reconnect_gets_the_round_again(engine):
+    engine.connect("a")
+    engine.connect("b")
+    attempt = engine._start_attempt(["a", "b"])
+    first = engine._sessions["a"].directives.get_nowait()
+    assert first.round_spec == attempt.signed
+    again = engine.connect("a")
+    assert again.directives.get_nowait().round_spec == attempt.signed
+
+
+def test_unusable_sums_abort_the_attempt_instead_of_stopping_the_aggregator(engine):
+    """Contributions that sum to zero samples cannot be averaged: the round is retried, not fatal."""
+    stop = threading.Event()
+    driver = threading.Thread(target=engine.run, args=(stop,))
+    engine.connect("a")
+    engine.connect("b")
+    driver.start()
+    try:
+        for _ in range(2):
+            deadline = threading.Event()
+            while engine.attempt is None or engine.stage != Stage.COLLECTING:
+                deadline.wait(0.05)
+            attempt = engine.attempt
+            for silo in ("a", "b"):
+                data, digest = payload(engine, 0.0)
+                engine.submit(silo, attempt.round_id, data, digest)
+            while engine.attempt is attempt:
+                deadline.wait(0.05)
+        statuses = engine.store._db.execute("SELECT status FROM attempts ORDER BY attempt").fetchall()
+        assert [s for (s,) in statuses][:2] == ["aborted", "aborted"]
+        assert engine.failure is None
+        assert engine.state.round == 0
+    finally:
+        stop.set()
+        driver.join(10)
+    assert not driver.is_alive()
