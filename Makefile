@@ -16,8 +16,9 @@ demo: $(STAMP)
 	$(PY) -m aggregator demo --dir runs/consortium-demo
 
 TOOLS := .tools/node_modules/.bin
-$(TOOLS)/buf: .tools/package.json .tools/package-lock.json
-	cd .tools && npm ci --no-audit --no-fund --loglevel=error
+# buf is pinned exactly in .tools/package.json; no lock file, because npm records only this platform's binary.
+$(TOOLS)/buf: .tools/package.json
+	cd .tools && npm install --no-audit --no-fund --no-package-lock --loglevel=error
 	touch $@
 
 lint: $(STAMP) $(TOOLS)/buf

@@ -87,6 +87,7 @@ def load_consortium_config(path: str | Path) -> ConsortiumConfig:
         )
     }
     plan = parse_section(RoundPlan, plan_tree, "", problems)
+    problems += plan.problems()
     problems += [f"{key}: unknown section or setting" for key in tree]
     counts = sections["evaluation"].class_counts
     if counts and len(counts) != len(plan.model.classes):

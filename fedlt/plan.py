@@ -30,6 +30,13 @@ class RoundPlan:
     train: TrainConfig = field(default_factory=TrainConfig)
     method: MethodChoice = field(default_factory=MethodChoice)
 
+    def problems(self) -> list[str]:
+        """What the field-by-field checks cannot see."""
+        shape = self.model.image_shape
+        if len(shape) != 3 or min(shape, default=0) < 1:
+            return [f"model.image_shape: expected [channels, height, width], got {list(shape)}"]
+        return []
+
     def build_method(self) -> Method:
         channels, height, width = self.model.image_shape
         spec = ModelSpec(self.model.name, (channels, height, width), len(self.model.classes))
@@ -49,10 +56,7 @@ class RoundPlan:
             raise ConfigError(source, [f"not valid TOML: {exc}"]) from None
         problems: list[str] = []
         plan = parse_section(cls, tree, "", problems)
-        if len(plan.model.image_shape) != 3:
-            problems.append(
-                f"model.image_shape: expected [channels, height, width], got {plan.model.image_shape}"
-            )
+        problems += plan.problems()
         if problems:
             raise ConfigError(source, problems)
         return plan

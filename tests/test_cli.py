@@ -1,0 +1,67 @@
+"""User mistakes at the silo and aggregator command lines: one clear message, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from aggregator.__main__ import main as aggregator_main
+from silo.__main__ import main as silo_main
+
+
+def run(main, argv, capsys):
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return code, err
+
+
+def test_silo_config_missing(tmp_path, capsys):
+    code, err = run(silo_main, ["run", "--config", str(tmp_path / "silo.toml")], capsys)
+    assert code == 2
+    assert "no such file" in err
+
+
+def test_silo_config_problems_are_listed_together(tmp_path, capsys):
+    path = tmp_path / "silo.toml"
+    path.write_text(
+        '[connection]\naggregater = "x"\n[policy]\nmethods = ["fedsgd"]\n[data]\nsource = "files"\n'
+    )
+    code, err = run(silo_main, ["run", "--config", str(path)], capsys)
+    assert code == 2
+    assert "connection.aggregater: unknown setting (did you mean 'aggregator'?)" in err
+    assert "policy.methods: unknown ['fedsgd']" in err
+    assert "data.path: required when data.source = 'files'" in err
+
+
+def test_silo_with_missing_data_names_the_file(tmp_path, capsys):
+    path = tmp_path / "silo.toml"
+    path.write_text('[data]\nsource = "files"\npath = "no-such-dir/train.npz"\n')
+    code, err = run(silo_main, ["run", "--config", str(path)], capsys)
+    assert code == 2
+    assert "no-such-dir/train.npz" in err
+
+
+def test_aggregator_without_certificates_names_them(tmp_path, capsys):
+    path = tmp_path / "consortium.toml"
+    path.write_text('[consortium]\nid = "x"\n')
+    code, err = run(aggregator_main, ["serve", "--config", str(path)], capsys)
+    assert code == 2
+    assert "server.certificate: no such file" in err
+    assert "server.key: no such file" in err
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[consortium]\nrounds = 0\n", "consortium.rounds: must be >= 1"),
+        ("[consortum]\nid = 'x'\n", "consortum: unknown section or setting"),
+        ("[model]\nimage_shape = [1, 28]\n", "model.image_shape"),
+        ("[evaluation]\ndataset = 'mnist5k'\nclass_counts = [1, 2]\n", "2 counts for 10 classes"),
+    ],
+)
+def test_aggregator_config_problems(tmp_path, capsys, text, message):
+    path = tmp_path / "consortium.toml"
+    path.write_text(text)
+    code, err = run(aggregator_main, ["serve", "--config", str(path)], capsys)
+    assert code == 2
+    assert message in err
