@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fedlt.aggregation import LAYERS
-from fedlt.config import as_toml, parse_section, read_toml, setting
+from fedlt.config import as_toml, parse_section, read_toml, resolve, setting
 from fedlt.data.embedded import EMBEDDED
 from fedlt.errors import ConfigError
 from fedlt.metrics import ShotThresholds
@@ -60,9 +60,7 @@ class ConsortiumConfig:
     base_dir: Path = Path()
 
     def path(self, value: str) -> Path:
-        """Relative paths in the file are relative to the file, so a consortium folder can move."""
-        p = Path(value)
-        return p if p.is_absolute() else self.base_dir / p
+        return resolve(self.base_dir, value)
 
     def fingerprint(self) -> str:
         """The settings a data directory is bound to; `rounds` may grow, listening details may change."""

@@ -41,6 +41,12 @@ def setting(
     return dataclasses.field(default=default, metadata=limits)
 
 
+def resolve(base_dir: Path, value: str) -> Path:
+    """Relative paths in a config file are relative to the file, so a folder of configs can move."""
+    p = Path(value)
+    return p if p.is_absolute() else base_dir / p
+
+
 def read_toml(path: str | Path) -> dict[str, Any]:
     """The parsed file, or a ConfigError naming the file and the syntax problem."""
     path = Path(path)

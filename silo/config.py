@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fedlt.aggregation import LAYERS
-from fedlt.config import parse_section, read_toml, setting
+from fedlt.config import parse_section, read_toml, resolve, setting
 from fedlt.data.arrays import LabeledImages
 from fedlt.data.federation import DataConfig, build_federation
 from fedlt.data.files import load_dataset
@@ -63,8 +63,7 @@ class SiloConfig:
     base_dir: Path = Path()
 
     def path(self, value: str) -> Path:
-        p = Path(value)
-        return p if p.is_absolute() else self.base_dir / p
+        return resolve(self.base_dir, value)
 
     def load_data(self) -> LabeledImages:
         data = self.data
