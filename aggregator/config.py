@@ -47,6 +47,9 @@ class EvaluationSection:
     dataset: str = setting("", choices=("", *EMBEDDED), doc="embedded test split to evaluate on")
     test_per_class: int = setting(100, ge=1)
     class_counts: tuple[int, ...] = ()
+    background: bool = setting(
+        False, doc="evaluate while the next round trains; pays only when the aggregator has its own cores"
+    )
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,7 @@ class RoundEngine:
         self.recorder = recorder
         self.echo = echo
         self.plan_toml = config.plan.to_toml()
-        # evaluation is reporting: it runs beside the next round, on a method instance of its own
+        # evaluation is reporting: it may run beside the next round, so it has a method instance of its own
         self._evaluator = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluation")
         self._eval_method = config.plan.build_method() if recorder is not None else None
         self._lock = threading.Condition()
@@ -373,8 +373,10 @@ class RoundEngine:
         log.debug("round %d committed: %s", attempt.round, timer)
         if self.recorder is None:
             self.echo(f"round {attempt.round:>4}/{self.total_rounds} committed, {len(contributors)} silos")
-        else:
+        elif self.config.evaluation.background:
             self._evaluator.submit(self._report, state, contributors, seconds)
+        else:
+            self._report(state, contributors, seconds)
 
     def _report(self, state: GlobalState, contributors: list[str] | None, seconds: float | None) -> None:
         """Evaluate a committed state on the operator's evaluation set and keep the result."""

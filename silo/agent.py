@@ -232,6 +232,7 @@ class SiloAgent:
 
     def _train(self, stub, spec: round_pb2.RoundSpec, plan: RoundPlan) -> bytes | None:
         self.activity = pb.SILO_ACTIVITY_FETCHING
+        fetch_started = time.perf_counter()
         data = b"".join(
             part.data
             for part in stub.FetchState(pb.FetchStateRequest(round_id=spec.round_id), timeout=CALL_TIMEOUT)
@@ -247,6 +248,7 @@ class SiloAgent:
             return None
         self.activity = pb.SILO_ACTIVITY_TRAINING
         started = time.perf_counter()
+        log.debug("round %d: state fetched and checked in %.3f s", spec.round, started - fetch_started)
         contribution = method.local_round(state, self.data, SiloContext(spec.round, self.silo_id, spec.seed))
         payload = np.ascontiguousarray(contribution.flat().numpy(), dtype="<f8").tobytes()
         atomic_write(self.state_dir / "pending.bin", lambda fh: fh.write(payload))

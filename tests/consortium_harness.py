@@ -37,7 +37,10 @@ PLAN = RoundPlan(
     model=ModelSection(name="cnn-small", image_shape=(1, 8, 8)),
     train=TrainConfig(local_epochs=1, batch_size=16, lr=0.05, momentum=0.9),
 )
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+# Test silos share the machine's cores; one thread each avoids OpenMP spinning on oversubscribed cores, and
+# simulator runs they are compared with use the same count (results depend on it at float precision).
+SILO_THREADS = 1
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Consortium:
             plan=PLAN,
             consortium=ConsortiumSection(id="test-consortium", rounds=rounds, min_silos=min_silos),
             timeouts=TimeoutSection(gather=3.0, round=round_timeout),
+            silo_threads=SILO_THREADS,
         )
         return cls(directory, silo_configs)
 
@@ -124,6 +128,29 @@ class Consortium:
         raise AssertionError(
             f"no matching aggregator output within {timeout} s; got:\n" + "\n".join(self.output)
         )
+
+    def freeze_after_registering(self, k: int, timeout: float = 60) -> None:
+        """SIGSTOP silo k once it has registered: it stays connected, is invited, and never answers."""
+        log = self.directory / f"silo-{k}.log"
+        until = time.monotonic() + timeout
+        while "registered as" not in (log.read_text() if log.exists() else ""):
+            if time.monotonic() > until:
+                raise AssertionError(f"silo-{k} did not register within {timeout} s")
+            time.sleep(0.05)
+        self.silos[k].send_signal(signal.SIGSTOP)
+
+    def wait_for_attempt(self, round_number: int, timeout: float = 60) -> None:
+        until = time.monotonic() + timeout
+        while True:
+            store = self.store()
+            try:
+                if store._db.execute("SELECT 1 FROM attempts WHERE round = ?", (round_number,)).fetchone():
+                    return
+            finally:
+                store.close()
+            if time.monotonic() > until:
+                raise AssertionError(f"round {round_number} did not start within {timeout} s")
+            time.sleep(0.05)
 
     def wait_aggregator(self, timeout: float) -> int:
         assert self.aggregator is not None
