@@ -75,7 +75,10 @@ class RunRecorder:
 
 
 def round_line(entry: dict, total: int) -> str:
+    """One progress line; a round re-evaluated after a restart has no known duration."""
+    seconds = entry.get("seconds")
+    took = f"  ({seconds:.1f} s)" if seconds is not None else ""
     return (
         f"round {entry['round']:>4}/{total}  acc {percent(entry['accuracy'])}  many {percent(entry['many'])}"
-        f"  medium {percent(entry['medium'])}  few {percent(entry['few'])}  ({entry['seconds']:.1f} s)"
+        f"  medium {percent(entry['medium'])}  few {percent(entry['few'])}{took}"
     )

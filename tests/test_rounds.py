@@ -19,6 +19,10 @@ from aggregator.rounds import (
 )
 from aggregator.store import Store
 from fedlt.aggregation.plaintext import PlaintextSum
+from fedlt.data.embedded import load_embedded, split_balanced_test
+from fedlt.methods.state import GlobalState, pack_state
+from fedlt.metrics import ShotThresholds
+from fedlt.recorder import RunRecorder
 from tests.consortium_harness import PLAN
 
 
@@ -115,3 +119,40 @@ def test_unusable_sums_abort_the_attempt_instead_of_stopping_the_aggregator(engi
         stop.set()
         driver.join(10)
     assert not driver.is_alive()
+
+
+def test_a_round_committed_without_metrics_is_evaluated_at_start_up(tmp_path):
+    """The aggregator died between committing round 1 and saving its metrics."""
+    config = ConsortiumConfig(consortium=ConsortiumSection(rounds=2, min_silos=1), plan=PLAN)
+    method = PLAN.build_method()
+    store = Store(tmp_path / "db.sqlite")
+    store.bind(config.fingerprint())
+    initial = method.init_state(seed=0)
+    store.save_initial_state(initial.digest(), pack_state(initial))
+    committed = GlobalState(1, initial.model)
+    _, round_id = store.begin_attempt(1, ["a"], "n")
+    store.commit_round(
+        round_number=1,
+        round_id=round_id,
+        digest=committed.digest(),
+        data=pack_state(committed),
+        contributors=["a"],
+    )
+    _, test = split_balanced_test(load_embedded("digits"), per_class=30, seed=0)
+    recorder = RunRecorder(
+        tmp_path / "run", title="t", test=test, train_counts=None, thresholds=ShotThresholds(), header={}
+    )
+    lines: list[str] = []
+    engine = RoundEngine(
+        config=config,
+        store=store,
+        method=method,
+        layer=PlaintextSum(),
+        sign=lambda b: b"",
+        recorder=recorder,
+        echo=lines.append,
+    )
+    engine._evaluator.shutdown(wait=True)
+    assert [m["round"] for m in store.metrics_history()] == [1]
+    assert lines[0].startswith("round    1/2")
+    store.close()

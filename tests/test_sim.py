@@ -4,6 +4,7 @@ import sys
 
 import pytest
 
+from fedlt.recorder import round_line
 from fedlt.sim.__main__ import main
 from fedlt.sim.config import load_sim_config
 from fedlt.sim.run import RunFolderError, run_simulation
@@ -96,3 +97,11 @@ def test_cli_user_errors_are_one_clear_line(tmp_path, args, message):
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_round_line_with_and_without_a_duration():
+    entry = {"round": 3, "accuracy": 0.5, "many": 0.9, "medium": None, "few": 0.0, "seconds": 1.25}
+    assert (
+        round_line(entry, 10) == "round    3/10  acc  50.0%  many  90.0%  medium    n/a  few   0.0%  (1.2 s)"
+    )
+    assert round_line({**entry, "seconds": None}, 10).endswith("few   0.0%")
