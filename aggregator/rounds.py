@@ -13,7 +13,6 @@ on a partial set below the minimum.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import queue
 import secrets
@@ -114,6 +113,7 @@ class RoundEngine:
         self.recorder = recorder
         self.echo = echo
         self.plan_toml = config.plan.to_toml()
+        self.plan_sha256 = config.plan.sha256()
         # evaluation is reporting: it may run beside the next round, so it has a method instance of its own
         self._evaluator = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluation")
         self._eval_method = config.plan.build_method() if recorder is not None else None
@@ -314,7 +314,7 @@ class RoundEngine:
                 ],
             ),
             method_config=self.plan_toml,
-            config_sha256=hashlib.sha256(self.plan_toml.encode()).hexdigest(),
+            config_sha256=self.plan_sha256,
             state_digest=self.state.digest(),
             state_bytes=len(state_bytes),
             seed=self.config.consortium.seed,

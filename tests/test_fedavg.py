@@ -45,7 +45,7 @@ def test_server_lr_scales_the_step():
     method = _fedavg(server_lr=0.5)
     state = method.init_state(seed=0)
     schema = method.schema(state)
-    size = schema.field("delta").size
+    size = schema.fields[0].size  # "delta"
     c = schema.contribution(delta=torch.full((size,), 2.0 * 4), n=4)
     new = method.server_step(state, PlaintextSum().aggregate(schema, [c]), ServerContext(1, 0))
     keys = float_keys(state.model)

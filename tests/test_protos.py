@@ -32,3 +32,23 @@ def test_generated_stubs_are_current(tmp_path):
     assert generated == committed, "stub files differ from protos/: run `make protos`"
     stale = [str(p) for p in generated if (tmp_path / p).read_bytes() != (ROOT / p).read_bytes()]
     assert not stale, f"stale generated stubs (run `make protos`): {stale}"
+
+
+def test_every_rpc_is_served():
+    """The generated servicer bases answer UNIMPLEMENTED; ours must override every RPC of the contract."""
+    from aggregator.service import ConsortiumServicer, OperatorServicer
+    from fedlt.v1 import consortium_pb2, consortium_pb2_grpc, operator_pb2, operator_pb2_grpc
+
+    for servicer, base, module, service in (
+        (
+            ConsortiumServicer,
+            consortium_pb2_grpc.ConsortiumServiceServicer,
+            consortium_pb2,
+            "ConsortiumService",
+        ),
+        (OperatorServicer, operator_pb2_grpc.OperatorServiceServicer, operator_pb2, "OperatorService"),
+    ):
+        rpcs = [m.name for m in module.DESCRIPTOR.services_by_name[service].methods]
+        assert rpcs
+        missing = [name for name in rpcs if getattr(servicer, name) is getattr(base, name)]
+        assert not missing, f"{servicer.__name__} leaves {missing} to the generated UNIMPLEMENTED default"

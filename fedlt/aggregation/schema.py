@@ -57,12 +57,6 @@ class Schema:
     def size(self) -> int:
         return sum(f.size for f in self.fields)
 
-    def field(self, name: str) -> Field:
-        for f in self.fields:
-            if f.name == name:
-                return f
-        raise KeyError(name)
-
     def contribution(self, **values: torch.Tensor | float) -> Contribution:
         """Check names, shapes and finiteness, clip to each field's bound, and freeze as float64."""
         expected = {f.name for f in self.fields}
