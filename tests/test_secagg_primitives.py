@@ -73,7 +73,10 @@ def test_shamir_refuses_too_few_and_detects_tampering():
         shamir.combine(tampered, threshold=3)
 
 
-SCHEMA = Schema((Field("delta", (6,), 4.0), Field("n", (), 1000.0)))
+def schema_at(frac_bits: int) -> Schema:
+    return Schema(
+        (Field("delta", (6,), 4.0, frac_bits=frac_bits), Field("n", (), 1000.0, frac_bits=frac_bits))
+    )
 
 
 @given(
@@ -82,9 +85,9 @@ SCHEMA = Schema((Field("delta", (6,), 4.0), Field("n", (), 1000.0)))
 )
 @settings(max_examples=60, deadline=None)
 def test_codec_sums_within_the_bound(rows, frac_bits):
-    codec = FixedPointCodec(SCHEMA, frac_bits=frac_bits, max_silos=10)
+    codec = FixedPointCodec(schema_at(frac_bits), max_silos=10)
     vectors = [torch.tensor(r, dtype=torch.float64) for r in rows]
-    total = np.zeros(SCHEMA.size, dtype=np.uint64)
+    total = np.zeros(codec.schema.size, dtype=np.uint64)
     for v in vectors:
         total += codec.encode(v)  # uint64 wraps around, as masked sums do
     clipped = [torch.clamp(v, -torch.tensor(codec.bounds), torch.tensor(codec.bounds)) for v in vectors]
@@ -94,12 +97,12 @@ def test_codec_sums_within_the_bound(rows, frac_bits):
 
 def test_codec_refuses_a_round_that_could_overflow():
     with pytest.raises(OverflowRisk, match="could overflow 64 bits in n"):
-        FixedPointCodec(SCHEMA, frac_bits=52, max_silos=100)
-    FixedPointCodec(SCHEMA, frac_bits=40, max_silos=100)  # 100 · 1000 · 2^40 < 2^63
+        FixedPointCodec(schema_at(52), max_silos=100)
+    FixedPointCodec(schema_at(40), max_silos=100)  # 100 · 1000 · 2^40 < 2^63
 
 
 def test_codec_refuses_wrong_shapes_and_non_finite_values():
-    codec = FixedPointCodec(SCHEMA, frac_bits=16, max_silos=2)
+    codec = FixedPointCodec(schema_at(16), max_silos=2)
     with pytest.raises(ValueError, match="schema needs"):
         codec.encode(torch.zeros(3))
     with pytest.raises(ValueError, match="non-finite"):

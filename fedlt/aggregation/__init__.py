@@ -12,7 +12,10 @@ from fedlt.aggregation.schema import Contribution, Field, Schema
 from fedlt.aggregation.sums import SumLayer, Sums
 from fedlt.errors import ConfigError
 
-LAYERS: dict[str, str] = {"plaintext": "fedlt.aggregation.plaintext:PlaintextSum"}
+LAYERS: dict[str, str] = {
+    "plaintext": "fedlt.aggregation.plaintext:PlaintextSum",
+    "secagg": "privacy.secagg.layer:SecAggSum",
+}
 
 
 def make_layer(name: str) -> SumLayer:

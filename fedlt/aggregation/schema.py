@@ -18,12 +18,18 @@ from fedlt.errors import ContributionError
 
 @dataclass(frozen=True)
 class Field:
-    """`bound` is the largest absolute value any element may take; values beyond it are clipped."""
+    """`bound` is the largest absolute value any element may take; values beyond it are clipped.
+
+    `frac_bits` is the fixed-point precision secure aggregation encodes the field with (0 for counts);
+    `per_class` says the first axis indexes classes, which the tail guard may zero class by class.
+    """
 
     name: str
     shape: tuple[int, ...]
     bound: float
     doc: str = field(default="", compare=False)
+    frac_bits: int = 24
+    per_class: bool = False
 
     @property
     def size(self) -> int:
@@ -48,6 +54,14 @@ class Schema:
             for f in self.fields
             if any(d < 1 for d in f.shape)
         ]
+        problems += [
+            f"field {f.name!r} needs 0 <= frac_bits <= 62, got {f.frac_bits}"
+            for f in self.fields
+            if not 0 <= f.frac_bits <= 62
+        ]
+        classes = {f.shape[0] if f.shape else 0 for f in self.fields if f.per_class}
+        if len(classes) > 1 or 0 in classes:
+            problems.append("per-class fields need a leading class axis of one common length")
         if not self.fields:
             problems.append("a schema needs at least one field")
         if problems:
@@ -56,6 +70,11 @@ class Schema:
     @property
     def size(self) -> int:
         return sum(f.size for f in self.fields)
+
+    @property
+    def classes(self) -> int:
+        """Length of the per-class fields' class axis; 0 when no field is per class."""
+        return next((f.shape[0] for f in self.fields if f.per_class), 0)
 
     def contribution(self, **values: torch.Tensor | float) -> Contribution:
         """Check names, shapes and finiteness, clip to each field's bound, and freeze as float64."""

@@ -55,11 +55,17 @@ def verify(cert: x509.Certificate, signature: bytes, data: bytes, *, context: st
     public = cert.public_key()
     if not isinstance(public, ec.EllipticCurvePublicKey):
         raise PkiError(f"{describe(cert)} does not hold an ECDSA key")
+    verify_key(public, signature, data, context=context, signer=describe(cert))
+
+
+def verify_key(
+    public: ec.EllipticCurvePublicKey, signature: bytes, data: bytes, *, context: str, signer: str = "the key"
+) -> None:
     try:
         public.verify(signature, _message(context, data), _ALGORITHM)
     except InvalidSignature:
         raise PkiError(
-            f"signature does not verify: these bytes were not signed for {context!r} by {describe(cert)}"
+            f"signature does not verify: these bytes were not signed for {context!r} by {signer}"
         ) from None
 
 

@@ -1,0 +1,588 @@
+"""Secure aggregation, transport-free: Bonawitz et al. (CCS 2017) with the consistency round, and SecAgg+.
+
+One `SessionSpec` describes one secure sum of one round; every silo runs a `SecAggClient` and the aggregator
+a `SecAggServer`, which only routes messages and, at the end, removes masks. The stages and survivor sets:
+
+0. keys      each silo advertises two X25519 public keys, signed with its certificate key.      U1
+1. shares    each silo Shamir-shares its self-mask seed b_u and its mask key s_u among its holders
+             (itself and its neighbours), sealed to each holder; the aggregator only relays.      U2
+2. masked    y_u = x_u + PRG(b_u) + Σ_{v ∈ U2 ∩ N(u)} ±PRG(s_uv)   (mod 2^64)                   U3
+3. consistency  each survivor signs (session, RoundSpec hash, state digest, U3).                  U4
+4. unmask    a silo that verified every signature reveals, per peer, b-shares of survivors (U3)
+             or s-shares of the dropped (U2 \\ U3) — never both kinds for one peer.               U5
+
+Every stage needs at least t survivors and every rebuilt seed needs t shares from its holders; below that
+the session aborts (`TooFewSurvivors`) and no sum is formed. A message that breaks the protocol (forged,
+duplicated or replayed key, misaddressed envelope, a view that differs between silos) raises
+`ProtocolViolation` at the silo, which then stops taking part. The neighbour graph is complete by default;
+with `neighbours = k` it is SecAgg+'s Harary graph of degree k over a permutation drawn from the session
+(Bell et al., CCS 2020).
+
+Deviation from the paper: the graph's permutation comes from the signed RoundSpec hash, so the aggregator,
+which signs it, could grind for a graph; the consistency round still binds every silo to the same graph.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Protocol
+
+import numpy as np
+
+from fedlt.errors import FedltError
+from privacy.secagg import crypto, shamir
+from privacy.secagg.prg import apply_mask
+
+KEYS_CONTEXT = "fedlt/secagg/keys/v1"
+CONSISTENCY_CONTEXT = "fedlt/secagg/consistency/v1"
+SHARE_BYTES = 66  # an element of the 521-bit Shamir field
+PURPOSES = ("census", "contribution")
+
+
+class SecAggError(FedltError):
+    """The secure sum cannot be completed."""
+
+
+class TooFewSurvivors(SecAggError):
+    """Fewer than the threshold of silos are left: the session aborts and releases no sum."""
+
+
+class ProtocolViolation(SecAggError):
+    """A message that breaks the protocol; the silo that sees it stops taking part in the session."""
+
+
+class StageError(SecAggError):
+    """A message for a stage that is not the current one, or from a silo not expected to send it."""
+
+
+# --- what travels between silos and the aggregator ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdvertisedKeys:
+    """Stage 0: `credential` lets peers check the signature (the silo's certificate PEM in a consortium)."""
+
+    silo: str
+    c_public: bytes
+    s_public: bytes
+    signature: bytes
+    credential: bytes = b""
+
+
+@dataclass(frozen=True)
+class Envelope:
+    sender: str
+    recipient: str
+    ciphertext: bytes
+
+
+@dataclass(frozen=True)
+class Inbox:
+    """Stage 1's output for one silo: who is still in (U2) and the sealed shares addressed to it."""
+
+    survivors: tuple[str, ...]
+    envelopes: tuple[Envelope, ...]
+
+
+@dataclass(frozen=True)
+class Reveal:
+    """Stage 4: shares of survivors' self-mask seeds and of dropped silos' mask keys, keyed by owner."""
+
+    self_mask: Mapping[str, bytes]
+    mask_key: Mapping[str, bytes]
+
+
+class Signer(Protocol):
+    def __call__(self, data: bytes, *, context: str) -> bytes: ...
+
+
+class Peers(Protocol):
+    """Checks that `signature` over `data` was made by silo `silo`, whose credential is `credential`."""
+
+    def verify(
+        self, silo: str, credential: bytes, signature: bytes, data: bytes, *, context: str
+    ) -> None: ...
+
+
+# --- the session ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    round_id: str
+    purpose: str
+    participants: tuple[str, ...]
+    words: int
+    binding: bytes = field(default=b"", repr=False)  # what the consistency round signs: RoundSpec and state
+    threshold: int = 0  # shares needed per seed; 0 = more than two thirds of a seed's holders
+    neighbours: int = 0  # SecAgg+ degree (even); 0 or >= n - 1 = complete graph
+
+    def __post_init__(self) -> None:
+        n = len(self.participants)
+        problems = []
+        if self.purpose not in PURPOSES:
+            problems.append(f"unknown purpose {self.purpose!r}")
+        if n < 2 or len(set(self.participants)) != n or list(self.participants) != sorted(self.participants):
+            problems.append("participants must be at least two distinct, sorted silo ids")
+        if self.words < 1:
+            problems.append("a secure sum needs at least one word")
+        if self.neighbours < 0 or self.neighbours % 2:
+            problems.append(f"neighbours must be even and >= 0, got {self.neighbours}")
+        if problems:
+            raise SecAggError("; ".join(problems))
+        m = self.holder_count
+        if self.threshold and not m // 2 < self.threshold <= m:
+            raise SecAggError(
+                f"threshold {self.threshold} must be a majority of each seed's {m} holders and at most {m}"
+            )
+
+    @property
+    def session(self) -> bytes:
+        return crypto.transcript(self.round_id, self.purpose)
+
+    @property
+    def complete(self) -> bool:
+        return self.neighbours == 0 or self.neighbours >= len(self.participants) - 1
+
+    @property
+    def holder_count(self) -> int:
+        return len(self.participants) if self.complete else self.neighbours + 1
+
+    @property
+    def t(self) -> int:
+        """Shares needed to rebuild a seed, and the fewest survivors a stage may have."""
+        return self.threshold or default_threshold(self.holder_count)
+
+    @cached_property
+    def graph(self) -> dict[str, frozenset[str]]:
+        """Each silo's neighbours (itself excluded); symmetric."""
+        ids = list(self.participants)
+        if self.complete:
+            return {u: frozenset(ids) - {u} for u in ids}
+        seed = hashlib.sha256(crypto.transcript("fedlt/secagg/graph/v1", self.session, self.binding)).digest()
+        ring = ids[:]
+        random.Random(seed).shuffle(ring)  # placement only; secrecy comes from the seeds, not the graph
+        half, n = self.neighbours // 2, len(ring)
+        return {
+            u: frozenset(ring[(i + d) % n] for d in range(-half, half + 1) if d) for i, u in enumerate(ring)
+        }
+
+    def holders(self, owner: str) -> tuple[str, ...]:
+        """Who holds shares of `owner`'s seeds, in x-coordinate order (x = position + 1)."""
+        return tuple(sorted(self.graph[owner] | {owner}))
+
+    def x_of(self, owner: str, holder: str) -> int:
+        return self.holders(owner).index(holder) + 1
+
+    def consistency_message(self, survivors: Sequence[str]) -> bytes:
+        return crypto.transcript(self.session, self.binding, *sorted(survivors))
+
+    def key_message(self, keys: AdvertisedKeys) -> bytes:
+        return crypto.transcript(self.session, keys.silo, keys.c_public, keys.s_public)
+
+
+def _sign_of(u: str, v: str) -> bool:
+    """Whether u subtracts (rather than adds) the mask it shares with v; the two ends always disagree."""
+    return u < v
+
+
+def _check_enough(spec: SessionSpec, alive: set[str], stage: str) -> None:
+    if len(alive) < spec.t:
+        raise TooFewSurvivors(f"{stage}: {len(alive)} silos left, the threshold is {spec.t}")
+    thin = sorted(u for u in alive if len(set(spec.holders(u)) & alive) < spec.t)
+    if thin:
+        raise TooFewSurvivors(f"{stage}: fewer than {spec.t} holders left for the seeds of {', '.join(thin)}")
+
+
+def _encode_share(y: int) -> bytes:
+    return y.to_bytes(SHARE_BYTES, "big")
+
+
+def _decode_share(raw: bytes) -> int:
+    if len(raw) != SHARE_BYTES:
+        raise ProtocolViolation(f"a share has {SHARE_BYTES} bytes, got {len(raw)}")
+    return int.from_bytes(raw, "big")
+
+
+# --- a silo ---------------------------------------------------------------------------------------------
+
+
+class SecAggClient:
+    """One silo's half of one session. Each stage method runs once, in order; any violation ends it."""
+
+    def __init__(self, spec: SessionSpec, me: str, *, sign: Signer, peers: Peers, credential: bytes = b""):
+        if me not in spec.participants:
+            raise SecAggError(f"{me} is not a participant of {spec.round_id}")
+        self.spec, self.me, self._sign, self._peers, self._credential = spec, me, sign, peers, credential
+        self._c = crypto.new_private_key()
+        self._s = crypto.new_private_key()
+        self._b = secrets.token_bytes(shamir.SECRET_BYTES)
+        self._stage = "keys"
+        self._keys: dict[str, AdvertisedKeys] = {}
+        self._held: dict[str, tuple[int, int]] = {}  # owner -> (b share, s share) sealed to me
+        self._u2: set[str] = set()
+        self._u3: tuple[str, ...] = ()
+
+    def _enter(self, stage: str, following: str) -> None:
+        if self._stage != stage:
+            raise StageError(f"{self.me}: asked for stage {stage!r} while at {self._stage!r}")
+        self._stage = following
+
+    def advertise(self) -> AdvertisedKeys:
+        self._enter("keys", "shares")
+        unsigned = AdvertisedKeys(self.me, crypto.public_bytes(self._c), crypto.public_bytes(self._s), b"")
+        signature = self._sign(self.spec.key_message(unsigned), context=KEYS_CONTEXT)
+        return AdvertisedKeys(
+            unsigned.silo, unsigned.c_public, unsigned.s_public, signature, self._credential
+        )
+
+    def share(self, advertised: Sequence[AdvertisedKeys]) -> list[Envelope]:
+        """Check every peer's signed keys, then seal shares of b_u and s_u to each holder still in (U1)."""
+        self._enter("shares", "masked")
+        keys = self._checked_keys(advertised)
+        u1 = set(keys)
+        _check_enough(self.spec, u1, "keys")
+        self._keys = keys
+        holders = self.spec.holders(self.me)
+        t = self.spec.t
+        b_shares = shamir.split(self._b, shares=len(holders), threshold=t)
+        s_shares = shamir.split(crypto.private_bytes(self._s), shares=len(holders), threshold=t)
+        envelopes = []
+        for x, holder in enumerate(holders, start=1):
+            if holder == self.me:
+                self._held[self.me] = (b_shares[x], s_shares[x])
+            elif holder in u1:
+                plain = crypto.transcript(
+                    self.me, holder, _encode_share(b_shares[x]), _encode_share(s_shares[x])
+                )
+                sealed = crypto.seal(self._envelope_key(holder), plain, self._envelope_aad(self.me, holder))
+                envelopes.append(Envelope(self.me, holder, sealed))
+        return envelopes
+
+    def _checked_keys(self, advertised: Sequence[AdvertisedKeys]) -> dict[str, AdvertisedKeys]:
+        keys: dict[str, AdvertisedKeys] = {}
+        seen: set[bytes] = set()
+        for entry in advertised:
+            if entry.silo not in self.spec.participants:
+                raise ProtocolViolation(f"keys from {entry.silo!r}, who is not a participant")
+            if entry.silo in keys:
+                raise ProtocolViolation(f"two key sets for {entry.silo}")
+            if {entry.c_public, entry.s_public} & seen or entry.c_public == entry.s_public:
+                raise ProtocolViolation(f"{entry.silo} advertises a public key that is already in use")
+            self._peers.verify(
+                entry.silo,
+                entry.credential,
+                entry.signature,
+                self.spec.key_message(entry),
+                context=KEYS_CONTEXT,
+            )
+            seen |= {entry.c_public, entry.s_public}
+            keys[entry.silo] = entry
+        mine = keys.get(self.me)
+        if mine is None or (mine.c_public, mine.s_public) != (
+            crypto.public_bytes(self._c),
+            crypto.public_bytes(self._s),
+        ):
+            raise ProtocolViolation("the key list does not carry this silo's own keys unchanged")
+        return keys
+
+    def masked_input(self, inbox: Inbox, vector: np.ndarray) -> np.ndarray:
+        """Open the shares sealed to this silo, then mask `vector` (uint64 words) for U2."""
+        self._enter("masked", "consistency")
+        if len(vector) != self.spec.words or vector.dtype != np.uint64:
+            raise SecAggError(
+                f"the session sums {self.spec.words} uint64 words, got {len(vector)} {vector.dtype}"
+            )
+        u2 = set(inbox.survivors)
+        if not u2 <= set(self._keys) or self.me not in u2:
+            raise ProtocolViolation(
+                "the survivor list names silos that advertised no keys, or omits this silo"
+            )
+        _check_enough(self.spec, u2, "shares")
+        expected = (u2 & self.spec.graph[self.me]) | {self.me}
+        for envelope in inbox.envelopes:
+            if envelope.recipient != self.me or envelope.sender not in expected:
+                raise ProtocolViolation(
+                    f"an envelope from {envelope.sender} to {envelope.recipient} is misrouted"
+                )
+            if envelope.sender in self._held:
+                raise ProtocolViolation(f"a second envelope from {envelope.sender}")
+            self._held[envelope.sender] = self._open(envelope)
+        missing = sorted(expected - set(self._held))
+        if missing:
+            raise ProtocolViolation(
+                f"no shares from {', '.join(missing)}, though they are listed as survivors"
+            )
+        self._u2 = u2
+        masked = np.array(vector, dtype=np.uint64, copy=True)
+        apply_mask(masked, self._b)
+        for v in sorted(expected - {self.me}):
+            apply_mask(masked, self._pair_seed(v), subtract=_sign_of(self.me, v))
+        return masked
+
+    def consistency(self, survivors: Sequence[str]) -> bytes:
+        """Sign what this silo was shown: the round it runs, the state it trained on, who is still in."""
+        self._enter("consistency", "unmask")
+        u3 = set(survivors)
+        if len(u3) != len(survivors) or not u3 <= self._u2 or self.me not in u3:
+            raise ProtocolViolation("the masked-input survivors are not a subset of the earlier survivors")
+        _check_enough(self.spec, u3, "masked input")
+        self._u3 = tuple(sorted(u3))
+        return self._sign(self.spec.consistency_message(self._u3), context=CONSISTENCY_CONTEXT)
+
+    def unmask(self, signatures: Mapping[str, bytes]) -> Reveal:
+        """Verify every survivor signed the same view; only then reveal, never both shares of one peer."""
+        self._enter("unmask", "done")
+        signers = set(signatures)
+        if not signers <= set(self._u3) or self.me not in signers:
+            raise ProtocolViolation("consistency signatures from silos outside the survivor set")
+        if len(signers) < self.spec.t:
+            raise TooFewSurvivors(f"consistency: {len(signers)} signatures, the threshold is {self.spec.t}")
+        message = self.spec.consistency_message(self._u3)
+        for silo in sorted(signers):
+            keys = self._keys[silo]
+            try:
+                self._peers.verify(
+                    silo, keys.credential, signatures[silo], message, context=CONSISTENCY_CONTEXT
+                )
+            except FedltError as exc:
+                raise ProtocolViolation(
+                    f"{silo} signed a different view of this round (survivors, state or RoundSpec): {exc}"
+                ) from None
+        alive = set(self._u3)
+        self_mask = {o: _encode_share(b) for o, (b, _) in self._held.items() if o in alive}
+        mask_key = {o: _encode_share(s) for o, (_, s) in self._held.items() if o in self._u2 - alive}
+        assert not self_mask.keys() & mask_key.keys()  # the invariant that keeps double masking safe
+        return Reveal(self_mask, mask_key)
+
+    def _envelope_key(self, peer: str) -> bytes:
+        return crypto.agree(
+            self._c,
+            self._keys[peer].c_public,
+            purpose=crypto.ENVELOPE_PURPOSE,
+            session=self.spec.session,
+            pair=(self.me, peer),
+        )
+
+    def _envelope_aad(self, sender: str, recipient: str) -> bytes:
+        return crypto.transcript(self.spec.session, sender, recipient)
+
+    def _open(self, envelope: Envelope) -> tuple[int, int]:
+        try:
+            plain = crypto.open_sealed(
+                self._envelope_key(envelope.sender),
+                envelope.ciphertext,
+                self._envelope_aad(envelope.sender, envelope.recipient),
+            )
+        except crypto.CryptoError as exc:
+            raise ProtocolViolation(f"envelope from {envelope.sender}: {exc}") from None
+        expected = crypto.transcript(envelope.sender, self.me)
+        if not plain.startswith(expected) or len(plain) != len(expected) + 2 * (4 + SHARE_BYTES):
+            raise ProtocolViolation(f"envelope from {envelope.sender} names another sender or recipient")
+        rest = plain[len(expected) :]
+        return _decode_share(rest[4 : 4 + SHARE_BYTES]), _decode_share(rest[8 + SHARE_BYTES :])
+
+    def _pair_seed(self, peer: str) -> bytes:
+        return pair_seed(self.spec, self._s, self.me, self._keys[peer].s_public, peer)
+
+
+def pair_seed(
+    spec: SessionSpec, private: crypto.X25519PrivateKey, me: str, peer_public: bytes, peer: str
+) -> bytes:
+    return crypto.agree(
+        private, peer_public, purpose=crypto.MASK_PURPOSE, session=spec.session, pair=(me, peer)
+    )
+
+
+# --- the aggregator -----------------------------------------------------------------------------------
+
+
+class SecAggServer:
+    """Relays the silos' messages and, at the end, removes the masks: it learns the sum over U3 and no more.
+
+    Each `add_*` takes one silo's message for the current stage (the silo's identity comes from the
+    transport, never from the message); each `close_*` ends a stage with whoever answered and returns what
+    goes out next, or raises `TooFewSurvivors`. The masked inputs are added up as they arrive.
+    """
+
+    def __init__(self, spec: SessionSpec, *, peers: Peers) -> None:
+        self.spec = spec
+        self._peers = peers
+        self.stage = "keys"
+        self._keys: dict[str, AdvertisedKeys] = {}
+        self._envelopes: dict[str, tuple[Envelope, ...]] = {}
+        self._masked_digests: dict[str, str] = {}
+        self._total = np.zeros(spec.words, dtype=np.uint64)
+        self._signatures: dict[str, bytes] = {}
+        self._reveals: dict[str, Reveal] = {}
+        self.u1: tuple[str, ...] = ()
+        self.u2: tuple[str, ...] = ()
+        self.u3: tuple[str, ...] = ()
+        self.u4: tuple[str, ...] = ()
+
+    @property
+    def answered(self) -> set[str]:
+        """Who has sent their message for the current stage."""
+        return set(
+            {
+                "keys": self._keys,
+                "shares": self._envelopes,
+                "masked": self._masked_digests,
+                "consistency": self._signatures,
+                "unmask": self._reveals,
+            }.get(self.stage, ())
+        )
+
+    @property
+    def expected(self) -> tuple[str, ...]:
+        """Who may send a message for the current stage."""
+        return {
+            "keys": self.spec.participants,
+            "shares": self.u1,
+            "masked": self.u2,
+            "consistency": self.u3,
+            "unmask": self.u4,
+        }.get(self.stage, ())
+
+    def _accept(self, stage: str, silo: str) -> bool:
+        """Whether this is news; False for an identical repeat (a silo that resends after a reconnect)."""
+        if self.stage != stage:
+            raise StageError(
+                f"{self.spec.purpose} sum of {self.spec.round_id} is at {self.stage!r}, not {stage!r}"
+            )
+        if silo not in self.expected:
+            raise StageError(f"{silo} is not expected at stage {stage!r}")
+        return silo not in self.answered
+
+    def add_keys(self, silo: str, keys: AdvertisedKeys) -> None:
+        if not self._accept("keys", silo):
+            if self._keys[silo] != keys:
+                raise ProtocolViolation(f"{silo} already advertised other keys")
+            return
+        if keys.silo != silo:
+            raise ProtocolViolation(f"{silo} advertised keys in the name of {keys.silo}")
+        used = {k for other in self._keys.values() for k in (other.c_public, other.s_public)}
+        if {keys.c_public, keys.s_public} & used:
+            raise ProtocolViolation(f"{silo} advertised a public key another silo already uses")
+        self._peers.verify(
+            silo, keys.credential, keys.signature, self.spec.key_message(keys), context=KEYS_CONTEXT
+        )
+        self._keys[silo] = keys
+
+    def close_keys(self) -> list[AdvertisedKeys]:
+        u1 = set(self._keys)
+        _check_enough(self.spec, u1, "keys")
+        self.u1, self.stage = tuple(sorted(u1)), "shares"
+        return [self._keys[u] for u in self.u1]
+
+    def add_envelopes(self, silo: str, envelopes: Sequence[Envelope]) -> None:
+        if not self._accept("shares", silo):
+            if self._envelopes[silo] != tuple(envelopes):
+                raise ProtocolViolation(f"{silo} already sent other shares")
+            return
+        recipients = [e.recipient for e in envelopes]
+        wanted = set(self.spec.holders(silo)) & set(self.u1) - {silo}
+        if any(e.sender != silo for e in envelopes) or sorted(recipients) != sorted(wanted):
+            raise ProtocolViolation(f"{silo} must send one envelope to each of {sorted(wanted)}, from itself")
+        self._envelopes[silo] = tuple(envelopes)
+
+    def close_shares(self) -> dict[str, Inbox]:
+        u2 = set(self._envelopes)
+        _check_enough(self.spec, u2, "shares")
+        self.u2, self.stage = tuple(sorted(u2)), "masked"
+        return {
+            u: Inbox(self.u2, tuple(e for s in self.u2 for e in self._envelopes[s] if e.recipient == u))
+            for u in self.u2
+        }
+
+    def add_masked(self, silo: str, masked: np.ndarray) -> None:
+        digest = hashlib.sha256(masked.tobytes()).hexdigest()
+        if not self._accept("masked", silo):
+            if self._masked_digests[silo] != digest:
+                raise ProtocolViolation(f"{silo} already sent another masked input")
+            return
+        if masked.shape != (self.spec.words,) or masked.dtype != np.uint64:
+            raise ProtocolViolation(f"a masked input has {self.spec.words} uint64 words")
+        np.add(self._total, masked, out=self._total)
+        self._masked_digests[silo] = digest
+
+    def close_masked(self) -> tuple[str, ...]:
+        u3 = set(self._masked_digests)
+        _check_enough(self.spec, u3, "masked input")
+        self.u3, self.stage = tuple(sorted(u3)), "consistency"
+        return self.u3
+
+    def add_signature(self, silo: str, signature: bytes) -> None:
+        if not self._accept("consistency", silo):
+            if self._signatures[silo] != signature:
+                raise ProtocolViolation(f"{silo} already sent another consistency signature")
+            return
+        message = self.spec.consistency_message(self.u3)
+        self._peers.verify(silo, self._keys[silo].credential, signature, message, context=CONSISTENCY_CONTEXT)
+        self._signatures[silo] = signature
+
+    def close_consistency(self) -> dict[str, bytes]:
+        u4 = set(self._signatures)
+        if len(u4) < self.spec.t:
+            raise TooFewSurvivors(f"consistency: {len(u4)} signatures, the threshold is {self.spec.t}")
+        self.u4, self.stage = tuple(sorted(u4)), "unmask"
+        return dict(sorted(self._signatures.items()))
+
+    def add_reveal(self, silo: str, reveal: Reveal) -> None:
+        if not self._accept("unmask", silo):
+            if self._reveals[silo] != reveal:
+                raise ProtocolViolation(f"{silo} already revealed other shares")
+            return
+        mine = set(self.spec.graph[silo]) | {silo}
+        alive, dropped = set(self.u3) & mine, (set(self.u2) - set(self.u3)) & mine
+        if set(reveal.self_mask) != alive or set(reveal.mask_key) != dropped:
+            raise ProtocolViolation(f"{silo} revealed shares for the wrong silos")
+        self._reveals[silo] = reveal
+
+    def close_unmask(self) -> np.ndarray:
+        """Rebuild the seeds, remove every mask, and return Σ_{u ∈ U3} x_u (mod 2^64)."""
+        self.stage = "done"
+        u5 = set(self._reveals)
+        total = self._total.copy()
+        for u in self.u3:
+            apply_mask(total, self._rebuild(u, u5, lambda r: r.self_mask), subtract=True)
+        for v in sorted(set(self.u2) - set(self.u3)):
+            partners = sorted(self.spec.graph[v] & set(self.u3))
+            if not partners:
+                continue
+            secret = crypto.private_key_from(self._rebuild(v, u5, lambda r: r.mask_key))
+            if crypto.public_bytes(secret) != self._keys[v].s_public:
+                raise ProtocolViolation(f"the shares rebuild a mask key that {v} never advertised")
+            for u in partners:
+                # u added PRG(s_uv) unless u < v; undo exactly what u did
+                seed = pair_seed(self.spec, secret, v, self._keys[u].s_public, u)
+                apply_mask(total, seed, subtract=not _sign_of(u, v))
+        return total
+
+    def _rebuild(
+        self, owner: str, responders: set[str], pick: Callable[[Reveal], Mapping[str, bytes]]
+    ) -> bytes:
+        shares = {
+            self.spec.x_of(owner, h): _decode_share(pick(self._reveals[h])[owner])
+            for h in self.spec.holders(owner)
+            if h in responders
+        }
+        if len(shares) < self.spec.t:
+            raise TooFewSurvivors(
+                f"unmask: {len(shares)} shares for {owner}'s seed, the threshold is {self.spec.t}"
+            )
+        try:
+            return shamir.combine(shares, threshold=self.spec.t)
+        except shamir.ShamirError as exc:
+            raise ProtocolViolation(f"shares of {owner}'s seed: {exc}") from None
+
+
+def default_threshold(holders: int) -> int:
+    """More than two thirds of a seed's holders, and never fewer than two."""
+    return max(2, math.floor(2 * holders / 3) + 1)
