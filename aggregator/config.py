@@ -12,6 +12,7 @@ from fedlt.data.embedded import EMBEDDED
 from fedlt.errors import ConfigError
 from fedlt.metrics import ShotThresholds
 from fedlt.plan import RoundPlan
+from privacy.secagg.settings import SecAggSettings
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,7 @@ class ConsortiumSection:
     id: str = setting("fedlt-consortium", doc="name silos check in every RoundSpec")
     rounds: int = setting(20, ge=1)
     seed: int = setting(0, ge=0)
-    privacy: str = setting("plaintext", choices=tuple(LAYERS))
+    privacy: str = setting("secagg", choices=tuple(LAYERS), doc="plaintext is for research and tests only")
     min_silos: int = setting(2, ge=1, doc="a round needs this many contributions, else it is retried")
     exit_when_done: bool = setting(True, doc="stop serving once the last round is committed")
 
@@ -38,6 +39,7 @@ class ServerSection:
 class TimeoutSection:
     gather: float = setting(10.0, ge=0.0, doc="after min_silos are connected, wait this long for the rest")
     round: float = setting(600.0, gt=0.0, doc="contributions must arrive within this many seconds")
+    stage: float = setting(60.0, gt=0.0, doc="each later secure-aggregation stage waits this long")
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class ConsortiumConfig:
     server: ServerSection = field(default_factory=ServerSection)
     timeouts: TimeoutSection = field(default_factory=TimeoutSection)
     plan: RoundPlan = field(default_factory=RoundPlan)
+    secagg: SecAggSettings = field(default_factory=SecAggSettings)
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)
     metrics: ShotThresholds = field(default_factory=ShotThresholds)
     base_dir: Path = Path()
@@ -68,7 +71,7 @@ class ConsortiumConfig:
     def fingerprint(self) -> str:
         """The settings a data directory is bound to; `rounds` may grow, listening details may change."""
         same_run = replace(self.consortium, rounds=1, exit_when_done=True)
-        text = as_toml(same_run) + self.plan.to_toml() + as_toml(self.evaluation)
+        text = as_toml(same_run) + self.plan.to_toml() + as_toml(self.secagg) + as_toml(self.evaluation)
         return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -83,12 +86,13 @@ def load_consortium_config(path: str | Path) -> ConsortiumConfig:
             ("consortium", ConsortiumSection),
             ("server", ServerSection),
             ("timeouts", TimeoutSection),
+            ("secagg", SecAggSettings),
             ("evaluation", EvaluationSection),
             ("metrics", ShotThresholds),
         )
     }
     plan = parse_section(RoundPlan, plan_tree, "", problems)
-    problems += plan.problems()
+    problems += plan.problems() + sections["secagg"].problems()
     problems += [f"{key}: unknown section or setting" for key in tree]
     counts = sections["evaluation"].class_counts
     if counts and len(counts) != len(plan.model.classes):

@@ -9,36 +9,50 @@ contributions coming in until every participant has answered, the connected ones
 or the deadline passes), then the sum, the server step and the commit. With fewer than `min_silos`
 contributions at the deadline the attempt is aborted and the round is tried again; a round is never committed
 on a partial set below the minimum.
+
+With the `secagg` layer, COLLECTING runs the round's secure sums instead: the census when the schema has
+per-class fields and the tail guard is on, then the contribution, each through the five protocol stages of
+`privacy.secagg.protocol`. A stage ends when everyone expected has answered, the rest have disconnected, or
+its deadline passes (the first waits for training, until the round's deadline; later ones `timeouts.stage`).
+The aggregator keeps only the running sum of masked inputs, relays what is addressed to others, and learns
+the unmasked sum; a silo that leaves after its masked input still counts, one that leaves before is
+recovered from its peers' shares.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from aggregator.config import ConsortiumConfig
 from aggregator.store import Store, StoreError, now_ms
-from fedlt.aggregation import Contribution, Schema, SumLayer
+from fedlt.aggregation import Contribution, Schema, SumLayer, Sums
 from fedlt.errors import ContributionError, FedltError
 from fedlt.methods import GlobalState, Method, ServerContext
 from fedlt.methods.state import pack_state, unpack_state
 from fedlt.recorder import RunRecorder, round_line
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import round_pb2
+from privacy.secagg import tail_guard, wire
+from privacy.secagg.codec import FixedPointCodec, OverflowRisk
+from privacy.secagg.protocol import Peers, SecAggError, SecAggServer
 
 log = logging.getLogger("aggregator")
 
 ROUNDSPEC_CONTEXT = "fedlt/roundspec/v1"
+_T = TypeVar("_T")
 
 
 class Stage(StrEnum):
@@ -68,6 +82,10 @@ class AlreadySubmitted(Refusal):
     """A different contribution was already accepted from this silo for this attempt."""
 
 
+class RoundFailed(FedltError):
+    """An attempt that cannot be committed; it is aborted and the round is tried again."""
+
+
 @dataclass
 class Session:
     """One open Join stream; a reconnecting silo replaces its older session."""
@@ -91,6 +109,7 @@ class Attempt:
     started: float = field(default_factory=time.perf_counter)
     submissions: dict[str, Contribution] = field(default_factory=dict)
     receipts: dict[str, str] = field(default_factory=dict)
+    secure: SecAggServer | None = None  # the secure sum in progress
 
 
 class RoundEngine:
@@ -103,6 +122,7 @@ class RoundEngine:
         layer: SumLayer,
         sign: Callable[[bytes], bytes],
         recorder: RunRecorder | None,
+        peers: Peers | None = None,
         echo: Callable[[str], None] = print,
     ) -> None:
         self.config = config
@@ -111,6 +131,10 @@ class RoundEngine:
         self.layer = layer
         self.sign = sign
         self.recorder = recorder
+        self.peers = peers
+        self.secure = config.consortium.privacy == "secagg"
+        if self.secure and peers is None:
+            raise ValueError("a secagg consortium needs peers to check the silos' signatures")
         self.echo = echo
         self.plan_toml = config.plan.to_toml()
         self.plan_sha256 = config.plan.sha256()
@@ -183,14 +207,47 @@ class RoundEngine:
         with self._lock:
             return self._invited(silo_id, round_id).state_bytes
 
-    def expected_bytes(self, silo_id: str, round_id: str) -> int:
+    def expected_bytes(self, silo_id: str, round_id: str, purpose: str = "") -> int:
         with self._lock:
-            return self._invited(silo_id, round_id).schema.size * 8
+            attempt = self._invited(silo_id, round_id)
+            if not self.secure:
+                return attempt.schema.size * 8
+            return self._secure_sum_of(attempt, purpose).spec.words * 8
+
+    def secagg(
+        self, silo_id: str, round_id: str, purpose: str, action: Callable[[SecAggServer], None]
+    ) -> None:
+        """Hand one silo's secure-aggregation message to the session in progress."""
+        if not self.secure:
+            privacy = self.config.consortium.privacy
+            raise WrongRound(
+                f"this consortium's rounds use the {privacy!r} layer, which has no secure-sum stages"
+            )
+        with self._lock:
+            action(self._secure_sum_of(self._invited(silo_id, round_id), purpose))
+            self._lock.notify_all()
+
+    def submit_masked(self, silo_id: str, round_id: str, purpose: str, payload: bytes, digest: str) -> str:
+        words = np.frombuffer(payload, dtype="<u8").astype(np.uint64, copy=False)
+        self.secagg(silo_id, round_id, purpose, lambda server: server.add_masked(silo_id, words))
+        if purpose == "contribution":
+            self._last_contributed[silo_id] = self._invited(silo_id, round_id).round
+            self.store.record_contribution(round_id, silo_id, digest)
+        return digest
+
+    def _secure_sum_of(self, attempt: Attempt, purpose: str) -> SecAggServer:
+        server = attempt.secure
+        if server is None or server.spec.purpose != purpose:
+            now = f"the {server.spec.purpose} sum" if server else "no secure sum"
+            raise WrongRound(f"{attempt.round_id} is running {now}, not the {purpose or 'plaintext'} one")
+        return server
 
     def submit(self, silo_id: str, round_id: str, payload: bytes, digest: str) -> str:
         """Check and keep one silo's plaintext contribution, whose SHA-256 the caller has checked."""
         with self._lock:
             attempt = self._invited(silo_id, round_id)
+            if self.secure:
+                raise WrongRound(f"this consortium's rounds are secure sums; {round_id} takes masked inputs")
             if silo_id in attempt.receipts:
                 if attempt.receipts[silo_id] == digest:
                     return digest
@@ -218,13 +275,16 @@ class RoundEngine:
         with self._lock:
             attempt = self.attempt
             silos = self.store.silos()
+            server = attempt.secure if attempt else None
             return {
                 "committed_rounds": self.state.round,
-                "stage": str(self.stage),
+                "stage": f"{self.stage}: {server.spec.purpose} sum, {server.stage}"
+                if server
+                else str(self.stage),
                 "round_id": attempt.round_id if attempt else "",
                 "deadline_ms": attempt.deadline_ms if attempt else 0,
                 "participants": list(attempt.participants) if attempt else [],
-                "submitted": sorted(attempt.submissions) if attempt else [],
+                "submitted": sorted(server.answered if server else attempt.submissions) if attempt else [],
                 "state_digest": self.state.digest(),
                 "silos": [
                     {
@@ -257,17 +317,19 @@ class RoundEngine:
             if participants is None:
                 break
             attempt = self._start_attempt(participants)
-            contributors = self._collect(attempt, stop)
-            if contributors is None:
-                self._abort(attempt, "aggregator stopping")
-                break
-            if len(contributors) < self.config.consortium.min_silos:
-                self._abort(attempt, f"{len(contributors)} contributions, fewer than min_silos")
-                continue
             try:
-                self._commit(attempt, contributors)
+                summed = self._secure_sum(attempt, stop) if self.secure else self._plain_sum(attempt, stop)
+                if summed is None:
+                    self._abort(attempt, "aggregator stopping")
+                    break
+                self._commit(attempt, *summed)
+            except OverflowRisk as exc:
+                self._abort(attempt, str(exc))
+                raise  # the same round would overflow again: the operator must change the settings
+            except SecAggError as exc:
+                self._abort(attempt, f"secure aggregation stopped: {exc}")
             except FedltError as exc:
-                self._abort(attempt, f"the sums could not be used: {exc}")
+                self._abort(attempt, f"the round failed: {exc}")
         with self._lock:
             if self.state.round >= self.total_rounds:
                 self.stage = Stage.FINISHED
@@ -295,6 +357,19 @@ class RoundEngine:
                     return sorted(self._sessions)
             return None
 
+    def _plain_sum(self, attempt: Attempt, stop: threading.Event) -> tuple[Sums, list[str]] | None:
+        contributors = self._collect(attempt, stop)
+        if contributors is None:
+            return None
+        self._require_minimum(contributors)
+        return self.layer.aggregate(
+            attempt.schema, [attempt.submissions[s] for s in contributors]
+        ), contributors
+
+    def _require_minimum(self, contributors: list[str] | tuple[str, ...]) -> None:
+        if len(contributors) < self.config.consortium.min_silos:
+            raise RoundFailed(f"{len(contributors)} contributions, fewer than min_silos")
+
     def _start_attempt(self, participants: list[str]) -> Attempt:
         round_number = self.state.round + 1
         attempt_number, round_id = self.store.begin_attempt(round_number, participants, secrets.token_hex(4))
@@ -310,7 +385,14 @@ class RoundEngine:
             schema=round_pb2.Schema(
                 phase=schema.phase,
                 fields=[
-                    round_pb2.FieldSpec(name=f.name, shape=f.shape, bound=f.bound) for f in schema.fields
+                    round_pb2.FieldSpec(
+                        name=f.name,
+                        shape=f.shape,
+                        bound=f.bound,
+                        frac_bits=f.frac_bits,
+                        per_class=f.per_class,
+                    )
+                    for f in schema.fields
                 ],
             ),
             method_config=self.plan_toml,
@@ -321,6 +403,7 @@ class RoundEngine:
             privacy=self.config.consortium.privacy,
             participants=participants,
             deadline_unix_ms=deadline,
+            secagg=round_pb2.SecAggParameters(**asdict(self.config.secagg)) if self.secure else None,
         )
         blob = spec.SerializeToString()
         signed = round_pb2.SignedRoundSpec(spec=blob, signature=self.sign(blob))
@@ -333,6 +416,100 @@ class RoundEngine:
                     self._sessions[silo].directives.put(pb.JoinResponse(round_spec=signed))
         log.debug("round %d: attempt %s with %s", round_number, round_id, ", ".join(participants))
         return attempt
+
+    def _secure_sum(self, attempt: Attempt, stop: threading.Event) -> tuple[Sums, list[str]] | None:
+        """The census (when the tail guard applies), then the contribution, as secure sums."""
+        schema, settings = attempt.schema, self.config.secagg
+        codec = FixedPointCodec(schema, max_silos=len(attempt.participants))  # refuses an overflow first
+        silos, counted = attempt.participants, None
+        if schema.classes and settings.k_min >= 2:
+            census = self._session(attempt, "census", silos, schema.classes, stop)
+            if census is None:
+                return None
+            counts, counted = census
+            held = tail_guard.held_back(counts, settings.k_min)
+            self.store.audit(
+                "tail_guard", {"round_id": attempt.round_id, "k_min": settings.k_min, "held_back": held}
+            )
+            if held:
+                log.info("round %d: tail guard holds back classes %s", attempt.round, held)
+            self._send(counted, attempt, "census", census=pb.CensusResult(silos_per_class=counts.tolist()))
+            silos = list(counted)
+        summed = self._session(attempt, "contribution", silos, schema.size, stop, keep=counted)
+        if summed is None:
+            return None
+        total, contributors = summed
+        return self.layer.seal(schema, codec.decode(total), len(contributors)), list(contributors)
+
+    def _session(
+        self,
+        attempt: Attempt,
+        purpose: str,
+        silos: list[str],
+        words: int,
+        stop: threading.Event,
+        *,
+        keep: tuple[str, ...] | None = None,
+    ) -> tuple[np.ndarray, tuple[str, ...]] | None:
+        """One secure sum through its five stages; None if the aggregator is stopping.
+
+        `keep`: the census counted these silos, so all of them must send their masked contribution, or
+        a class the census saw at k_min holders could be summed over fewer.
+        """
+        binding = hashlib.sha256(attempt.signed.spec).digest()
+        spec = self.config.secagg.session(attempt.round_id, purpose, silos, words, binding)
+        server = SecAggServer(spec, peers=self.peers)
+        with self._lock:
+            attempt.secure = server
+        first = keep is None  # the first stage of a round waits for training, until the round's deadline
+        if not self._await_stage(server, attempt.deadline_ms if first else None, stop):
+            return None
+        keys = pb.KeyList(keys=[wire.keys_to_pb(k) for k in self._close(server.close_keys)])
+        self._send(server.u1, attempt, purpose, keys=keys)
+        if not self._await_stage(server, None, stop):
+            return None
+        for silo, inbox in self._close(server.close_shares).items():
+            self._send([silo], attempt, purpose, inbox=wire.inbox_to_pb(inbox))
+        if not self._await_stage(server, None, stop):
+            return None
+        survivors = self._close(server.close_masked)
+        if keep is not None and set(survivors) != set(keep):
+            gone = sorted(set(keep) - set(survivors))
+            raise RoundFailed(f"{', '.join(gone)} left between the census and the contribution")
+        if purpose == "contribution":
+            self._require_minimum(survivors)
+        self._send(survivors, attempt, purpose, survivors=pb.SurvivorList(survivors=survivors))
+        if not self._await_stage(server, None, stop):
+            return None
+        signatures = self._close(server.close_consistency)
+        self._send(server.u4, attempt, purpose, signatures=wire.signatures_to_pb(signatures))
+        if not self._await_stage(server, None, stop):
+            return None
+        return self._close(server.close_unmask), survivors
+
+    def _close(self, close: Callable[[], _T]) -> _T:
+        with self._lock:
+            return close()
+
+    def _await_stage(self, server: SecAggServer, deadline_ms: int | None, stop: threading.Event) -> bool:
+        """Wait until everyone expected has answered, the rest are disconnected, or the deadline passes."""
+        if deadline_ms is None:
+            deadline_ms = now_ms() + int(1000 * self.config.timeouts.stage)
+
+        def answered() -> bool:
+            pending = set(server.expected) - server.answered
+            return not pending & set(self._sessions)
+
+        with self._lock:
+            self._wait(stop, answered, until=time.monotonic() + max(0.0, (deadline_ms - now_ms()) / 1000))
+            return not stop.is_set()
+
+    def _send(self, silos: Iterable[str], attempt: Attempt, purpose: str, **step: object) -> None:
+        message = pb.SecAggStep(round_id=attempt.round_id, sum=wire.SUM_OF_PURPOSE[purpose], **step)
+        with self._lock:
+            for silo in silos:
+                if silo in self._sessions:
+                    self._sessions[silo].directives.put(pb.JoinResponse(secagg_step=message))
 
     def _collect(self, attempt: Attempt, stop: threading.Event) -> list[str] | None:
         minimum = self.config.consortium.min_silos
@@ -350,13 +527,12 @@ class RoundEngine:
             self.stage = Stage.COMMITTING
             return sorted(attempt.submissions)
 
-    def _commit(self, attempt: Attempt, contributors: list[str]) -> None:
+    def _commit(self, attempt: Attempt, sums: Sums, contributors: list[str]) -> None:
         timer = _Stopwatch()
-        sums = self.layer.aggregate(attempt.schema, [attempt.submissions[s] for s in contributors])
         state = self.method.server_step(
             self.state, sums, ServerContext(attempt.round, self.config.consortium.seed)
         )
-        timer.lap("sum and server step")
+        timer.lap("server step")
         packed = pack_state(state)
         self.store.commit_round(
             round_number=attempt.round,

@@ -28,6 +28,7 @@ from fedlt.seeding import derive_seed
 from fedlt.v1 import consortium_pb2, consortium_pb2_grpc, operator_pb2, operator_pb2_grpc
 from privacy.pki.identity import RevocationList
 from privacy.pki.signing import load_private_key, sign
+from privacy.secagg.peers import ConsortiumPeers
 
 log = logging.getLogger("aggregator")
 
@@ -51,6 +52,7 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
         layer=make_layer(config.consortium.privacy),
         sign=lambda blob: sign(key, blob, context=ROUNDSPEC_CONTEXT),
         recorder=_recorder(config, data_dir, store),
+        peers=ConsortiumPeers(tls["ca"]),
         echo=echo,
     )
     identity = Identity(RevocationList.load(config.path(config.server.ca), config.path(config.server.crl)))
@@ -80,6 +82,7 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     atomic_write_text(data_dir / LISTENING, json.dumps({"address": f"{host}:{port}", "pid": os.getpid()}))
     echo(f"aggregator {config.consortium.id!r} listening on {host}:{port} (mutual TLS); data in {data_dir}")
+    echo(f"privacy layer: {_describe_privacy(config)}")
     _stop_on_signals(stop)
     driver = threading.Thread(target=engine.run, args=(stop,), name="rounds", daemon=True)
     driver.start()
@@ -141,3 +144,13 @@ def _stop_on_signals(stop: threading.Event) -> None:
         return
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+
+
+def _describe_privacy(config: ConsortiumConfig) -> str:
+    if config.consortium.privacy != "secagg":
+        return f"{config.consortium.privacy} (the aggregator sees every silo's contribution)"
+    secagg = config.secagg
+    threshold = f"{secagg.threshold} shares" if secagg.threshold else "more than two thirds"
+    graph = f"{secagg.neighbours} neighbours per silo (SecAgg+)" if secagg.neighbours else "every silo pair"
+    guard = f"tail guard k_min {secagg.k_min}" if secagg.k_min >= 2 else "tail guard off"
+    return f"secagg — the aggregator learns only sums; threshold {threshold}, masks over {graph}, {guard}"

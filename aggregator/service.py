@@ -29,6 +29,8 @@ from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc, operator_pb2, operator_pb2_grpc
 from privacy.pki.errors import PkiError
 from privacy.pki.identity import RevocationList, load_certificate, operator_name_of, silo_id_of
+from privacy.secagg import wire
+from privacy.secagg.protocol import AdvertisedKeys, ProtocolViolation, StageError
 
 log = logging.getLogger("aggregator.service")
 
@@ -61,6 +63,8 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     BadContribution: grpc.StatusCode.INVALID_ARGUMENT,
     Malformed: grpc.StatusCode.INVALID_ARGUMENT,
     AlreadySubmitted: grpc.StatusCode.ALREADY_EXISTS,
+    StageError: grpc.StatusCode.FAILED_PRECONDITION,
+    ProtocolViolation: grpc.StatusCode.INVALID_ARGUMENT,
 }
 
 
@@ -183,11 +187,14 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
         if first is None or not first.HasField("header"):
             raise Malformed("a Submit stream starts with a header")
         header = first.header
-        if header.kind != pb.CONTRIBUTION_KIND_PLAINTEXT:
+        kind = pb.CONTRIBUTION_KIND_MASKED if self.engine.secure else pb.CONTRIBUTION_KIND_PLAINTEXT
+        if header.kind != kind:
             raise WrongRound(
-                f"this consortium's privacy layer takes plaintext contributions, not {header.kind}"
+                f"this consortium's rounds take {pb.ContributionKind.Name(kind)} contributions, "
+                f"not {pb.ContributionKind.Name(header.kind)}"
             )
-        expected = self.engine.expected_bytes(silo, header.round_id)
+        purpose = _purpose(header.sum) if self.engine.secure else ""
+        expected = self.engine.expected_bytes(silo, header.round_id, purpose)
         if header.total_bytes != expected:
             raise BadContribution(f"header announces {header.total_bytes} bytes; the schema needs {expected}")
         chunks, received, hasher = [], 0, hashlib.sha256()
@@ -202,8 +209,57 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
         digest = hasher.hexdigest()
         if digest != header.sha256:
             raise BadContribution("payload does not match the SHA-256 in its header")
-        self.engine.submit(silo, header.round_id, b"".join(chunks), digest)
+        if self.engine.secure:
+            self.engine.submit_masked(silo, header.round_id, purpose, b"".join(chunks), digest)
+        else:
+            self.engine.submit(silo, header.round_id, b"".join(chunks), digest)
         return pb.SubmitResponse(round_id=header.round_id, sha256=digest, accepted_unix_ms=now_ms())
+
+    @_abort_on_refusal
+    def AdvertiseKeys(self, request: pb.AdvertiseKeysRequest, context: grpc.ServicerContext) -> Any:
+        cert = self.identity.certificate(context)
+        silo = silo_id_of(cert)
+        keys = AdvertisedKeys(
+            silo,
+            request.c_public_key,
+            request.s_public_key,
+            request.signature,
+            context.auth_context()["x509_pem_cert"][0],  # the certificate TLS verified, for peers to check
+        )
+        self.engine.secagg(silo, request.round_id, _purpose(request.sum), lambda s: s.add_keys(silo, keys))
+        return pb.AdvertiseKeysResponse(round_id=request.round_id)
+
+    @_abort_on_refusal
+    def ShareKeys(self, request: pb.ShareKeysRequest, context: grpc.ServicerContext) -> Any:
+        silo = self.identity.silo(context)
+        envelopes = wire.envelopes_from_pb(request.shares)
+        self.engine.secagg(
+            silo, request.round_id, _purpose(request.sum), lambda s: s.add_envelopes(silo, envelopes)
+        )
+        return pb.ShareKeysResponse(round_id=request.round_id)
+
+    @_abort_on_refusal
+    def Consistency(self, request: pb.ConsistencyRequest, context: grpc.ServicerContext) -> Any:
+        silo = self.identity.silo(context)
+        self.engine.secagg(
+            silo, request.round_id, _purpose(request.sum), lambda s: s.add_signature(silo, request.signature)
+        )
+        return pb.ConsistencyResponse(round_id=request.round_id)
+
+    @_abort_on_refusal
+    def Unmask(self, request: pb.UnmaskRequest, context: grpc.ServicerContext) -> Any:
+        silo = self.identity.silo(context)
+        reveal = wire.reveal_from_pb(request)
+        self.engine.secagg(
+            silo, request.round_id, _purpose(request.sum), lambda s: s.add_reveal(silo, reveal)
+        )
+        return pb.UnmaskResponse(round_id=request.round_id)
+
+
+def _purpose(secure_sum: int) -> str:
+    if secure_sum not in wire.PURPOSE_OF_SUM:
+        raise Malformed("a secure-aggregation message names its sum (census or contribution)")
+    return wire.PURPOSE_OF_SUM[secure_sum]
 
 
 def _no_such_stage(name: str) -> Callable:
@@ -221,14 +277,7 @@ def _no_such_stage(name: str) -> Callable:
     return handler
 
 
-for _stage in (
-    "AdvertiseKeys",
-    "ShareKeys",
-    "Consistency",
-    "Unmask",
-    "ShareCkksContext",
-    "FetchEncryptedSum",
-):
+for _stage in ("ShareCkksContext", "FetchEncryptedSum"):
     setattr(ConsortiumServicer, _stage, _no_such_stage(_stage))
 
 

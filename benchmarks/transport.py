@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.consortium_harness
 
 from fedlt.v1 import consortium_pb2 as pb
-from silo.agent import _submit_stream
+from silo.upload import submit_stream
 from tests.consortium_harness import payload_server
 
 
@@ -51,7 +51,7 @@ def streaming(mb: int, repeats: int) -> dict:
             down.append(time.perf_counter() - started)
             assert data == payload
             started = time.perf_counter()
-            receipt = stub.Submit(_submit_stream("r", payload))
+            receipt = stub.Submit(submit_stream("r", payload, kind=pb.CONTRIBUTION_KIND_PLAINTEXT))
             up.append(time.perf_counter() - started)
             assert receipt.sha256 == hashlib.sha256(payload).hexdigest()
     down, up = down[1:], up[1:]  # the first pair warms up the connection
@@ -90,7 +90,7 @@ def rounds(n_rounds: int, silos: int, silo_threads: int) -> dict:
             directory,
             recipe=recipe,
             plan=DEMO_PLAN,
-            consortium=ConsortiumSection(id="bench", rounds=n_rounds, min_silos=silos),
+            consortium=ConsortiumSection(id="bench", rounds=n_rounds, min_silos=silos, privacy="plaintext"),
             timeouts=TimeoutSection(gather=5.0, round=300.0),
             silo_threads=silo_threads,
         )

@@ -5,6 +5,7 @@ consortium CA at registration), that it is addressed to this consortium and this
 privacy layer and disclosures are allowed by the silo's policy, that the plan matches its hash, and that the
 state it streams matches the signed digest. Only then does it train. A finished contribution is written to
 disk before upload, so an agent restarted mid-upload sends the same bytes instead of training again.
+With the `secagg` layer the contribution leaves only masked, through the stages of `silo.secure`.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import random
+import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import numpy as np
@@ -32,16 +35,24 @@ from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc, round_pb2
 from privacy.pki.errors import PkiError
 from privacy.pki.identity import load_certificate, verify_chain
-from privacy.pki.signing import verify
+from privacy.pki.signing import load_private_key, sign, verify
+from privacy.secagg.peers import ConsortiumPeers
 from silo.config import SiloConfig
+from silo.secure import SecureRound
+from silo.upload import submit_stream
 
 log = logging.getLogger("silo")
 
 VERSION = "fedlt-silo/0.1"
 ROUNDSPEC_CONTEXT = "fedlt/roundspec/v1"
-CHUNK = 1 << 20
 # Calls other than the directive stream must not hang forever on a silent network.
 CALL_TIMEOUT = 120.0
+
+
+# Dropout drills (operators rehearsing, and the tests): the agent freezes itself right after sending the
+# named message of a contribution sum, so a dropout can be placed at an exact protocol stage.
+DRILL = "FEDLT_DRILL_STOP_AFTER"
+SENT_BY_STEP = {"keys": "shares", "inbox": "masked", "survivors": "consistency"}
 
 
 class RefusedRound(FedltError):
@@ -73,6 +84,9 @@ class SiloAgent:
         self.activity = pb.SILO_ACTIVITY_IDLE
         self.round_id = ""
         self._method: tuple[str, Method] | None = None
+        self._signing_key = load_private_key(config.path(conn.key))
+        self._peers = ConsortiumPeers(self.ca_pem)
+        self._secure: SecureRound | None = None
 
     # --- the long-running loop ----------------------------------------------------------------
 
@@ -116,8 +130,12 @@ class SiloAgent:
             kind = directive.WhichOneof("directive")
             if kind == "round_spec":
                 self._round(stub, directive.round_spec)
+            elif kind == "secagg_step":
+                self._secure_step(stub, directive.secagg_step)
             elif kind == "abort":
                 log.warning("aggregator aborted %s: %s", directive.abort.round_id, directive.abort.reason)
+                if self._secure is not None and self._secure.spec.round_id == directive.abort.round_id:
+                    self._secure = None
             elif kind == "finished":
                 done = directive.finished
                 log.info(
@@ -176,12 +194,18 @@ class SiloAgent:
             log.error("refusing a round: %s", exc)
             return
         self.round_id = spec.round_id
+        self._secure = None
         payload = self._pending(spec.round_id) or self._train(stub, spec, plan)
         if payload is None:
             return
+        if spec.privacy == "secagg":
+            contribution = torch.from_numpy(np.frombuffer(payload, dtype="<f8").copy())
+            self._secure_start(stub, signed, spec, contribution)
+            return
         self.activity = pb.SILO_ACTIVITY_UPLOADING
         try:
-            receipt = stub.Submit(_submit_stream(spec.round_id, payload), timeout=CALL_TIMEOUT)
+            stream = submit_stream(spec.round_id, payload, kind=pb.CONTRIBUTION_KIND_PLAINTEXT)
+            receipt = stub.Submit(stream, timeout=CALL_TIMEOUT)
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
                 log.warning("contribution for %s refused: %s", spec.round_id, exc.details())
@@ -195,6 +219,68 @@ class SiloAgent:
         self._clear_pending()
         self._save_progress(committed=spec.round - 1, submitted=spec.round_id)
         log.info("round %d: contribution accepted (%s)", spec.round, receipt.sha256[:16])
+
+    def _secure_start(
+        self,
+        stub: consortium_pb2_grpc.ConsortiumServiceStub,
+        signed: round_pb2.SignedRoundSpec,
+        spec: round_pb2.RoundSpec,
+        contribution: torch.Tensor,
+    ) -> None:
+        def start() -> None:
+            self._secure = SecureRound(
+                signed,
+                spec,
+                _schema_of(spec),
+                contribution,
+                me=self.silo_id,
+                sign=lambda data, *, context: sign(self._signing_key, data, context=context),
+                peers=self._peers,
+                timeout=CALL_TIMEOUT,
+            )
+            self._secure.start(stub)
+
+        self._secure_call(spec.round_id, start)
+
+    def _secure_step(self, stub: consortium_pb2_grpc.ConsortiumServiceStub, step: pb.SecAggStep) -> None:
+        secure = self._secure
+        if secure is None or secure.spec.round_id != step.round_id:
+            log.warning("ignoring a secure-aggregation step for %s, which this silo is not in", step.round_id)
+            return
+
+        def upload(stream: Iterator[pb.SubmitRequest]) -> None:
+            self.activity = pb.SILO_ACTIVITY_UPLOADING
+            try:
+                stub.Submit(stream, timeout=CALL_TIMEOUT)
+            finally:
+                self.activity = pb.SILO_ACTIVITY_IDLE
+            if secure.purpose == "contribution":
+                self._clear_pending()
+                self._save_progress(committed=secure.spec.round - 1, submitted=step.round_id)
+                log.info("round %d: masked contribution accepted", secure.spec.round)
+
+        self._secure_call(step.round_id, lambda: secure.step(stub, step, upload))
+        if secure.done:
+            self._secure = None
+        drill = os.environ.get(DRILL, "")
+        if drill and secure.purpose == "contribution" and drill == SENT_BY_STEP.get(step.WhichOneof("step")):
+            log.warning("drill: stopping after sending the %s message, as %s asks", drill, DRILL)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    def _secure_call(self, round_id: str, action: Callable[[], None]) -> None:
+        """Run one stage; a protocol violation or a refused message ends this silo's part in the round."""
+        try:
+            action()
+        except FedltError as exc:
+            log.error("%s: leaving the secure sum: %s", round_id, exc)
+            self._secure = None
+        except grpc.RpcError as exc:
+            if exc.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+                raise
+            log.warning(
+                "%s: the aggregator refused a secure-aggregation message: %s", round_id, exc.details()
+            )
+            self._secure = None
 
     def _check_spec(self, signed: round_pb2.SignedRoundSpec) -> tuple[round_pb2.RoundSpec, RoundPlan]:
         verify(self.aggregator_cert, signed.signature, signed.spec, context=ROUNDSPEC_CONTEXT)
@@ -214,6 +300,10 @@ class SiloAgent:
             problems.append("method_config does not match config_sha256")
         if spec.state_bytes > policy.max_state_mb * 2**20:
             problems.append(f"state of {spec.state_bytes} bytes exceeds policy.max_state_mb")
+        if spec.privacy == "secagg" and spec.secagg.k_min < policy.min_tail_guard:
+            problems.append(
+                f"tail guard k_min {spec.secagg.k_min} is below policy.min_tail_guard {policy.min_tail_guard}"
+            )
         if problems:
             raise RefusedRound(f"{spec.round_id}: " + "; ".join(problems))
         plan = RoundPlan.from_toml(spec.method_config, f"RoundSpec {spec.round_id}")
@@ -289,17 +379,8 @@ class SiloAgent:
 
 
 def _schema_of(spec: round_pb2.RoundSpec) -> Schema:
-    fields = tuple(Field(f.name, tuple(f.shape), f.bound) for f in spec.schema.fields)
-    return Schema(fields, phase=spec.schema.phase)
-
-
-def _submit_stream(round_id: str, payload: bytes) -> Iterator[pb.SubmitRequest]:
-    header = pb.SubmitHeader(
-        round_id=round_id,
-        kind=pb.CONTRIBUTION_KIND_PLAINTEXT,
-        total_bytes=len(payload),
-        sha256=hashlib.sha256(payload).hexdigest(),
+    fields = tuple(
+        Field(f.name, tuple(f.shape), f.bound, frac_bits=f.frac_bits, per_class=f.per_class)
+        for f in spec.schema.fields
     )
-    yield pb.SubmitRequest(header=header)
-    for offset in range(0, len(payload), CHUNK):
-        yield pb.SubmitRequest(chunk=payload[offset : offset + CHUNK])
+    return Schema(fields, phase=spec.schema.phase)

@@ -46,6 +46,7 @@ class PolicySection:
     privacy: tuple[str, ...] = ("secagg", "ckks")
     disclosures: tuple[str, ...] = ()
     max_state_mb: float = setting(2048.0, gt=0.0)
+    min_tail_guard: int = setting(2, ge=0, doc="refuse secagg rounds whose tail guard k_min is lower")
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from fedlt.plan import ModelSection, RoundPlan
 from fedlt.v1 import consortium_pb2_grpc
 from privacy.pki.ca import init_ca, issue_server, issue_silo
 from privacy.pki.identity import RevocationList
+from silo.agent import DRILL
 
 RECIPE = DataConfig(dataset="digits", imbalance=10.0, alpha=0.5, silos=3, min_silo_size=10, test_per_class=30)
 PLAN = RoundPlan(
@@ -54,14 +55,23 @@ class Consortium:
 
     @classmethod
     def create(
-        cls, directory: Path, *, rounds: int, min_silos: int, round_timeout: float = 30.0, silos: int = 3
+        cls,
+        directory: Path,
+        *,
+        rounds: int,
+        min_silos: int,
+        round_timeout: float = 30.0,
+        silos: int = 3,
+        privacy: str = "secagg",
     ) -> Consortium:
         recipe = DataConfig(**{**RECIPE.__dict__, "silos": silos})
         _, silo_configs = write_consortium(
             directory,
             recipe=recipe,
             plan=PLAN,
-            consortium=ConsortiumSection(id="test-consortium", rounds=rounds, min_silos=min_silos),
+            consortium=ConsortiumSection(
+                id="test-consortium", rounds=rounds, min_silos=min_silos, privacy=privacy
+            ),
             timeouts=TimeoutSection(gather=3.0, round=round_timeout),
             silo_threads=SILO_THREADS,
         )
@@ -104,19 +114,28 @@ class Consortium:
         for line in process.stdout:
             self.output.append(line.rstrip("\n"))
 
-    def start_silo(self, k: int) -> None:
+    def start_silo(self, k: int, drill: str = "") -> None:
+        """`drill`: the silo freezes itself after sending that secure-aggregation message (see silo.agent)."""
         log = (self.directory / f"silo-{k}.log").open("a")
         self.silos[k] = subprocess.Popen(
             [sys.executable, "-m", "silo", "run", "--config", str(self.silo_configs[k])],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=ENV,
+            env={**ENV, DRILL: drill} if drill else ENV,
         )
 
-    def start(self) -> None:
+    def start(self, drills: dict[int, str] | None = None) -> None:
         self.start_aggregator()
         for k in range(len(self.silo_configs)):
-            self.start_silo(k)
+            self.start_silo(k, (drills or {}).get(k, ""))
+
+    def wait_for_silo_log(self, k: int, text: str, timeout: float = 60) -> None:
+        log = self.directory / f"silo-{k}.log"
+        until = time.monotonic() + timeout
+        while text not in (log.read_text() if log.exists() else ""):
+            if time.monotonic() > until:
+                raise AssertionError(f"silo-{k} did not log {text!r} within {timeout} s")
+            time.sleep(0.05)
 
     def wait_for_output(self, predicate: Callable[[str], bool], timeout: float) -> str:
         until = time.monotonic() + timeout
@@ -131,12 +150,7 @@ class Consortium:
 
     def freeze_after_registering(self, k: int, timeout: float = 60) -> None:
         """SIGSTOP silo k once it has registered: it stays connected, is invited, and never answers."""
-        log = self.directory / f"silo-{k}.log"
-        until = time.monotonic() + timeout
-        while "registered as" not in (log.read_text() if log.exists() else ""):
-            if time.monotonic() > until:
-                raise AssertionError(f"silo-{k} did not register within {timeout} s")
-            time.sleep(0.05)
+        self.wait_for_silo_log(k, "registered as", timeout)
         self.silos[k].send_signal(signal.SIGSTOP)
 
     def wait_for_attempt(self, round_number: int, timeout: float = 60) -> None:
@@ -187,11 +201,12 @@ class PayloadEngine:
     def __init__(self, payload: bytes) -> None:
         self.payload = payload
         self.config = SimpleNamespace(consortium=SimpleNamespace(id="payload", privacy="plaintext"))
+        self.secure = False
 
     def state_for(self, silo_id: str, round_id: str) -> bytes:
         return self.payload
 
-    def expected_bytes(self, silo_id: str, round_id: str) -> int:
+    def expected_bytes(self, silo_id: str, round_id: str, purpose: str = "") -> int:
         return len(self.payload)
 
     def submit(self, silo_id: str, round_id: str, payload: bytes, digest: str) -> str:

@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc, operator_pb2, operator_pb2_grpc, round_pb2
 from privacy.pki.ca import init_ca, issue_silo, revoke
-from silo.agent import _submit_stream
+from silo.upload import submit_stream
 from tests.consortium_harness import Consortium, payload_server
 
 CODE = grpc.StatusCode
@@ -29,7 +29,12 @@ CODE = grpc.StatusCode
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     consortium = Consortium.create(
-        tmp_path_factory.mktemp("security"), rounds=1, min_silos=1, silos=1, round_timeout=120.0
+        tmp_path_factory.mktemp("security"),
+        rounds=1,
+        min_silos=1,
+        silos=1,
+        round_timeout=120.0,
+        privacy="plaintext",  # one silo plays a round by hand; a secure sum needs two
     )
     consortium.start_aggregator()
     yield consortium
@@ -159,7 +164,9 @@ def test_bad_requests_get_precise_codes_and_change_nothing(live):
 
         cases = {
             "wrong round": (
-                lambda: submit(_submit_stream("r9.a1.dead", good.tobytes())),
+                lambda: submit(
+                    submit_stream("r9.a1.dead", good.tobytes(), kind=pb.CONTRIBUTION_KIND_PLAINTEXT)
+                ),
                 CODE.FAILED_PRECONDITION,
                 "no attempt",
             ),
@@ -174,7 +181,9 @@ def test_bad_requests_get_precise_codes_and_change_nothing(live):
                 "starts with a header",
             ),
             "wrong shape": (
-                lambda: submit(_submit_stream(spec.round_id, good[:-1].tobytes())),
+                lambda: submit(
+                    submit_stream(spec.round_id, good[:-1].tobytes(), kind=pb.CONTRIBUTION_KIND_PLAINTEXT)
+                ),
                 CODE.INVALID_ARGUMENT,
                 "schema needs",
             ),
@@ -189,7 +198,9 @@ def test_bad_requests_get_precise_codes_and_change_nothing(live):
                 "SHA-256",
             ),
             "nan": (
-                lambda: submit(_submit_stream(spec.round_id, nan.tobytes())),
+                lambda: submit(
+                    submit_stream(spec.round_id, nan.tobytes(), kind=pb.CONTRIBUTION_KIND_PLAINTEXT)
+                ),
                 CODE.INVALID_ARGUMENT,
                 "non-finite",
             ),
@@ -199,9 +210,12 @@ def test_bad_requests_get_precise_codes_and_change_nothing(live):
                 "",
             ),
             "secagg stage": (
-                lambda: stub.AdvertiseKeys(pb.AdvertiseKeysRequest(round_id=spec.round_id), timeout=10),
+                lambda: stub.AdvertiseKeys(
+                    pb.AdvertiseKeysRequest(round_id=spec.round_id, sum=pb.SECURE_SUM_CONTRIBUTION),
+                    timeout=10,
+                ),
                 CODE.FAILED_PRECONDITION,
-                "no AdvertiseKeys stage",
+                "no secure-sum stages",
             ),
         }
         for name, (call, expected, words) in cases.items():
@@ -213,7 +227,7 @@ def test_bad_requests_get_precise_codes_and_change_nothing(live):
         assert store.latest_state().round == 0
         store.close()
 
-        receipt = submit(_submit_stream(spec.round_id, good.tobytes()))
+        receipt = submit(submit_stream(spec.round_id, good.tobytes(), kind=pb.CONTRIBUTION_KIND_PLAINTEXT))
         assert receipt.sha256 == hashlib.sha256(good.tobytes()).hexdigest()
     assert live.wait_aggregator(timeout=60) == 0
     store = live.store()
@@ -228,5 +242,5 @@ def test_a_200_mb_model_streams_both_ways(tmp_path):
     with payload_server(tmp_path, payload) as stub:
         data = b"".join(p.data for p in stub.FetchState(pb.FetchStateRequest(round_id="r"), timeout=120))
         assert hashlib.sha256(data).digest() == hashlib.sha256(payload).digest()
-        receipt = stub.Submit(_submit_stream("r", payload), timeout=120)
+        receipt = stub.Submit(submit_stream("r", payload, kind=pb.CONTRIBUTION_KIND_PLAINTEXT), timeout=120)
     assert receipt.sha256 == hashlib.sha256(payload).hexdigest()

@@ -28,7 +28,9 @@ from tests.consortium_harness import PLAN
 
 @pytest.fixture
 def engine(tmp_path):
-    config = ConsortiumConfig(consortium=ConsortiumSection(rounds=2, min_silos=2), plan=PLAN)
+    config = ConsortiumConfig(
+        consortium=ConsortiumSection(rounds=2, min_silos=2, privacy="plaintext"), plan=PLAN
+    )
     store = Store(tmp_path / "db.sqlite")
     store.register_silo("a", "c", "v", {})
     store.register_silo("b", "c", "v", {})
@@ -123,7 +125,9 @@ def test_unusable_sums_abort_the_attempt_instead_of_stopping_the_aggregator(engi
 
 def test_a_round_committed_without_metrics_is_evaluated_at_start_up(tmp_path):
     """The aggregator died between committing round 1 and saving its metrics."""
-    config = ConsortiumConfig(consortium=ConsortiumSection(rounds=2, min_silos=1), plan=PLAN)
+    config = ConsortiumConfig(
+        consortium=ConsortiumSection(rounds=2, min_silos=1, privacy="plaintext"), plan=PLAN
+    )
     method = PLAN.build_method()
     store = Store(tmp_path / "db.sqlite")
     store.bind(config.fingerprint())

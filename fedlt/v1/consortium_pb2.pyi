@@ -8,6 +8,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SecureSum(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SECURE_SUM_UNSPECIFIED: _ClassVar[SecureSum]
+    SECURE_SUM_CENSUS: _ClassVar[SecureSum]
+    SECURE_SUM_CONTRIBUTION: _ClassVar[SecureSum]
+
 class SiloActivity(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     SILO_ACTIVITY_UNSPECIFIED: _ClassVar[SiloActivity]
@@ -22,6 +28,9 @@ class ContributionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CONTRIBUTION_KIND_PLAINTEXT: _ClassVar[ContributionKind]
     CONTRIBUTION_KIND_MASKED: _ClassVar[ContributionKind]
     CONTRIBUTION_KIND_CKKS: _ClassVar[ContributionKind]
+SECURE_SUM_UNSPECIFIED: SecureSum
+SECURE_SUM_CENSUS: SecureSum
+SECURE_SUM_CONTRIBUTION: SecureSum
 SILO_ACTIVITY_UNSPECIFIED: SiloActivity
 SILO_ACTIVITY_IDLE: SiloActivity
 SILO_ACTIVITY_FETCHING: SiloActivity
@@ -61,14 +70,88 @@ class JoinRequest(_message.Message):
     def __init__(self, last_round: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("round_spec", "abort", "finished")
+    __slots__ = ("round_spec", "abort", "finished", "secagg_step")
     ROUND_SPEC_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    SECAGG_STEP_FIELD_NUMBER: _ClassVar[int]
     round_spec: _round_pb2.SignedRoundSpec
     abort: Abort
     finished: Finished
-    def __init__(self, round_spec: _Optional[_Union[_round_pb2.SignedRoundSpec, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
+    secagg_step: SecAggStep
+    def __init__(self, round_spec: _Optional[_Union[_round_pb2.SignedRoundSpec, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., secagg_step: _Optional[_Union[SecAggStep, _Mapping]] = ...) -> None: ...
+
+class SecAggStep(_message.Message):
+    __slots__ = ("round_id", "sum", "keys", "inbox", "survivors", "signatures", "census")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    INBOX_FIELD_NUMBER: _ClassVar[int]
+    SURVIVORS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURES_FIELD_NUMBER: _ClassVar[int]
+    CENSUS_FIELD_NUMBER: _ClassVar[int]
+    round_id: str
+    sum: SecureSum
+    keys: KeyList
+    inbox: ShareInbox
+    survivors: SurvivorList
+    signatures: ConsistencySignatures
+    census: CensusResult
+    def __init__(self, round_id: _Optional[str] = ..., sum: _Optional[_Union[SecureSum, str]] = ..., keys: _Optional[_Union[KeyList, _Mapping]] = ..., inbox: _Optional[_Union[ShareInbox, _Mapping]] = ..., survivors: _Optional[_Union[SurvivorList, _Mapping]] = ..., signatures: _Optional[_Union[ConsistencySignatures, _Mapping]] = ..., census: _Optional[_Union[CensusResult, _Mapping]] = ...) -> None: ...
+
+class AdvertisedKeys(_message.Message):
+    __slots__ = ("silo_id", "c_public_key", "s_public_key", "signature", "certificate")
+    SILO_ID_FIELD_NUMBER: _ClassVar[int]
+    C_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    S_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    silo_id: str
+    c_public_key: bytes
+    s_public_key: bytes
+    signature: bytes
+    certificate: bytes
+    def __init__(self, silo_id: _Optional[str] = ..., c_public_key: _Optional[bytes] = ..., s_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., certificate: _Optional[bytes] = ...) -> None: ...
+
+class KeyList(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedCompositeFieldContainer[AdvertisedKeys]
+    def __init__(self, keys: _Optional[_Iterable[_Union[AdvertisedKeys, _Mapping]]] = ...) -> None: ...
+
+class ShareInbox(_message.Message):
+    __slots__ = ("survivors", "shares")
+    SURVIVORS_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    survivors: _containers.RepeatedScalarFieldContainer[str]
+    shares: _containers.RepeatedCompositeFieldContainer[EncryptedShare]
+    def __init__(self, survivors: _Optional[_Iterable[str]] = ..., shares: _Optional[_Iterable[_Union[EncryptedShare, _Mapping]]] = ...) -> None: ...
+
+class SurvivorList(_message.Message):
+    __slots__ = ("survivors",)
+    SURVIVORS_FIELD_NUMBER: _ClassVar[int]
+    survivors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, survivors: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SiloSignature(_message.Message):
+    __slots__ = ("silo_id", "signature")
+    SILO_ID_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    silo_id: str
+    signature: bytes
+    def __init__(self, silo_id: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class ConsistencySignatures(_message.Message):
+    __slots__ = ("signatures",)
+    SIGNATURES_FIELD_NUMBER: _ClassVar[int]
+    signatures: _containers.RepeatedCompositeFieldContainer[SiloSignature]
+    def __init__(self, signatures: _Optional[_Iterable[_Union[SiloSignature, _Mapping]]] = ...) -> None: ...
+
+class CensusResult(_message.Message):
+    __slots__ = ("silos_per_class",)
+    SILOS_PER_CLASS_FIELD_NUMBER: _ClassVar[int]
+    silos_per_class: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, silos_per_class: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("round_id", "reason")
@@ -115,16 +198,18 @@ class FetchStateResponse(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SubmitHeader(_message.Message):
-    __slots__ = ("round_id", "kind", "total_bytes", "sha256")
+    __slots__ = ("round_id", "kind", "total_bytes", "sha256", "sum")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
     round_id: str
     kind: ContributionKind
     total_bytes: int
     sha256: str
-    def __init__(self, round_id: _Optional[str] = ..., kind: _Optional[_Union[ContributionKind, str]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    sum: SecureSum
+    def __init__(self, round_id: _Optional[str] = ..., kind: _Optional[_Union[ContributionKind, str]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., sum: _Optional[_Union[SecureSum, str]] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -145,16 +230,18 @@ class SubmitResponse(_message.Message):
     def __init__(self, round_id: _Optional[str] = ..., sha256: _Optional[str] = ..., accepted_unix_ms: _Optional[int] = ...) -> None: ...
 
 class AdvertiseKeysRequest(_message.Message):
-    __slots__ = ("round_id", "c_public_key", "s_public_key", "signature")
+    __slots__ = ("round_id", "c_public_key", "s_public_key", "signature", "sum")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     C_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     S_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
     round_id: str
     c_public_key: bytes
     s_public_key: bytes
     signature: bytes
-    def __init__(self, round_id: _Optional[str] = ..., c_public_key: _Optional[bytes] = ..., s_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    sum: SecureSum
+    def __init__(self, round_id: _Optional[str] = ..., c_public_key: _Optional[bytes] = ..., s_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., sum: _Optional[_Union[SecureSum, str]] = ...) -> None: ...
 
 class AdvertiseKeysResponse(_message.Message):
     __slots__ = ("round_id",)
@@ -173,12 +260,14 @@ class EncryptedShare(_message.Message):
     def __init__(self, sender: _Optional[str] = ..., recipient: _Optional[str] = ..., ciphertext: _Optional[bytes] = ...) -> None: ...
 
 class ShareKeysRequest(_message.Message):
-    __slots__ = ("round_id", "shares")
+    __slots__ = ("round_id", "shares", "sum")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     SHARES_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
     round_id: str
     shares: _containers.RepeatedCompositeFieldContainer[EncryptedShare]
-    def __init__(self, round_id: _Optional[str] = ..., shares: _Optional[_Iterable[_Union[EncryptedShare, _Mapping]]] = ...) -> None: ...
+    sum: SecureSum
+    def __init__(self, round_id: _Optional[str] = ..., shares: _Optional[_Iterable[_Union[EncryptedShare, _Mapping]]] = ..., sum: _Optional[_Union[SecureSum, str]] = ...) -> None: ...
 
 class ShareKeysResponse(_message.Message):
     __slots__ = ("round_id",)
@@ -187,12 +276,14 @@ class ShareKeysResponse(_message.Message):
     def __init__(self, round_id: _Optional[str] = ...) -> None: ...
 
 class ConsistencyRequest(_message.Message):
-    __slots__ = ("round_id", "signature")
+    __slots__ = ("round_id", "signature", "sum")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
     round_id: str
     signature: bytes
-    def __init__(self, round_id: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    sum: SecureSum
+    def __init__(self, round_id: _Optional[str] = ..., signature: _Optional[bytes] = ..., sum: _Optional[_Union[SecureSum, str]] = ...) -> None: ...
 
 class ConsistencyResponse(_message.Message):
     __slots__ = ("round_id",)
@@ -209,14 +300,16 @@ class RevealedShare(_message.Message):
     def __init__(self, owner: _Optional[str] = ..., share: _Optional[bytes] = ...) -> None: ...
 
 class UnmaskRequest(_message.Message):
-    __slots__ = ("round_id", "self_mask_shares", "mask_key_shares")
+    __slots__ = ("round_id", "self_mask_shares", "mask_key_shares", "sum")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     SELF_MASK_SHARES_FIELD_NUMBER: _ClassVar[int]
     MASK_KEY_SHARES_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
     round_id: str
     self_mask_shares: _containers.RepeatedCompositeFieldContainer[RevealedShare]
     mask_key_shares: _containers.RepeatedCompositeFieldContainer[RevealedShare]
-    def __init__(self, round_id: _Optional[str] = ..., self_mask_shares: _Optional[_Iterable[_Union[RevealedShare, _Mapping]]] = ..., mask_key_shares: _Optional[_Iterable[_Union[RevealedShare, _Mapping]]] = ...) -> None: ...
+    sum: SecureSum
+    def __init__(self, round_id: _Optional[str] = ..., self_mask_shares: _Optional[_Iterable[_Union[RevealedShare, _Mapping]]] = ..., mask_key_shares: _Optional[_Iterable[_Union[RevealedShare, _Mapping]]] = ..., sum: _Optional[_Union[SecureSum, str]] = ...) -> None: ...
 
 class UnmaskResponse(_message.Message):
     __slots__ = ("round_id",)

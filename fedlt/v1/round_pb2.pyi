@@ -7,14 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class FieldSpec(_message.Message):
-    __slots__ = ("name", "shape", "bound")
+    __slots__ = ("name", "shape", "bound", "frac_bits", "per_class")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     BOUND_FIELD_NUMBER: _ClassVar[int]
+    FRAC_BITS_FIELD_NUMBER: _ClassVar[int]
+    PER_CLASS_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     bound: float
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., bound: _Optional[float] = ...) -> None: ...
+    frac_bits: int
+    per_class: bool
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., bound: _Optional[float] = ..., frac_bits: _Optional[int] = ..., per_class: _Optional[bool] = ...) -> None: ...
 
 class Schema(_message.Message):
     __slots__ = ("phase", "fields")
@@ -25,7 +29,7 @@ class Schema(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ...) -> None: ...
 
 class RoundSpec(_message.Message):
-    __slots__ = ("consortium_id", "round", "attempt", "round_id", "method", "schema", "method_config", "config_sha256", "state_digest", "state_bytes", "seed", "privacy", "participants", "disclosures", "deadline_unix_ms")
+    __slots__ = ("consortium_id", "round", "attempt", "round_id", "method", "schema", "method_config", "config_sha256", "state_digest", "state_bytes", "seed", "privacy", "participants", "disclosures", "deadline_unix_ms", "secagg")
     CONSORTIUM_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +45,7 @@ class RoundSpec(_message.Message):
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
     DISCLOSURES_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    SECAGG_FIELD_NUMBER: _ClassVar[int]
     consortium_id: str
     round: int
     attempt: int
@@ -56,7 +61,18 @@ class RoundSpec(_message.Message):
     participants: _containers.RepeatedScalarFieldContainer[str]
     disclosures: _containers.RepeatedScalarFieldContainer[str]
     deadline_unix_ms: int
-    def __init__(self, consortium_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., round_id: _Optional[str] = ..., method: _Optional[str] = ..., schema: _Optional[_Union[Schema, _Mapping]] = ..., method_config: _Optional[str] = ..., config_sha256: _Optional[str] = ..., state_digest: _Optional[str] = ..., state_bytes: _Optional[int] = ..., seed: _Optional[int] = ..., privacy: _Optional[str] = ..., participants: _Optional[_Iterable[str]] = ..., disclosures: _Optional[_Iterable[str]] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
+    secagg: SecAggParameters
+    def __init__(self, consortium_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., round_id: _Optional[str] = ..., method: _Optional[str] = ..., schema: _Optional[_Union[Schema, _Mapping]] = ..., method_config: _Optional[str] = ..., config_sha256: _Optional[str] = ..., state_digest: _Optional[str] = ..., state_bytes: _Optional[int] = ..., seed: _Optional[int] = ..., privacy: _Optional[str] = ..., participants: _Optional[_Iterable[str]] = ..., disclosures: _Optional[_Iterable[str]] = ..., deadline_unix_ms: _Optional[int] = ..., secagg: _Optional[_Union[SecAggParameters, _Mapping]] = ...) -> None: ...
+
+class SecAggParameters(_message.Message):
+    __slots__ = ("threshold", "neighbours", "k_min")
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    NEIGHBOURS_FIELD_NUMBER: _ClassVar[int]
+    K_MIN_FIELD_NUMBER: _ClassVar[int]
+    threshold: int
+    neighbours: int
+    k_min: int
+    def __init__(self, threshold: _Optional[int] = ..., neighbours: _Optional[int] = ..., k_min: _Optional[int] = ...) -> None: ...
 
 class SignedRoundSpec(_message.Message):
     __slots__ = ("spec", "signature")

@@ -229,6 +229,11 @@ class SecAggClient:
         self._u2: set[str] = set()
         self._u3: tuple[str, ...] = ()
 
+    @property
+    def survivors(self) -> tuple[str, ...]:
+        """U3 as this silo signed it (empty before the consistency stage)."""
+        return self._u3
+
     def _enter(self, stage: str, following: str) -> None:
         if self._stage != stage:
             raise StageError(f"{self.me}: asked for stage {stage!r} while at {self._stage!r}")
