@@ -193,6 +193,9 @@ class SiloAgent:
         except (RefusedRound, PkiError) as exc:
             log.error("refusing a round: %s", exc)
             return
+        if self._secure is not None and self._secure.spec.round_id == spec.round_id:
+            log.info("%s: still taking part in its secure sum after a reconnect", spec.round_id)
+            return
         self.round_id = spec.round_id
         self._secure = None
         payload = self._pending(spec.round_id) or self._train(stub, spec, plan)

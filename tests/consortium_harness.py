@@ -6,6 +6,7 @@ Every wait is bounded and every process started here is killed when the test end
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
+import pytest
 
 from aggregator.config import ConsortiumSection, TimeoutSection
 from aggregator.demo import point_silos_at, wait_for_address, write_consortium
@@ -28,6 +30,7 @@ from fedlt.data.federation import DataConfig
 from fedlt.methods import TrainConfig
 from fedlt.methods.state import GlobalState, unpack_state
 from fedlt.plan import ModelSection, RoundPlan
+from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc
 from privacy.pki.ca import init_ca, issue_server, issue_silo
 from privacy.pki.identity import RevocationList
@@ -239,3 +242,40 @@ def payload_server(directory: Path, payload: bytes) -> Iterator[consortium_pb2_g
             yield consortium_pb2_grpc.ConsortiumServiceStub(channel)
     finally:
         server.stop(0)
+
+
+# --- playing a silo (or an intruder) by hand over real mutual TLS ---------------------------------------
+
+
+def channel(consortium: Consortium, name: str | None, *, ca_dir=None) -> grpc.Channel:
+    pki = consortium.directory / "pki"
+    ca = (pki / "ca" / "ca.pem").read_bytes()
+    if name is None:
+        creds = grpc.ssl_channel_credentials(root_certificates=ca)
+    else:
+        where = ca_dir or pki
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=ca,
+            private_key=(where / f"{name}.key").read_bytes(),
+            certificate_chain=(where / f"{name}.pem").read_bytes(),
+        )
+    return grpc.secure_channel(consortium.address, creds)
+
+
+def register(ch: grpc.Channel) -> pb.RegisterResponse:
+    return consortium_pb2_grpc.ConsortiumServiceStub(ch).Register(pb.RegisterRequest(), timeout=10)
+
+
+def read_all(stream, into: queue.Queue) -> None:
+    """Collect directives until the stream ends (the channel closing at the end of a test ends it)."""
+    try:
+        for directive in stream:
+            into.put(directive)
+    except grpc.RpcError:
+        return
+
+
+def code_of(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code(), err.value.details()

@@ -21,7 +21,7 @@ from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc, operator_pb2, operator_pb2_grpc, round_pb2
 from privacy.pki.ca import init_ca, issue_silo, revoke
 from silo.upload import submit_stream
-from tests.consortium_harness import Consortium, payload_server
+from tests.consortium_harness import Consortium, channel, code_of, payload_server, read_all, register
 
 CODE = grpc.StatusCode
 
@@ -39,40 +39,6 @@ def live(tmp_path_factory):
     consortium.start_aggregator()
     yield consortium
     consortium.stop()
-
-
-def channel(consortium: Consortium, name: str | None, *, ca_dir=None) -> grpc.Channel:
-    pki = consortium.directory / "pki"
-    ca = (pki / "ca" / "ca.pem").read_bytes()
-    if name is None:
-        creds = grpc.ssl_channel_credentials(root_certificates=ca)
-    else:
-        where = ca_dir or pki
-        creds = grpc.ssl_channel_credentials(
-            root_certificates=ca,
-            private_key=(where / f"{name}.key").read_bytes(),
-            certificate_chain=(where / f"{name}.pem").read_bytes(),
-        )
-    return grpc.secure_channel(consortium.address, creds)
-
-
-def register(ch: grpc.Channel) -> pb.RegisterResponse:
-    return consortium_pb2_grpc.ConsortiumServiceStub(ch).Register(pb.RegisterRequest(), timeout=10)
-
-
-def read_all(stream, into: queue.Queue) -> None:
-    """Collect directives until the stream ends (the channel closing at the end of a test ends it)."""
-    try:
-        for directive in stream:
-            into.put(directive)
-    except grpc.RpcError:
-        return
-
-
-def code_of(call) -> grpc.StatusCode:
-    with pytest.raises(grpc.RpcError) as err:
-        call()
-    return err.value.code(), err.value.details()
 
 
 def test_client_without_certificate_is_refused(live):

@@ -1,0 +1,123 @@
+"""A secure round against a live aggregator, with the test playing both silos over real mutual TLS.
+
+The silos run the agent's own `SecureRound`; before and during it the test sends what a faulty or hostile
+silo might (forged keys, a masked input out of turn, a second set of keys), and checks each refusal's status
+code and that the round still commits the right sum.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+
+import grpc
+import numpy as np
+import torch
+
+from fedlt.methods.state import flatten, float_keys
+from fedlt.v1 import consortium_pb2 as pb
+from fedlt.v1 import consortium_pb2_grpc, round_pb2
+from privacy.pki.signing import load_private_key, sign
+from privacy.secagg.peers import ConsortiumPeers
+from privacy.secagg.protocol import KEYS_CONTEXT
+from silo.agent import _schema_of
+from silo.secure import SecureRound
+from silo.upload import submit_stream
+from tests.consortium_harness import PLAN, Consortium, channel, code_of, read_all, register
+
+CODE = grpc.StatusCode
+
+
+def test_a_secure_round_played_by_hand_refuses_tampering_and_sums_right(tmp_path):
+    consortium = Consortium.create(tmp_path, rounds=1, min_silos=2, silos=2, round_timeout=120.0)
+    consortium.start_aggregator()
+    pki = consortium.directory / "pki"
+    peers = ConsortiumPeers((pki / "ca" / "ca.pem").read_bytes())
+    try:
+        with channel(consortium, "silo-0") as ch0, channel(consortium, "silo-1") as ch1:
+            stubs = [consortium_pb2_grpc.ConsortiumServiceStub(ch) for ch in (ch0, ch1)]
+            inboxes: list[queue.Queue] = [queue.Queue(), queue.Queue()]
+            for ch, stub, inbox in zip((ch0, ch1), stubs, inboxes, strict=True):
+                register(ch)
+                threading.Thread(
+                    target=read_all, args=(stub.Join(pb.JoinRequest()), inbox), daemon=True
+                ).start()
+            signed = [inbox.get(timeout=60).round_spec for inbox in inboxes]
+            spec = round_pb2.RoundSpec.FromString(signed[0].spec)
+            assert spec.privacy == "secagg"
+            assert spec.secagg.k_min == 2
+            keys = [load_private_key(pki / f"silo-{k}.key") for k in (0, 1)]
+            round_id, secure_sum = spec.round_id, pb.SECURE_SUM_CONTRIBUTION
+
+            # keys signed for another round: refused, whoever relays them
+            forged = pb.AdvertiseKeysRequest(
+                round_id=round_id,
+                sum=secure_sum,
+                c_public_key=os.urandom(32),
+                s_public_key=os.urandom(32),
+                signature=sign(keys[0], b"an earlier round", context=KEYS_CONTEXT),
+            )
+            code, details = code_of(lambda: stubs[0].AdvertiseKeys(forged, timeout=10))
+            assert code == CODE.INVALID_ARGUMENT
+            assert "signature does not verify" in details
+            # a masked input before the masked stage, and a census that this round does not run
+            size = sum(int(np.prod(f.shape)) for f in spec.schema.fields)
+            early = submit_stream(
+                round_id, bytes(8 * size), kind=pb.CONTRIBUTION_KIND_MASKED, secure_sum=secure_sum
+            )
+            code, details = code_of(lambda: stubs[0].Submit(early, timeout=10))
+            assert code == CODE.FAILED_PRECONDITION
+            assert "not 'masked'" in details
+            census = pb.AdvertiseKeysRequest(round_id=round_id, sum=pb.SECURE_SUM_CENSUS)
+            code, _ = code_of(lambda: stubs[0].AdvertiseKeys(census, timeout=10))
+            assert code == CODE.FAILED_PRECONDITION
+            plaintext = submit_stream(round_id, bytes(8 * size), kind=pb.CONTRIBUTION_KIND_PLAINTEXT)
+            code, _ = code_of(lambda: stubs[0].Submit(plaintext, timeout=10))
+            assert code == CODE.FAILED_PRECONDITION
+
+            schema = _schema_of(spec)
+            generator = torch.Generator().manual_seed(0)
+            contributions = []
+            for _ in (0, 1):
+                values = schema.unflatten(torch.zeros(schema.size, dtype=torch.float64))
+                values["delta"] = torch.randn(
+                    schema.fields[0].shape, generator=generator, dtype=torch.float64
+                )
+                values["n"] = torch.tensor(5.0, dtype=torch.float64)
+                contributions.append(schema.flatten(values))
+            rounds = [
+                SecureRound(
+                    signed[k],
+                    spec,
+                    schema,
+                    contributions[k],
+                    me=f"silo-{k}",
+                    sign=lambda data, *, context, key=keys[k]: sign(key, data, context=context),
+                    peers=peers,
+                    timeout=30,
+                )
+                for k in (0, 1)
+            ]
+            for k in (0, 1):
+                rounds[k].start(stubs[k])
+            # a second, different set of keys from the same silo
+            again = pb.AdvertiseKeysRequest(
+                round_id=round_id, sum=secure_sum, c_public_key=os.urandom(32), s_public_key=os.urandom(32)
+            )
+            again.signature = sign(keys[0], b"", context=KEYS_CONTEXT)
+            code, _ = code_of(lambda: stubs[0].AdvertiseKeys(again, timeout=10))
+            assert code in (CODE.INVALID_ARGUMENT, CODE.FAILED_PRECONDITION)
+            while not all(r.done for r in rounds):
+                for k in (0, 1):
+                    if not rounds[k].done:
+                        step = inboxes[k].get(timeout=60).secagg_step
+                        rounds[k].step(stubs[k], step, upload=lambda s, k=k: stubs[k].Submit(s, timeout=30))
+        assert consortium.wait_aggregator(timeout=120) == 0
+        initial, final = PLAN.build_method().init_state(seed=0), consortium.final_state()
+        keys_ = float_keys(initial.model)
+        moved = flatten(final.model, keys_).double() - flatten(initial.model, keys_).double()
+        expected = (contributions[0][:-1] + contributions[1][:-1]) / 10.0  # Σ n·Δw / Σ n, n = 5 each
+        assert (moved - expected).abs().max() < 1e-6
+    finally:
+        consortium.stop()
