@@ -93,6 +93,10 @@ def load_consortium_config(path: str | Path) -> ConsortiumConfig:
     }
     plan = parse_section(RoundPlan, plan_tree, "", problems)
     problems += plan.problems() + sections["secagg"].problems()
+    if sections["consortium"].privacy == "secagg" and sections["consortium"].min_silos < 2:
+        problems.append(
+            "consortium.min_silos: a secure sum needs at least 2 silos (a sum of one is its input)"
+        )
     problems += [f"{key}: unknown section or setting" for key in tree]
     counts = sections["evaluation"].class_counts
     if counts and len(counts) != len(plan.model.classes):

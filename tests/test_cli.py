@@ -57,6 +57,9 @@ def test_aggregator_without_certificates_names_them(tmp_path, capsys):
         ("[consortum]\nid = 'x'\n", "consortum: unknown section or setting"),
         ("[model]\nimage_shape = [1, 28]\n", "model.image_shape"),
         ("[evaluation]\ndataset = 'mnist5k'\nclass_counts = [1, 2]\n", "2 counts for 10 classes"),
+        ("[consortium]\nmin_silos = 1\n", "a secure sum needs at least 2 silos"),
+        ("[secagg]\nneighbours = 3\n", "secagg.neighbours: must be even"),
+        ("[secagg]\nk_min = -1\n", "secagg.k_min: must be >= 0"),
     ],
 )
 def test_aggregator_config_problems(tmp_path, capsys, text, message):
