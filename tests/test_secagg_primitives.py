@@ -107,3 +107,13 @@ def test_codec_refuses_wrong_shapes_and_non_finite_values():
         codec.encode(torch.zeros(3))
     with pytest.raises(ValueError, match="non-finite"):
         codec.encode(torch.tensor([float("nan")] * 7))
+
+
+def test_shamir_catches_a_corrupted_share_beyond_the_threshold():
+    secret = secrets.token_bytes(32)
+    parts = shamir.split(secret, shares=5, threshold=3)
+    parts[5] = (parts[5] + 1) % shamir.PRIME  # the first three alone would still rebuild the secret
+    with pytest.raises(shamir.ShamirError, match="inconsistent or tampered"):
+        shamir.combine(parts, threshold=3)
+    del parts[5]
+    assert shamir.combine(parts, threshold=3) == secret

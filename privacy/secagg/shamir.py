@@ -31,23 +31,35 @@ def split(secret: bytes, *, shares: int, threshold: int) -> dict[int, int]:
 
 
 def combine(shares: Mapping[int, int], *, threshold: int) -> bytes:
-    """The secret from at least `threshold` shares (Lagrange interpolation at 0); extra shares are ignored."""
+    """The secret from at least `threshold` shares (Lagrange interpolation at 0).
+
+    Shares beyond the threshold are not ignored: each must lie on the polynomial the first `threshold`
+    define, so one corrupted share among more than enough is caught instead of yielding a wrong secret.
+    """
     if len(shares) < threshold:
         raise ShamirError(f"{len(shares)} shares cannot rebuild a secret that needs {threshold}")
-    points = sorted(shares.items())[:threshold]
-    if any(not 0 < x < PRIME or not 0 <= y < PRIME for x, y in points):
+    items = sorted(shares.items())
+    if any(not 0 < x < PRIME or not 0 <= y < PRIME for x, y in items):
         raise ShamirError("share coordinates must lie in the field, with x != 0")
-    secret = 0
+    points = items[:threshold]
+    secret = _interpolate(points, 0)
+    consistent = all(_interpolate(points, x) == y for x, y in items[threshold:])
+    if not consistent or secret >= 2 ** (8 * SECRET_BYTES):
+        raise ShamirError("the shares do not come from one secret (inconsistent or tampered)")
+    return secret.to_bytes(SECRET_BYTES, "big")
+
+
+def _interpolate(points: list[tuple[int, int]], at: int) -> int:
+    """The value at `at` of the polynomial of degree len(points) − 1 through `points` (Lagrange)."""
+    value = 0
     for i, (xi, yi) in enumerate(points):
         numerator, denominator = 1, 1
         for j, (xj, _) in enumerate(points):
             if i != j:
-                numerator = numerator * -xj % PRIME
+                numerator = numerator * (at - xj) % PRIME
                 denominator = denominator * (xi - xj) % PRIME
-        secret = (secret + yi * numerator * pow(denominator, -1, PRIME)) % PRIME
-    if secret >= 2 ** (8 * SECRET_BYTES):
-        raise ShamirError("the shares do not come from one secret (inconsistent or tampered)")
-    return secret.to_bytes(SECRET_BYTES, "big")
+        value = (value + yi * numerator * pow(denominator, -1, PRIME)) % PRIME
+    return value
 
 
 def _evaluate(coefficients: list[int], x: int) -> int:
