@@ -307,9 +307,12 @@ def test_a_silo_told_a_peer_dropped_while_others_count_it_reveals_nothing():
     survivors = session.through_masking()
     signatures = {u: session.clients[u].consistency(survivors) for u in ("s00", "s01", "s02")}
     signatures["s03"] = session.clients["s03"].consistency(("s01", "s02", "s03"))
-    for silo in ("s00", "s03"):
-        with pytest.raises(ProtocolViolation, match="different view"):
-            session.clients[silo].unmask(signatures)
+    with pytest.raises(ProtocolViolation, match="different view"):
+        session.clients["s00"].unmask(signatures)
+    with pytest.raises(ProtocolViolation, match="outside the survivor set"):
+        session.clients["s03"].unmask(signatures)
+    with pytest.raises(ProtocolViolation, match="different view"):
+        session.clients["s02"].unmask({u: sig for u, sig in signatures.items() if u != "s00"})
     assert session.clients["s03"].survivors == ("s01", "s02", "s03")
 
 
