@@ -1,5 +1,7 @@
-"""Secure aggregation (Bonawitz et al., CCS 2017): the primitives the protocol is built from.
+"""Secure aggregation (Bonawitz et al., CCS 2017; SecAgg+, Bell et al., CCS 2020): the `secagg` layer.
 
-`prg` expands a 256-bit seed into a mask, `shamir` splits and rebuilds seeds, `codec` maps a schema's float
-fields into Z_2^64, where masks cancel by wrap-around.
+`protocol` is the transport-free core (sessions, silo client, aggregator server); `prg`, `shamir`, `crypto`
+and `codec` are its primitives; `tail_guard` keeps per-class sums over too few silos out of the release;
+`layer` runs it all in one process for the simulator, `local` for tests; `wire` and `peers` connect it to
+the consortium's Protobuf messages and certificates.
 """
