@@ -37,7 +37,7 @@ import numpy as np
 
 from fedlt.errors import FedltError
 from privacy.secagg import crypto, shamir
-from privacy.secagg.prg import apply_mask
+from privacy.secagg.prg import apply_masks
 
 KEYS_CONTEXT = "fedlt/secagg/keys/v1"
 CONSISTENCY_CONTEXT = "fedlt/secagg/consistency/v1"
@@ -326,9 +326,8 @@ class SecAggClient:
             )
         self._u2 = u2
         masked = np.array(vector, dtype=np.uint64, copy=True)
-        apply_mask(masked, self._b)
-        for v in sorted(expected - {self.me}):
-            apply_mask(masked, self._pair_seed(v), subtract=_sign_of(self.me, v))
+        pairs = [(self._pair_seed(v), _sign_of(self.me, v)) for v in sorted(expected - {self.me})]
+        apply_masks(masked, [(self._b, False), *pairs])
         return masked
 
     def consistency(self, survivors: Sequence[str]) -> bytes:
@@ -554,9 +553,7 @@ class SecAggServer:
         """Rebuild the seeds, remove every mask, and return Σ_{u ∈ U3} x_u (mod 2^64)."""
         self.stage = "done"
         u5 = set(self._reveals)
-        total = self._total.copy()
-        for u in self.u3:
-            apply_mask(total, self._rebuild(u, u5, lambda r: r.self_mask), subtract=True)
+        masks = [(self._rebuild(u, u5, lambda r: r.self_mask), True) for u in self.u3]
         for v in sorted(set(self.u2) - set(self.u3)):
             partners = sorted(self.spec.graph[v] & set(self.u3))
             if not partners:
@@ -564,10 +561,13 @@ class SecAggServer:
             secret = crypto.private_key_from(self._rebuild(v, u5, lambda r: r.mask_key))
             if crypto.public_bytes(secret) != self._keys[v].s_public:
                 raise ProtocolViolation(f"the shares rebuild a mask key that {v} never advertised")
-            for u in partners:
-                # u added PRG(s_uv) unless u < v; undo exactly what u did
-                seed = pair_seed(self.spec, secret, v, self._keys[u].s_public, u)
-                apply_mask(total, seed, subtract=not _sign_of(u, v))
+            # u added PRG(s_uv) unless u < v; undo exactly what u did
+            masks += [
+                (pair_seed(self.spec, secret, v, self._keys[u].s_public, u), not _sign_of(u, v))
+                for u in partners
+            ]
+        total = self._total.copy()
+        apply_masks(total, masks)
         return total
 
     def _rebuild(
