@@ -1,7 +1,8 @@
 """Secure aggregation's costs at ResNet-8 size: masking, unmasking, bytes on the wire, and a whole round.
 
     python benchmarks/secagg.py session [--silos 3 10 30] [--repeats 5] [--model resnet8]
-    python benchmarks/secagg.py rounds [--silos 3 10] [--rounds 6] [--model resnet8] [--budget-minutes 15]
+    python benchmarks/secagg.py rounds [--silos 3 10] [--rounds 6] [--pairs 2] [--model resnet8]
+        [--budget-minutes 15] [--keep DIR]
 
 `session` runs whole secure sums in this process, as `privacy.secagg.local` does, with the real clients and
 server, consortium certificates as credentials, and every message in its Protobuf form
@@ -23,9 +24,11 @@ For each n and repeat it measures:
   every silo's certificate PEM, which peers need to check the keys' signatures.
 
 `rounds` runs a real consortium (aggregator + n silo processes over mutual TLS on 127.0.0.1, one torch
-thread per silo, the demo's recipe and training plan: FedAvg, LT MNIST-5k, IF 100, α 0.5) twice in this run,
-with privacy `plaintext` and then `secagg`, same settings and seed, and compares the median time between
-consecutive commits (from the database's audit log; the first round, which includes start-up, excluded).
+thread per silo, the demo's recipe and training plan: FedAvg, LT MNIST-5k, IF 100, α 0.5) with privacy
+`plaintext` and `secagg`, same settings and seed, in alternating order (--pairs 2: plaintext, secagg, secagg,
+plaintext, so a drift of the machine favours neither), and compares the median time between consecutive
+commits over each layer's runs (from the database's audit log; each run's first round, which includes
+start-up, excluded).
 It also splits a round by the audit log: attempt start → last contribution accepted (training, and for
 secagg the keys, shares and masked-input stages), → commit (for secagg the consistency and unmask stages),
 → next attempt start (evaluation of the committed model on the operator's test set). A run that takes
@@ -470,66 +473,98 @@ def consortium_run(
         store.close()
     times = round_times(audit)
     later = times[1:]  # the first round's time includes start-up
-
-    def phase(seconds: list[float]) -> float | None:
-        return median(seconds, 3) if seconds else None
-
-    gaps = [(b.committed - a.committed) / 1000 for a, b in itertools.pairwise(times)]
-    summary = {
+    run = {
         "privacy": privacy,
-        "measured": code == 0 and len(times) == n_rounds and bool(gaps),
+        "measured": code == 0 and len(times) == n_rounds and len(times) > 1,
         "aggregator_exit_code": code,
         "rounds_committed": len(times),
         "attempts": sum(r.event == "attempt_started" for r in audit),
         "wall_s": round(wall, 1),
-        "round_s_median": phase(gaps),
-        "round_s": [round(g, 3) for g in gaps],
-        "start_to_last_contribution_s_median": phase([(r.last_in - r.started) / 1000 for r in later]),
-        "last_contribution_to_commit_s_median": phase([(r.committed - r.last_in) / 1000 for r in later]),
-        "commit_to_next_start_s_median": phase(
-            [(b.started - a.committed) / 1000 for a, b in itertools.pairwise(times)]
-        ),
+        "round_s": [(b.committed - a.committed) / 1000 for a, b in itertools.pairwise(times)],
+        "start_to_last_contribution_s": [(r.last_in - r.started) / 1000 for r in later],
+        "last_contribution_to_commit_s": [(r.committed - r.last_in) / 1000 for r in later],
+        "commit_to_next_start_s": [(b.started - a.committed) / 1000 for a, b in itertools.pairwise(times)],
         # the two layers' models differ by fixed-point rounding after round 1 (~1e-8), then drift apart as
         # training amplifies it, so compare what they reach rather than their weights
         "final_accuracy": evaluated[-1]["accuracy"] if evaluated else None,
     }
     if code is None:
-        summary["reason"] = f"stopped after {budget_s / 60:.0f} minutes with {len(times)}/{n_rounds} rounds"
+        run["reason"] = f"stopped after {budget_s / 60:.0f} minutes with {len(times)}/{n_rounds} rounds"
     elif code != 0:
-        summary["reason"] = f"the aggregator exited with {code}: " + " | ".join(consortium.output[-5:])
+        run["reason"] = f"the aggregator exited with {code}: " + " | ".join(consortium.output[-5:])
+    return run
+
+
+PHASES = (
+    "round_s",
+    "start_to_last_contribution_s",
+    "last_contribution_to_commit_s",
+    "commit_to_next_start_s",
+)
+
+
+def pooled(runs: list[dict]) -> dict:
+    """One layer's runs together: medians over all their rounds after the first."""
+    summary: dict = {"measured": bool(runs) and all(r["measured"] for r in runs)}
+    if summary["measured"]:
+        summary |= {f"{p}_median": median((x for r in runs for x in r[p]), 3) for p in PHASES}
+    else:
+        summary["reason"] = "; ".join(r["reason"] for r in runs if "reason" in r) or "not run"
+    summary["runs"] = [
+        {k: [round(x, 3) for x in v] if k in PHASES else v for k, v in r.items()} for r in runs
+    ]
     return summary
 
 
 def rounds(
-    silos: list[int], n_rounds: int, model: str, silo_threads: int, budget_minutes: float, keep: str
+    silos: list[int],
+    n_rounds: int,
+    pairs: int,
+    model: str,
+    silo_threads: int,
+    budget_minutes: float,
+    keep: str,
 ) -> dict:
+    """Runs alternate plaintext, secagg, secagg, plaintext, ... so that a slow drift of this shared machine
+    does not favour either layer."""
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(keep) if keep else Path(tmp)
         for n in silos:
-            runs = {}
-            for privacy in ("plaintext", "secagg"):
-                runs[privacy] = consortium_run(
-                    root / f"n{n}-{privacy}",
-                    silos=n,
-                    n_rounds=n_rounds,
-                    privacy=privacy,
-                    model=model,
-                    silo_threads=silo_threads,
-                    budget_s=60 * budget_minutes,
-                )
-            plain, secure = runs["plaintext"], runs["secagg"]
+            runs: dict[str, list[dict]] = {"plaintext": [], "secagg": []}
+            for pair in range(pairs):
+                for privacy in ("plaintext", "secagg")[:: 1 if pair % 2 == 0 else -1]:
+                    run = consortium_run(
+                        root / f"n{n}-{pair}-{privacy}",
+                        silos=n,
+                        n_rounds=n_rounds,
+                        privacy=privacy,
+                        model=model,
+                        silo_threads=silo_threads,
+                        budget_s=60 * budget_minutes,
+                    )
+                    runs[privacy].append(run)
+                    if not run["measured"]:
+                        break  # failed or over budget: so would the other layer and the next pair
+                if not run["measured"]:
+                    break
+            plain, secure = pooled(runs["plaintext"]), pooled(runs["secagg"])
             entry = {"silos": n, "plaintext": plain, "secagg": secure, "ratio_secagg_over_plaintext": None}
             if plain["measured"] and secure["measured"]:
                 entry["ratio_secagg_over_plaintext"] = round(
                     secure["round_s_median"] / plain["round_s_median"], 3
                 )
+                entry["ratio_per_pair"] = [
+                    round(statistics.median(s["round_s"]) / statistics.median(p["round_s"]), 3)
+                    for p, s in zip(runs["plaintext"], runs["secagg"], strict=True)
+                ]
             results.append(entry)
     return {
         "machine": machine(),
         "model": model,
         "words": contribution_schema(model).size,
         "rounds": n_rounds,
+        "pairs": pairs,
         "silo_threads": silo_threads,
         "budget_minutes": budget_minutes,
         "by_silos": results,
@@ -537,24 +572,23 @@ def rounds(
 
 
 def rounds_table(result: dict) -> str:
-    rows = [f"{'n':>3} {'plaintext s/round':>17} {'secagg s/round':>14} {'ratio':>6}   secagg phases (s)"]
+    rows = [
+        f"{'n':>3} {'plaintext s/round':>17} {'secagg s/round':>14} {'ratio':>6}   "
+        "phases plaintext | secagg: start → last contribution / → commit / → next start (s)"
+    ]
+
+    def cell(run: dict, width: int) -> str:
+        return f"{run['round_s_median']:>{width}.3f}" if run["measured"] else f"{'not measured':>{width}}"
+
+    def phases(run: dict) -> str:
+        return "/".join(f"{run[f'{p}_median']:.3f}" for p in PHASES[1:]) if run["measured"] else run["reason"]
+
     for r in result["by_silos"]:
-        plain, secure = r["plaintext"], r["secagg"]
-
-        def cell(run: dict, width: int) -> str:
-            return f"{run['round_s_median']:>{width}.3f}" if run["measured"] else f"{'not measured':>{width}}"
-
-        ratio = (
-            f"{r['ratio_secagg_over_plaintext']:>6.3f}" if r["ratio_secagg_over_plaintext"] else f"{'-':>6}"
+        plain, secure, ratio = r["plaintext"], r["secagg"], r["ratio_secagg_over_plaintext"]
+        rows.append(
+            f"{r['silos']:>3} {cell(plain, 17)} {cell(secure, 14)} {f'{ratio:.3f}' if ratio else '-':>6}   "
+            f"{phases(plain)} | {phases(secure)}"
         )
-        phases = (
-            f"to last contribution {secure['start_to_last_contribution_s_median']}, "
-            f"to commit {secure['last_contribution_to_commit_s_median']}, "
-            f"to next start {secure['commit_to_next_start_s_median']}"
-            if secure["measured"]
-            else secure.get("reason", "")
-        )
-        rows.append(f"{r['silos']:>3} {cell(plain, 17)} {cell(secure, 14)} {ratio}   {phases}")
     return "\n".join(rows)
 
 
@@ -568,6 +602,7 @@ def main() -> None:
     r = commands.add_parser("rounds", help="a real consortium's round time, plaintext against secagg")
     r.add_argument("--silos", type=int, nargs="+", default=[3, 10])
     r.add_argument("--rounds", type=int, default=6, help="per run; the first is excluded from the median")
+    r.add_argument("--pairs", type=int, default=2, help="plaintext/secagg runs each, in alternating order")
     r.add_argument("--model", default="resnet8")
     r.add_argument("--silo-threads", type=int, default=SILO_THREADS, help="torch threads per silo")
     r.add_argument("--budget-minutes", type=float, default=15.0, help="per run; beyond it, not measured")
@@ -578,7 +613,7 @@ def main() -> None:
         table = session_table(result)
     else:
         result = rounds(
-            args.silos, args.rounds, args.model, args.silo_threads, args.budget_minutes, args.keep
+            args.silos, args.rounds, args.pairs, args.model, args.silo_threads, args.budget_minutes, args.keep
         )
         table = rounds_table(result)
     print(json.dumps(result, indent=1))

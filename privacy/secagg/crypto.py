@@ -52,6 +52,17 @@ def private_key_from(raw: bytes) -> X25519PrivateKey:
     return X25519PrivateKey.from_private_bytes(raw)
 
 
+_PROBE = X25519PrivateKey.generate()
+
+
+def check_public(raw: bytes) -> None:
+    """Refuse what cannot be an X25519 peer key: a wrong length, or a low-order point (all-zero secret)."""
+    try:
+        _PROBE.exchange(X25519PublicKey.from_public_bytes(raw))
+    except ValueError as exc:
+        raise CryptoError(f"not a usable X25519 public key: {exc}") from None
+
+
 def agree(
     mine: X25519PrivateKey, theirs: bytes, *, purpose: str, session: bytes, pair: tuple[str, str]
 ) -> bytes:

@@ -200,6 +200,17 @@ def _check_enough(spec: SessionSpec, alive: set[str], stage: str) -> None:
         raise TooFewSurvivors(f"{stage}: fewer than {spec.t} holders left for the seeds of {', '.join(thin)}")
 
 
+def _check_usable(keys: AdvertisedKeys) -> None:
+    """Keys no peer could use would make every honest silo abort; they are refused where they first appear."""
+    if keys.c_public == keys.s_public:
+        raise ProtocolViolation(f"{keys.silo} advertises one key for both purposes")
+    try:
+        crypto.check_public(keys.c_public)
+        crypto.check_public(keys.s_public)
+    except crypto.CryptoError as exc:
+        raise ProtocolViolation(f"{keys.silo}: {exc}") from None
+
+
 def _encode_share(y: int) -> bytes:
     return y.to_bytes(SHARE_BYTES, "big")
 
@@ -278,8 +289,9 @@ class SecAggClient:
                 raise ProtocolViolation(f"keys from {entry.silo!r}, who is not a participant")
             if entry.silo in keys:
                 raise ProtocolViolation(f"two key sets for {entry.silo}")
-            if {entry.c_public, entry.s_public} & seen or entry.c_public == entry.s_public:
+            if {entry.c_public, entry.s_public} & seen:
                 raise ProtocolViolation(f"{entry.silo} advertises a public key that is already in use")
+            _check_usable(entry)
             self._peers.verify(
                 entry.silo,
                 entry.credential,
@@ -474,12 +486,20 @@ class SecAggServer:
         used = {k for other in self._keys.values() for k in (other.c_public, other.s_public)}
         if {keys.c_public, keys.s_public} & used:
             raise ProtocolViolation(f"{silo} advertised a public key another silo already uses")
+        _check_usable(keys)
         self._peers.verify(
             silo, keys.credential, keys.signature, self.spec.key_message(keys), context=KEYS_CONTEXT
         )
         self._keys[silo] = keys
 
+    def _closing(self, stage: str) -> None:
+        if self.stage != stage:
+            raise StageError(
+                f"cannot close stage {stage!r}: the {self.spec.purpose} sum is at {self.stage!r}"
+            )
+
     def close_keys(self) -> list[AdvertisedKeys]:
+        self._closing("keys")
         u1 = set(self._keys)
         _check_enough(self.spec, u1, "keys")
         self.u1, self.stage = tuple(sorted(u1)), "shares"
@@ -497,6 +517,7 @@ class SecAggServer:
         self._envelopes[silo] = tuple(envelopes)
 
     def close_shares(self) -> dict[str, Inbox]:
+        self._closing("shares")
         u2 = set(self._envelopes)
         _check_enough(self.spec, u2, "shares")
         self.u2, self.stage = tuple(sorted(u2)), "masked"
@@ -517,6 +538,7 @@ class SecAggServer:
         self._masked_digests[silo] = digest
 
     def close_masked(self) -> tuple[str, ...]:
+        self._closing("masked")
         u3 = set(self._masked_digests)
         _check_enough(self.spec, u3, "masked input")
         self.u3, self.stage = tuple(sorted(u3)), "consistency"
@@ -532,6 +554,7 @@ class SecAggServer:
         self._signatures[silo] = signature
 
     def close_consistency(self) -> dict[str, bytes]:
+        self._closing("consistency")
         u4 = set(self._signatures)
         if len(u4) < self.spec.t:
             raise TooFewSurvivors(f"consistency: {len(u4)} signatures, the threshold is {self.spec.t}")
@@ -550,7 +573,13 @@ class SecAggServer:
         self._reveals[silo] = reveal
 
     def close_unmask(self) -> np.ndarray:
-        """Rebuild the seeds, remove every mask, and return Σ_{u ∈ U3} x_u (mod 2^64)."""
+        """Rebuild the seeds, remove every mask, and return Σ_{u ∈ U3} x_u (mod 2^64).
+
+        A holder that alters a self-mask share when exactly t shares arrive makes the sum wrong undetected
+        (b_u carries no commitment); with more than t, `shamir.combine` catches it. A malicious silo can skew
+        the sum through its own input anyway, so the protocol promises privacy, not robustness, against it.
+        """
+        self._closing("unmask")
         self.stage = "done"
         u5 = set(self._reveals)
         masks = [(self._rebuild(u, u5, lambda r: r.self_mask), True) for u in self.u3]
