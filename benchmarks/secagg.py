@@ -13,7 +13,7 @@ For each n and repeat it measures:
 - masking: one silo's `masked_input` (opening its envelopes, X25519 agreements, the self mask and n − 1
   pairwise masks), median over the silos, against `bare`: the same n × words × 8 bytes of ChaCha20
   keystream from cryptography's `update_into` into one reused buffer of `prg.BLOCK_WORDS` words, with no
-  arithmetic; also `apply_mask` alone (the n masks, no protocol) and the codec's encode and decode.
+  arithmetic; also `apply_masks` alone (the n masks, no protocol) and the codec's encode and decode.
 - unmasking: the aggregator's `close_unmask` with no dropout, with one silo gone after its masked input (its
   self mask is rebuilt from shares, like everyone's) and with one gone before it (its mask key is rebuilt and
   its pairwise mask with every survivor removed). A silo can be lost only if n − 1 silos still reach the
@@ -146,12 +146,11 @@ def bare_keystream(seeds: list[bytes], words: int) -> float:
     return time.perf_counter() - started
 
 
-def apply_masks(seeds: list[bytes], vector: np.ndarray) -> float:
-    """Seconds for `prg.apply_mask` alone, once per seed: masking without envelopes or key agreement."""
+def masks_only(seeds: list[bytes], vector: np.ndarray) -> float:
+    """Seconds for `prg.apply_masks` alone over all the seeds: masking without envelopes or key agreement."""
     target = vector.copy()
     started = time.perf_counter()
-    for seed in seeds:
-        prg.apply_mask(target, seed)
+    prg.apply_masks(target, [(seed, False) for seed in seeds])
     return time.perf_counter() - started
 
 
@@ -315,7 +314,7 @@ def session_costs(n: int, repeats: int, schema: Schema, members: Members) -> dic
     for repeat in range(repeats):
         seeds = [secrets.token_bytes(prg.SEED_BYTES) for _ in range(n)]
         bare.append(bare_keystream(seeds, words))
-        apply_only.append(apply_masks(seeds, inputs[participants[0]]))
+        apply_only.append(masks_only(seeds, inputs[participants[0]]))
         encode.append(timed(lambda: codec.encode(flats[participants[0]]))[1])
         for scenario in scenarios:
             spec = settings.session(
