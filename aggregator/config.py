@@ -65,13 +65,19 @@ class ConsortiumConfig:
     metrics: ShotThresholds = field(default_factory=ShotThresholds)
     base_dir: Path = Path()
 
+    def __post_init__(self) -> None:
+        # one source of truth for the number of training rounds: the plan silos receive takes it from here
+        if self.plan.rounds != self.consortium.rounds:
+            object.__setattr__(self, "plan", replace(self.plan, rounds=self.consortium.rounds))
+
     def path(self, value: str) -> Path:
         return resolve(self.base_dir, value)
 
     def fingerprint(self) -> str:
         """The settings a data directory is bound to; `rounds` may grow, listening details may change."""
         same_run = replace(self.consortium, rounds=1, exit_when_done=True)
-        text = as_toml(same_run) + self.plan.to_toml() + as_toml(self.secagg) + as_toml(self.evaluation)
+        plan = replace(self.plan, rounds=1)
+        text = as_toml(same_run) + plan.to_toml() + as_toml(self.secagg) + as_toml(self.evaluation)
         return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -64,7 +64,7 @@ def write_consortium(
         "consortium": as_table(consortium),
         "server": as_table(server),
         "timeouts": as_table(timeouts),
-        **as_table(plan),
+        **{k: v for k, v in as_table(plan).items() if k != "rounds"},  # rounds: [consortium] says
         "evaluation": as_table(evaluation),
     }
     path = directory / "consortium.toml"

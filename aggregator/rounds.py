@@ -171,7 +171,8 @@ class RoundEngine:
 
     @property
     def total_rounds(self) -> int:
-        return self.config.consortium.rounds
+        """Committed rounds plus those the method still needs (training rounds, then any closing phase)."""
+        return self.state.round + self.method.remaining_rounds(self.state)
 
     # --- called by the service --------------------------------------------------------------------
 

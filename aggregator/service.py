@@ -296,7 +296,7 @@ class OperatorServicer(operator_pb2_grpc.OperatorServiceServicer):
             method=config.plan.method.name,
             privacy=config.consortium.privacy,
             committed_rounds=status["committed_rounds"],
-            total_rounds=config.consortium.rounds,
+            total_rounds=self.engine.total_rounds,
             round_id=status["round_id"],
             stage=status["stage"],
             stage_deadline_unix_ms=status["deadline_ms"],

@@ -26,6 +26,9 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class RoundPlan:
+    """`rounds` is the planned number of training rounds; a consortium sets it from `[consortium] rounds`."""
+
+    rounds: int = setting(20, ge=1)
     model: ModelSection = field(default_factory=ModelSection)
     train: TrainConfig = field(default_factory=TrainConfig)
     method: MethodChoice = field(default_factory=MethodChoice)
@@ -40,7 +43,9 @@ class RoundPlan:
     def build_method(self) -> Method:
         channels, height, width = self.model.image_shape
         spec = ModelSpec(self.model.name, (channels, height, width), len(self.model.classes))
-        return method_class(self.method.name)(options=self.method.options, train=self.train, model=spec)
+        return method_class(self.method.name)(
+            options=self.method.options, train=self.train, model=spec, rounds=self.rounds
+        )
 
     def to_toml(self) -> str:
         return as_toml(self)

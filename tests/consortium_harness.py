@@ -45,6 +45,9 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 # Test silos share the machine's cores; one thread each avoids OpenMP spinning on oversubscribed cores, and
 # simulator runs they are compared with use the same count (results depend on it at float precision).
 SILO_THREADS = 1
+# Server steps that re-train a head (CReFF, CCVR) reduce in BLAS in an order that depends on the thread count;
+# the aggregator runs with the simulator's count too, so their states can be compared bit for bit.
+AGGREGATOR_ENV = {**ENV, "OMP_NUM_THREADS": str(SILO_THREADS)}
 
 
 @dataclass
@@ -66,12 +69,13 @@ class Consortium:
         round_timeout: float = 30.0,
         silos: int = 3,
         privacy: str = "secagg",
+        plan: RoundPlan = PLAN,
     ) -> Consortium:
         recipe = DataConfig(**{**RECIPE.__dict__, "silos": silos})
         _, silo_configs = write_consortium(
             directory,
             recipe=recipe,
-            plan=PLAN,
+            plan=plan,
             consortium=ConsortiumSection(
                 id="test-consortium", rounds=rounds, min_silos=min_silos, privacy=privacy
             ),
@@ -104,7 +108,7 @@ class Consortium:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=ENV,
+            env=AGGREGATOR_ENV,
         )
         threading.Thread(target=self._pump, args=(self.aggregator,), daemon=True).start()
         address = wait_for_address(self.data_dir, self.aggregator, timeout=60)

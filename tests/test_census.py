@@ -125,7 +125,10 @@ def test_census_holds_back_classes_fewer_than_k_min_silos_hold(tmp_path):
     for silo in HOLDINGS:
         store.register_silo(silo, "c", "v", {})
     method = PerClassFedAvg(
-        options=PLAN.method.options, train=PLAN.train, model=PLAN.build_method().model_spec
+        options=PLAN.method.options,
+        train=PLAN.train,
+        model=PLAN.build_method().model_spec,
+        rounds=config.consortium.rounds,
     )
     engine = RoundEngine(
         config=config,

@@ -21,7 +21,11 @@ def _silo(n, seed):
 
 
 def _fedavg(**options):
-    return FedAvg(options=FedAvgOptions(**options), train=TRAIN, model=SPEC)
+    return FedAvg(options=FedAvgOptions(**options), train=TRAIN, model=SPEC, rounds=1)
+
+
+def _fedprox(mu):
+    return FedProx(options=FedProxOptions(mu=mu), train=TRAIN, model=SPEC, rounds=1)
 
 
 def test_server_step_is_the_hand_computed_weighted_average():
@@ -98,8 +102,8 @@ def test_fedprox_with_zero_mu_is_fedavg_and_mu_pulls_towards_global():
     data = _silo(40, 2)
     ctx = SiloContext(1, "silo-0", 0)
     plain = _fedavg().local_round(state, data, ctx).values["delta"]
-    prox0 = FedProx(options=FedProxOptions(mu=0.0), train=TRAIN, model=SPEC).local_round(state, data, ctx)
-    strong = FedProx(options=FedProxOptions(mu=5.0), train=TRAIN, model=SPEC).local_round(state, data, ctx)
+    prox0 = _fedprox(0.0).local_round(state, data, ctx)
+    strong = _fedprox(5.0).local_round(state, data, ctx)
     assert torch.equal(plain, prox0.values["delta"])
     assert strong.values["delta"].norm() < 0.8 * plain.norm()
 
@@ -120,4 +124,4 @@ def test_digest_changes_with_any_weight():
 
 
 def test_registry_names():
-    assert set(METHODS) == {"fedavg", "fedprox"}
+    assert set(METHODS) == {"fedavg", "fedprox", "ccvr", "creff", "redgrape"}

@@ -49,7 +49,7 @@ def test_folder_of_another_run_is_refused(tmp_path):
 
 def test_folder_with_more_rounds_than_asked_is_refused(tmp_path):
     run_simulation(_config(rounds=2), tmp_path, echo=_quiet)
-    with pytest.raises(RunFolderError, match="already holds 2 rounds, more than the 1 asked for"):
+    with pytest.raises(RunFolderError, match="already holds 2 training rounds, more than the 1 asked for"):
         run_simulation(_config(rounds=1), tmp_path, echo=_quiet)
 
 

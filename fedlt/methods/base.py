@@ -58,16 +58,36 @@ class Method(ABC):
     name: ClassVar[str]
     Options: ClassVar[type]
 
-    def __init__(self, *, options: Any, train: TrainConfig, model: ModelSpec) -> None:
+    def __init__(self, *, options: Any, train: TrainConfig, model: ModelSpec, rounds: int) -> None:
+        """`rounds` is the planned number of training rounds; a method with a closing phase (a post-hoc
+        statistics round) runs it after them, so it must know when training ends."""
         if not isinstance(options, self.Options):
             raise TypeError(f"{self.name} takes {self.Options.__name__}, got {type(options).__name__}")
+        if rounds < 1:
+            raise ValueError(f"a run needs at least one training round, got {rounds}")
         self.options = options
         self.train = train
         self.model_spec = model
+        self.rounds = rounds
         self._work: SplitModel | None = None
 
+    def trained_rounds(self, state: GlobalState) -> int:
+        """Training rounds `state` has been through (every round, unless the method has a closing phase)."""
+        return state.round
+
+    def remaining_rounds(self, state: GlobalState) -> int:
+        """Rounds a driver still runs from `state`: the training rounds left, then any closing phase.
+
+        Counted from the state rather than from round numbers, so a finished run whose `rounds` grew
+        trains on and closes again."""
+        return max(self.rounds - self.trained_rounds(state), 0)
+
+    def build_model(self, seed: int) -> SplitModel:
+        """The method's network; methods with an extra head (RedGrape) add it here."""
+        return self.model_spec.build(seed)
+
     def init_state(self, *, seed: int) -> GlobalState:
-        return GlobalState(0, self.model_spec.build(derive_seed(seed, "model-init")).state_dict())
+        return GlobalState(0, self.build_model(derive_seed(seed, "model-init")).state_dict())
 
     @abstractmethod
     def schema(self, state: GlobalState) -> Schema:
@@ -94,10 +114,18 @@ class Method(ABC):
 
     def load(self, weights: Any) -> SplitModel:
         """A working model holding `weights`, reused across calls to avoid rebuilding it every round."""
+        model = self.working_model()
+        model.load_state_dict(weights)
+        return model
+
+    def working_model(self) -> SplitModel:
         if self._work is None:
-            self._work = self.model_spec.build(0)
-        self._work.load_state_dict(weights)
+            self._work = self.build_model(0)
         return self._work
+
+    @property
+    def feature_dim(self) -> int:
+        return self.working_model().feature_dim
 
     def before_step(self, model: SplitModel) -> GradHook | None:
         """A gradient edit applied at every local step; none by default."""

@@ -8,10 +8,13 @@ from typing import Any
 
 from fedlt.config import as_table, parse_section
 from fedlt.methods.base import Method
+from fedlt.methods.ccvr import CCVR
+from fedlt.methods.creff import CReFF
 from fedlt.methods.fedavg import FedAvg
 from fedlt.methods.fedprox import FedProx
+from fedlt.methods.redgrape import RedGrape
 
-METHODS: dict[str, type[Method]] = {m.name: m for m in (FedAvg, FedProx)}
+METHODS: dict[str, type[Method]] = {m.name: m for m in (FedAvg, FedProx, CCVR, CReFF, RedGrape)}
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from fedlt.errors import ContributionError
 from fedlt.methods.base import Method, ServerContext, SiloContext
 from fedlt.methods.local import train_local
 from fedlt.methods.state import GlobalState, flatten, float_keys, unflatten
+from fedlt.models import SplitModel
 
 
 @dataclass(frozen=True)
@@ -28,20 +29,27 @@ class FedAvgOptions:
 
 
 class FedAvg(Method):
+    """Also the training half of the methods built on it, which add fields and server steps of their own."""
+
     name = "fedavg"
     Options = FedAvgOptions
 
     def schema(self, state: GlobalState) -> Schema:
+        return Schema(self.model_fields(state))
+
+    def model_fields(self, state: GlobalState) -> tuple[Field, ...]:
         size = sum(state.model[k].numel() for k in float_keys(state.model))
         n_max = self.options.max_silo_samples
-        return Schema(
-            (
-                Field("delta", (size,), n_max * self.options.delta_bound, "n_k · Δw_k"),
-                Field("n", (), float(n_max), "n_k, the silo's training samples"),
-            )
+        return (
+            Field("delta", (size,), n_max * self.options.delta_bound, "n_k · Δw_k"),
+            Field("n", (), float(n_max), "n_k, the silo's training samples", frac_bits=0),
         )
 
     def local_round(self, state: GlobalState, data: LabeledImages, ctx: SiloContext) -> Contribution:
+        return self.schema(state).contribution(**self.trained_delta(state, data, ctx))
+
+    def trained_delta(self, state: GlobalState, data: LabeledImages, ctx: SiloContext) -> dict:
+        """Local training from the global model: the fields `delta` = n_k·Δw_k and `n` = n_k."""
         n = len(data)
         if not 0 < n <= self.options.max_silo_samples:
             raise ContributionError(
@@ -49,16 +57,24 @@ class FedAvg(Method):
             )
         model = self.load(state.model)
         keys = float_keys(state.model)
-        x, y = torch.from_numpy(data.x), torch.from_numpy(data.y)
-        train_local(model, x, y, self.train, ctx.generator("shuffle"), before_step=self.before_step(model))
+        self.train_model(model, torch.from_numpy(data.x), torch.from_numpy(data.y), state, ctx)
         delta = flatten(model.state_dict(), keys) - flatten(state.model, keys)
         delta = delta.double().clamp(-self.options.delta_bound, self.options.delta_bound)
-        return self.schema(state).contribution(delta=n * delta, n=float(n))
+        return {"delta": n * delta, "n": float(n)}
+
+    def train_model(
+        self, model: SplitModel, x: torch.Tensor, y: torch.Tensor, state: GlobalState, ctx: SiloContext
+    ) -> None:
+        train_local(model, x, y, self.train, ctx.generator("shuffle"), before_step=self.before_step(model))
 
     def _server_step(self, state: GlobalState, sums: Sums, ctx: ServerContext) -> GlobalState:
+        return GlobalState(state.round + 1, self.averaged_model(state, sums), state.extra)
+
+    def averaged_model(self, state: GlobalState, sums: Sums) -> dict[str, torch.Tensor]:
+        """w + η_s · Σ n_k Δw_k / Σ n_k."""
         total = float(sums["n"])
         if total <= 0:
             raise ContributionError("the summed sample count is zero; nothing to average")
         keys = float_keys(state.model)
         new = flatten(state.model, keys).double() + self.options.server_lr * sums["delta"] / total
-        return GlobalState(state.round + 1, unflatten(new, state.model, keys), state.extra)
+        return unflatten(new, state.model, keys)

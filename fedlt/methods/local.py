@@ -27,6 +27,7 @@ class TrainConfig:
 
 
 GradHook = Callable[[], None]
+Forward = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
 
 def train_local(
@@ -36,9 +37,14 @@ def train_local(
     config: TrainConfig,
     generator: torch.Generator,
     *,
+    forward: Forward | None = None,
     before_step: GradHook | None = None,
+    after_step: GradHook | None = None,
 ) -> None:
-    """Cross-entropy SGD over (x, y); `before_step` may edit gradients (FedProx's proximal term)."""
+    """Cross-entropy SGD over (x, y) on the logits `forward(model, x)` (default: `model(x)`).
+
+    `before_step` may edit gradients (FedProx's proximal term); `after_step` may move parameters after the
+    optimizer has (RedGrape's re-balancing step)."""
     optimizer = torch.optim.SGD(
         model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
     )
@@ -48,9 +54,12 @@ def train_local(
         order = torch.randperm(n, generator=generator)
         for start in range(0, n, config.batch_size):
             idx = order[start : start + config.batch_size]
-            loss = F.cross_entropy(model(x[idx]), y[idx])
+            logits = model(x[idx]) if forward is None else forward(model, x[idx])
+            loss = F.cross_entropy(logits, y[idx])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if before_step is not None:
                 before_step()
             optimizer.step()
+            if after_step is not None:
+                after_step()

@@ -82,7 +82,7 @@ def _run(config: SimConfig, out: Path, *, quiet: bool) -> int:
             config,
             out,
             echo=lambda line: tqdm.write(line, file=sys.stdout),
-            on_round=lambda r, _entry: bar.update(r - bar.n),
+            on_round=lambda r, total, _entry: _advance(bar, r, total),
         )
     except KeyboardInterrupt:
         bar.close()
@@ -95,6 +95,12 @@ def _run(config: SimConfig, out: Path, *, quiet: bool) -> int:
     print(f"\nfinal test accuracy after round {result.state.round}:\n{result.table}")
     print(f"\nmetrics, plots and checkpoint in {out}/ (metrics.json, accuracy.png, per_class.png)")
     return 0
+
+
+def _advance(bar: tqdm, done: int, total: int) -> None:
+    """A method with a closing phase runs more rounds than `rounds`; the bar learns the total as it goes."""
+    bar.total = total
+    bar.update(done - bar.n)
 
 
 if __name__ == "__main__":

@@ -43,13 +43,13 @@ def run_simulation(
     out: Path,
     *,
     echo: Callable[[str], None] = print,
-    on_round: Callable[[int, dict], None] | None = None,
+    on_round: Callable[[int, int, dict], None] | None = None,
 ) -> RunResult:
     federation = build_federation(config.data, seed=config.seed)
     method = make_method(config, federation.test.image_shape, len(federation.classes))
     layer = make_layer(config.privacy)
     out.mkdir(parents=True, exist_ok=True)
-    state, rounds = _resume(out, config) or (method.init_state(seed=config.seed), [])
+    state, rounds = _resume(out, config, method) or (method.init_state(seed=config.seed), [])
     if rounds:
         echo(f"resuming {out} after round {state.round}")
     recorder = RunRecorder(
@@ -62,7 +62,8 @@ def run_simulation(
         rounds=rounds,
     )
     atomic_write_text(out / "config.toml", as_toml(config))
-    for r in range(state.round + 1, config.rounds + 1):
+    while method.remaining_rounds(state) > 0:
+        r, total = state.round + 1, state.round + method.remaining_rounds(state)
         started = time.perf_counter()
         contributions = [
             method.local_round(state, silo, SiloContext(r, f"silo-{k}", config.seed))
@@ -79,9 +80,9 @@ def run_simulation(
         entry["seconds"] = round(time.perf_counter() - started, 3)
         recorder.append(entry)
         _save_checkpoint(out, config, state, recorder.rounds)
-        echo(round_line(entry, config.rounds))
+        echo(round_line(entry, total))
         if on_round is not None:
-            on_round(r, entry)
+            on_round(r, total, entry)
     table = recorder.finish()
     return RunResult({**recorder.header, "rounds": recorder.rounds}, table, state)
 
@@ -92,7 +93,7 @@ def make_method(config: SimConfig, image_shape: tuple[int, int, int], num_classe
     name = config.model.name if config.model.name != "auto" else auto
     cls = method_class(config.method.name)
     spec = ModelSpec(name, image_shape, num_classes)
-    return cls(options=config.method.options, train=config.train, model=spec)
+    return cls(options=config.method.options, train=config.train, model=spec, rounds=config.rounds)
 
 
 def run_title(config: SimConfig) -> str:
@@ -122,7 +123,7 @@ def _save_checkpoint(out: Path, config: SimConfig, state: GlobalState, rounds: l
     atomic_write(out / CHECKPOINT, lambda fh: torch.save(checkpoint, fh))
 
 
-def _resume(out: Path, config: SimConfig) -> tuple[GlobalState, list[dict]] | None:
+def _resume(out: Path, config: SimConfig, method: Method) -> tuple[GlobalState, list[dict]] | None:
     path = out / CHECKPOINT
     if not path.exists():
         return None
@@ -132,9 +133,10 @@ def _resume(out: Path, config: SimConfig) -> tuple[GlobalState, list[dict]] | No
             f"{out} holds a run with different settings (see {out / 'config.toml'}); "
             "choose another --out or pass --fresh to discard it"
         )
-    if saved["round"] > config.rounds:
+    state = GlobalState(saved["round"], saved["model"], saved["extra"])
+    if method.trained_rounds(state) > config.rounds:
         raise RunFolderError(
-            f"{out} already holds {saved['round']} rounds, more than the {config.rounds} asked for; "
-            "ask for at least as many rounds, choose another --out, or pass --fresh"
+            f"{out} already holds {method.trained_rounds(state)} training rounds, more than the "
+            f"{config.rounds} asked for; ask for at least as many, choose another --out, or pass --fresh"
         )
-    return GlobalState(saved["round"], saved["model"], saved["extra"]), saved["rounds"]
+    return state, saved["rounds"]

@@ -1,0 +1,149 @@
+"""The linear head's side of the long-tail methods: features, closed-form head gradients, head re-training.
+
+CReFF, RedGrape and CCVR all work on the classifier h(z) = Wz + b over features z from a frozen encoder.
+For cross-entropy its gradient has a closed form, ∂ℓ/∂[W | b] = (softmax(Wz + b) − e_y)·[zᵀ | 1], which is
+exact, cheap, differentiable in z (CReFF's feature matching needs that) and free of autograd's per-step
+overhead in the thousands of small re-training steps a round runs. A head gradient is kept as one (C, d + 1)
+matrix [∇W | ∇b].
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedlt.aggregation import Field
+from fedlt.data.arrays import LabeledImages
+from fedlt.models import SplitModel
+
+FEATURE_BATCH = 256
+
+
+def extract_features(model: SplitModel, x: torch.Tensor) -> torch.Tensor:
+    """Encoder outputs in eval mode (BatchNorm running statistics), without gradients."""
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        z = torch.cat([model.encoder(x[i : i + FEATURE_BATCH]) for i in range(0, len(x), FEATURE_BATCH)])
+    model.train(was_training)
+    return z
+
+
+def head_of(weights: dict[str, torch.Tensor] | nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W, b) of a model's classifier, as detached float32 tensors."""
+    state = weights.state_dict() if isinstance(weights, nn.Module) else weights
+    return state["classifier.weight"].detach().float(), state["classifier.bias"].detach().float()
+
+
+def with_head(weights: dict[str, torch.Tensor], weight: torch.Tensor, bias: torch.Tensor) -> dict:
+    """A model state whose classifier is replaced by (weight, bias): backbone of one, head of another."""
+    return {**weights, "classifier.weight": weight.float(), "classifier.bias": bias.float()}
+
+
+def logit_residuals(
+    weight: torch.Tensor, bias: torch.Tensor, z: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    """softmax(Wz + b) − e_y per sample: the cross-entropy gradient with respect to the logits."""
+    residual = torch.softmax(z @ weight.T + bias, dim=-1)
+    return residual - F.one_hot(y, weight.shape[0]).to(residual.dtype)
+
+
+def head_gradient(weight: torch.Tensor, bias: torch.Tensor, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """[∇W | ∇b] of the mean cross-entropy over (z, y), shape (C, d + 1)."""
+    residual = logit_residuals(weight, bias, z, y) / len(y)
+    return torch.cat([residual.T @ z, residual.sum(0)[:, None]], dim=1)
+
+
+def class_head_gradients(
+    weight: torch.Tensor, bias: torch.Tensor, z: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per class c, the head gradient averaged over the samples of class c (CReFF's Eq. 3, RedGrape's Eq. 11).
+
+    Returns (present, grads): present[c] = 1 where the class has samples, grads (C, C, d + 1) with zeros
+    elsewhere — the two fields whose sums give the mean over the silos holding each class.
+    """
+    classes = weight.shape[0]
+    z64, residual = z.double(), logit_residuals(weight.double(), bias.double(), z.double(), y)
+    counts = torch.bincount(y, minlength=classes).double()
+    members = F.one_hot(y, classes).double() / counts.clamp(min=1)  # (N, C): 1/n_c for the sample's class
+    grad_w = torch.einsum("nc,nj,nk->cjk", members, residual, z64)
+    grad_b = members.T @ residual
+    return (counts > 0).double(), torch.cat([grad_w, grad_b[:, :, None]], dim=2)
+
+
+def class_gradient_fields(classes: int, dim: int, bound: float, what: str) -> tuple[Field, Field]:
+    """`grad` (per class held, the head's [∇W | ∇b] flattened) and `present`, per class for the tail guard."""
+    return (
+        Field(
+            "grad",
+            (classes, classes * (dim + 1)),
+            bound,
+            f"per class held: [∇W | ∇b] of {what}",
+            per_class=True,
+        ),
+        Field("present", (classes,), 1.0, "1 for each class the silo holds", frac_bits=0, per_class=True),
+    )
+
+
+def class_gradient_values(model: SplitModel, data: LabeledImages) -> dict[str, torch.Tensor]:
+    """The values of `class_gradient_fields` for `model`'s head over the silo's features."""
+    z = extract_features(model, torch.from_numpy(data.x))
+    present, grads = class_head_gradients(*head_of(model), z, torch.from_numpy(data.y))
+    return {"grad": grads.flatten(1), "present": present}
+
+
+def mean_over_holders(summed: torch.Tensor, holders: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each class's sum divided by how many silos held it; returns (held, means) with held[c] = holders > 0.
+
+    Holders are counted exactly (integers, even after fixed-point decoding), so rounding is safe.
+    """
+    counts = holders.round()
+    held = counts > 0
+    means = torch.zeros_like(summed)
+    means[held] = summed[held] / counts[held].reshape(-1, *([1] * (summed.dim() - 1)))
+    return held, means
+
+
+def retrain_head(
+    z: torch.Tensor,
+    y: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    *,
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    generator: torch.Generator,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mini-batch SGD on cross-entropy of the head alone, as torch.optim.SGD would step it.
+
+    Each epoch visits (z, y) in a fresh seeded order. Returns new tensors; the inputs are not modified.
+    """
+    params = torch.cat([weight, bias[:, None]], dim=1).clone()
+    velocity = torch.zeros_like(params)
+    n = len(y)
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=generator)
+        for start in range(0, n, batch_size):
+            idx = order[start : start + batch_size]
+            grad = head_gradient(params[:, :-1], params[:, -1], z[idx], y[idx])
+            if weight_decay:
+                grad += weight_decay * params
+            if momentum:
+                velocity.mul_(momentum).add_(grad)
+                grad = velocity
+            params -= lr * grad
+    return params[:, :-1].contiguous(), params[:, -1].contiguous()
+
+
+def fresh_head(features: int, classes: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch's default nn.Linear initialisation, U(−1/√d, 1/√d) for W and b, drawn from `generator`."""
+    bound = 1.0 / math.sqrt(features)
+    weight = (torch.rand(classes, features, generator=generator) * 2 - 1) * bound
+    bias = (torch.rand(classes, generator=generator) * 2 - 1) * bound
+    return weight, bias
