@@ -4,7 +4,9 @@
     server_step(state, sums, ctx) -> state            pure and seeded, on whoever holds the sums
 
 The simulator and the consortium call exactly these, over any privacy layer, so a seeded run gives the same
-numbers in both.
+numbers in both. A method may run in phases (CCVR's post-hoc calibration round after training):
+`schema(state)` names the coming round's phase and fields, and `remaining_rounds(state)` tells a driver when
+to stop.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ and the encoder are averaged by FedAvg (Eq. 14).
 
 As in the official code: λ = 0.1 and T = 8 (its run script), the re-balancing enters as an extra plain step
 W ← W − lr·λ·g_bal after the optimizer's step (identical to Eq. 13 for plain SGD; with momentum only the
-instance-balanced gradient carries momentum), scaled per tensor (weight and bias), prototypes are computed in
+instance-balanced gradient carries momentum), scaled per tensor (weight and bias), the balanced batch passes
+the encoder in training mode (BatchNorm statistics included) without gradients, prototypes are computed in
 eval mode, and no re-balancing happens until some prototype exists. Deviations: the official runs also add a
 FedProx term (μ = 0.1) and clip gradients to norm 1 in every method, baselines included; here all methods
 train without them. Classes with no prototype yet are left out of Eq. 12 (the official code substitutes the
