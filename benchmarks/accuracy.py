@@ -1,8 +1,11 @@
 """Accuracy of the long-tail methods against the baselines, over imbalance factors and seeds (simulator).
 
     python benchmarks/accuracy.py [--imbalance 10 50 100] [--seeds 0 1 2]
-        [--methods fedavg fedprox ccvr creff redgrape] [--rounds 30] [--workers 2]
-        [--runs benchmarks/runs/accuracy] [--write docs/BENCHMARKS.md]
+        [--methods fedavg fedprox ccvr creff redgrape sfd dflfs dflfs:strategy=wc] [--rounds 30]
+        [--workers 2] [--runs benchmarks/runs/accuracy] [--write docs/BENCHMARKS.md] [--section NAME]
+
+A method is a name, or a name with settings of its `[method]` table (TOML values): `sfd:aligner=false`,
+`sfd:local_loss="ce"`, `dflfs:strategy="wc"` — the ablations and variants.
 
 Every run is `fedlt.sim` with `configs/demo.toml` (LT MNIST-5k, α 0.5, 10 silos, full participation, the
 demo's local training) and the method's default settings, changing only the method, the imbalance factor and
@@ -22,6 +25,7 @@ import platform
 import statistics
 import sys
 import time
+import tomllib
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
@@ -34,7 +38,6 @@ from fedlt.sim.run import run_simulation
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "demo.toml"
-START, END = "<!-- accuracy-table:start -->", "<!-- accuracy-table:end -->"
 GROUPS = ("accuracy", "many", "medium", "few")
 
 
@@ -43,22 +46,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--imbalance", type=float, nargs="+", default=[10.0, 50.0, 100.0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--methods", nargs="+", default=["fedavg", "fedprox", "ccvr", "creff", "redgrape"])
+    p.add_argument("--section", default="accuracy-table", help="marker name of the section --write replaces")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--runs", type=Path, default=ROOT / "benchmarks" / "runs" / "accuracy")
     p.add_argument("--write", type=Path, help="Markdown file whose accuracy table section to replace")
     args = p.parse_args(argv)
-    unknown = sorted(set(args.methods) - set(METHODS))
-    if unknown:
-        p.error(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+    try:
+        for label in args.methods:
+            method_table(label)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
+
+
+def method_table(label: str) -> dict:
+    """`name` or `name:key=value,...` as a `[method]` table."""
+    name, _, settings = label.partition(":")
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; known: {', '.join(METHODS)}")
+    try:
+        options = tomllib.loads("\n".join(settings.split(","))) if settings else {}
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{label}: settings must be key=value TOML pairs ({exc})") from None
+    return {"name": name, **options}
 
 
 def run_one(method: str, imbalance: float, seed: int, rounds: int, out: Path) -> dict:
     """One simulation in a worker process; returns its final evaluation and the seconds its rounds took."""
     torch.set_num_threads(1)
-    flags = {"method": method, "imbalance": imbalance, "seed": seed, "rounds": rounds}
-    result = run_simulation(load_sim_config(str(CONFIG), flags), out, echo=lambda _: None)
+    flags = {"imbalance": imbalance, "seed": seed, "rounds": rounds}
+    config = load_sim_config(str(CONFIG), flags, method=method_table(method))
+    result = run_simulation(config, out, echo=lambda _: None)
     final = result.metrics["rounds"][-1]
     return {
         "method": method,
@@ -77,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
         futures = {
-            pool.submit(run_one, m, f, s, args.rounds, args.runs / f"if{f:g}" / m / f"s{s}"): (m, f, s)
+            pool.submit(run_one, m, f, s, args.rounds, args.runs / f"if{f:g}" / folder(m) / f"s{s}"): (
+                m,
+                f,
+                s,
+            )
             for m, f, s in jobs
         }
         for done, future in enumerate(as_completed(futures), 1):
@@ -90,12 +113,12 @@ def main(argv: list[str] | None = None) -> int:
             )
     minutes = (time.perf_counter() - started) / 60
     args.runs.mkdir(parents=True, exist_ok=True)
-    (args.runs / "results.json").write_text(json.dumps(results, indent=1))
+    (args.runs / f"{args.section}.json").write_text(json.dumps(results, indent=1))
     section = render(results, args, minutes)
     print("\n" + section)
-    plot(results, args, ROOT / "docs" / "img" / "accuracy.png")
+    plot(results, args, ROOT / "docs" / "img" / f"{args.section}.png")
     if args.write:
-        replace_section(args.write, section)
+        replace_section(args.write, section, args.section)
         print(f"wrote the table into {args.write}")
     return 0
 
@@ -115,7 +138,7 @@ def render(results: list[dict], args: argparse.Namespace, minutes: float) -> str
         + f" --rounds {args.rounds} --workers {args.workers}"
     )
     lines = [
-        START,
+        f"<!-- {args.section}:start -->",
         f"Command: `{command}` ({minutes:.0f} min of wall time). Machine: {platform.machine()}, "
         f"{os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
         f"one torch thread per run. Date: {datetime.date.today().isoformat()}.",
@@ -135,7 +158,8 @@ def render(results: list[dict], args: argparse.Namespace, minutes: float) -> str
                 mine = summary(results, m, f, "accuracy")
                 mark = f" ({(mine[0] - base[0]) * 100:+.1f})" if mine else ""
             lines.append(f"| {f:g} | {m} | {cells[0]}{mark} | {' | '.join(cells[1:])} |")
-    lines += ["", "In brackets: the difference in mean overall accuracy to FedAvg, in points.", END]
+    lines += ["", "In brackets: the difference in mean overall accuracy to FedAvg, in points."]
+    lines.append(f"<!-- {args.section}:end -->")
     return "\n".join(lines)
 
 
@@ -166,13 +190,18 @@ def plot(results: list[dict], args: argparse.Namespace, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def replace_section(path: Path, section: str) -> None:
+def replace_section(path: Path, section: str, name: str) -> None:
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
     text = path.read_text()
-    if START in text and END in text:
-        text = text[: text.index(START)] + section + text[text.index(END) + len(END) :]
+    if start in text and end in text:
+        text = text[: text.index(start)] + section + text[text.index(end) + len(end) :]
     else:
-        text = text.rstrip("\n") + "\n\n## Long-tail methods: accuracy\n\n" + section + "\n"
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
     path.write_text(text)
+
+
+def folder(label: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in label)
 
 
 def _cell(stat: tuple[float, float] | None) -> str:

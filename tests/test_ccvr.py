@@ -7,9 +7,10 @@ import torch
 from fedlt.aggregation.plaintext import PlaintextSum
 from fedlt.data.arrays import LabeledImages
 from fedlt.methods import ModelSpec, ServerContext, SiloContext, TrainConfig
-from fedlt.methods.ccvr import CALIBRATE, CCVR, CCVROptions
+from fedlt.methods.ccvr import CCVR, CCVROptions
 from fedlt.methods.feature_stats import ClassGaussians
 from fedlt.methods.heads import extract_features, head_of
+from fedlt.methods.posthoc import CLOSING
 
 SPEC = ModelSpec("cnn-small", (1, 8, 8), 4)
 TRAIN = TrainConfig(local_epochs=1, batch_size=8, lr=0.1)
@@ -52,7 +53,7 @@ def test_post_hoc_calibration_is_one_closing_round_on_the_final_encoder():
         state = _step(method, state, silos, r)
         assert "head.weight" not in state.extra
     schema = method.schema(state)
-    assert schema.phase == CALIBRATE
+    assert schema.phase == CLOSING
     assert {f.name for f in schema.fields if f.per_class} == {"feature_sum", "outer_sum", "count"}
     assert {f.name for f in schema.fields} == {"feature_sum", "outer_sum", "count"}
     calibrated = _step(method, state, silos, 3)

@@ -124,4 +124,4 @@ def test_digest_changes_with_any_weight():
 
 
 def test_registry_names():
-    assert set(METHODS) == {"fedavg", "fedprox", "ccvr", "creff", "redgrape"}
+    assert set(METHODS) == {"fedavg", "fedprox", "ccvr", "creff", "redgrape", "sfd", "dflfs"}

@@ -10,11 +10,13 @@ from fedlt.config import as_table, parse_section
 from fedlt.methods.base import Method
 from fedlt.methods.ccvr import CCVR
 from fedlt.methods.creff import CReFF
+from fedlt.methods.dflfs import DFLFS
 from fedlt.methods.fedavg import FedAvg
 from fedlt.methods.fedprox import FedProx
 from fedlt.methods.redgrape import RedGrape
+from fedlt.methods.sfd import SFD
 
-METHODS: dict[str, type[Method]] = {m.name: m for m in (FedAvg, FedProx, CCVR, CReFF, RedGrape)}
+METHODS: dict[str, type[Method]] = {m.name: m for m in (FedAvg, FedProx, CCVR, CReFF, RedGrape, SFD, DFLFS)}
 
 
 @dataclass(frozen=True)

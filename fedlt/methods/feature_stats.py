@@ -50,16 +50,19 @@ class ClassGaussians:
 
     @classmethod
     def from_sums(
-        cls, feature_sum: torch.Tensor, outer_sum: torch.Tensor, count: torch.Tensor
+        cls, feature_sum: torch.Tensor, outer_sum: torch.Tensor, count: torch.Tensor, *, unbiased: bool = True
     ) -> ClassGaussians:
-        """Classes with no samples get zeros; a class with one sample gets a zero covariance."""
+        """Unbiased covariances (divided by n_c − 1; CCVR, DFL-FS), or population ones (by n_c; SFD's Eq. 10).
+
+        Classes with no samples get zeros; a class with one sample gets a zero covariance."""
         counts = count.round()
         n = counts.clamp(min=1)[:, None]
         means = feature_sum / n
         scatter = unpack_symmetric(outer_sum, feature_sum.shape[1]) - n[:, :, None] * torch.einsum(
             "ci,cj->cij", means, means
         )
-        covariances = scatter / (counts - 1).clamp(min=1)[:, None, None]
+        divisor = (counts - 1).clamp(min=1) if unbiased else counts.clamp(min=1)
+        covariances = scatter / divisor[:, None, None]
         covariances[counts < 2] = 0.0
         return cls(means, covariances, counts)
 
@@ -68,7 +71,13 @@ class ClassGaussians:
         return self.counts > 0
 
     def sample(self, per_class: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """`per_class` draws from N(μ_c, Σ_c) for every present class, as float32 (features, labels).
+        """`per_class` draws from N(μ_c, Σ_c) for every present class, as float32 (features, labels)."""
+        return self.sample_counts(torch.full_like(self.counts, per_class).long(), generator)
+
+    def sample_counts(
+        self, counts: torch.Tensor, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """counts[c] draws from N(μ_c, Σ_c) for every present class, as float32 (features, labels).
 
         Σ_c is factored by its eigen-decomposition with negative eigenvalues (rounding in the pooled sums)
         clipped to zero, so a singular covariance (fewer samples than dimensions) still samples.
@@ -77,9 +86,9 @@ class ClassGaussians:
         for c in torch.nonzero(self.present).flatten().tolist():
             values, vectors = torch.linalg.eigh(self.covariances[c])
             factor = vectors * values.clamp(min=0).sqrt()
-            noise = torch.randn(per_class, len(values), generator=generator, dtype=torch.float64)
+            noise = torch.randn(int(counts[c]), len(values), generator=generator, dtype=torch.float64)
             features.append(self.means[c] + noise @ factor.T)
-            labels.append(torch.full((per_class,), c, dtype=torch.int64))
+            labels.append(torch.full((int(counts[c]),), c, dtype=torch.int64))
         if not features:
             return torch.zeros(0, self.means.shape[1]), torch.zeros(0, dtype=torch.int64)
         return torch.cat(features).float(), torch.cat(labels)

@@ -119,15 +119,19 @@ def retrain_head(
     generator: torch.Generator,
     momentum: float = 0.0,
     weight_decay: float = 0.0,
+    cosine: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mini-batch SGD on cross-entropy of the head alone, as torch.optim.SGD would step it.
 
-    Each epoch visits (z, y) in a fresh seeded order. Returns new tensors; the inputs are not modified.
+    Each epoch visits (z, y) in a fresh seeded order; `cosine` anneals the rate per epoch as
+    lr·½(1 + cos(πe/E)).
+    Returns new tensors; the inputs are not modified.
     """
     params = torch.cat([weight, bias[:, None]], dim=1).clone()
     velocity = torch.zeros_like(params)
     n = len(y)
-    for _ in range(epochs):
+    for epoch in range(epochs):
+        rate = lr * 0.5 * (1 + math.cos(math.pi * epoch / epochs)) if cosine else lr
         order = torch.randperm(n, generator=generator)
         for start in range(0, n, batch_size):
             idx = order[start : start + batch_size]
@@ -137,7 +141,7 @@ def retrain_head(
             if momentum:
                 velocity.mul_(momentum).add_(grad)
                 grad = velocity
-            params -= lr * grad
+            params -= rate * grad
     return params[:, :-1].contiguous(), params[:, -1].contiguous()
 
 

@@ -27,7 +27,7 @@ class TrainConfig:
 
 
 GradHook = Callable[[], None]
-Forward = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+Loss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def train_local(
@@ -37,11 +37,11 @@ def train_local(
     config: TrainConfig,
     generator: torch.Generator,
     *,
-    forward: Forward | None = None,
+    loss: Loss | None = None,
     before_step: GradHook | None = None,
     after_step: GradHook | None = None,
 ) -> None:
-    """Cross-entropy SGD over (x, y) on the logits `forward(model, x)` (default: `model(x)`).
+    """SGD over (x, y) on `loss(model, x, y)`, by default the cross-entropy of `model(x)`.
 
     `before_step` may edit gradients (FedProx's proximal term); `after_step` may move parameters after the
     optimizer has (RedGrape's re-balancing step)."""
@@ -54,10 +54,10 @@ def train_local(
         order = torch.randperm(n, generator=generator)
         for start in range(0, n, config.batch_size):
             idx = order[start : start + config.batch_size]
-            logits = model(x[idx]) if forward is None else forward(model, x[idx])
-            loss = F.cross_entropy(logits, y[idx])
+            xb, yb = x[idx], y[idx]
+            value = F.cross_entropy(model(xb), yb) if loss is None else loss(model, xb, yb)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            value.backward()
             if before_step is not None:
                 before_step()
             optimizer.step()

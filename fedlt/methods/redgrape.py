@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fedlt.aggregation import Contribution, Schema, Sums
@@ -79,7 +80,7 @@ class RedGrape(FedAvg):
         balanced = balanced_indices(y, self.options.threshold, ctx.generator("balanced-set"))
         step = Rebalancing(model, x[balanced], y[balanced], state.extra, self.options.lam, self.train.lr)
         hooks = {"before_step": step.capture, "after_step": step.apply} if step.active else {}
-        train_local(model, x, y, self.train, ctx.generator("shuffle"), forward=two_stream, **hooks)
+        train_local(model, x, y, self.train, ctx.generator("shuffle"), loss=two_stream_loss, **hooks)
 
     def _server_step(self, state: GlobalState, sums: Sums, ctx: ServerContext) -> GlobalState:
         prototypes = state.extra["prototypes"]
@@ -95,6 +96,10 @@ def two_stream(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Wh + Ŵh: the instance-balanced logits of local training."""
     h = model.encoder(x)
     return model.classifier(h) + model.supplementary(h)
+
+
+def two_stream_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(two_stream(model, x), y)
 
 
 def balanced_indices(y: torch.Tensor, threshold: int, generator: torch.Generator) -> torch.Tensor:

@@ -53,9 +53,14 @@ FLAG_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
-def load_sim_config(path: str | None, flags: Mapping[str, Any]) -> SimConfig:
-    """The file's settings with every flag that was given laid over them; all problems raised together."""
+def load_sim_config(
+    path: str | None, flags: Mapping[str, Any], method: Mapping[str, Any] | None = None
+) -> SimConfig:
+    """The file's settings with `method` (a whole `[method]` table) and then every flag that was given laid
+    over them; all problems raised together."""
     tree: dict[str, Any] = read_toml(path) if path else {}
+    if method is not None:
+        tree["method"] = dict(method)
     for flag, value in flags.items():
         if value is None:
             continue

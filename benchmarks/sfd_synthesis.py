@@ -1,0 +1,97 @@
+"""SFD's server-side cost: feature synthesis (SAFS) for every class against a training round, same process.
+
+    python benchmarks/sfd_synthesis.py [--repeats 3] [--imbalance 100] [--checkpoint RUN/checkpoint.pt]
+        [--set rff_features=1000 ...]
+
+The federation and training are `configs/demo.toml`'s (LT MNIST-5k, 10 silos, the McMahan CNN, 512-d
+features) with SFD at its default settings unless `--set` changes one. Each repeat times, one after the other:
+a whole training round as the simulator runs it (the 10 silos' ABBL local rounds, the sum, the server
+step), and the closing round's server half split into SAFS (all classes' synthesis) and the head's
+fine-tuning, on the statistics of the model in --checkpoint (an SFD run folder's; default: the initial
+model). Medians over repeats, and the ratio synthesis / training round of each repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import torch
+
+from fedlt.aggregation import make_layer
+from fedlt.data.federation import build_federation
+from fedlt.methods import GlobalState, ServerContext, SiloContext
+from fedlt.sim.config import load_sim_config
+from fedlt.sim.run import make_method
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--imbalance", type=float, default=100.0)
+    p.add_argument("--checkpoint", type=Path)
+    p.add_argument("--set", nargs="*", default=[], help="SFD settings as key=value (TOML values)")
+    args = p.parse_args(argv)
+    options = tomllib.loads("\n".join(args.set))
+    config = load_sim_config(
+        str(ROOT / "configs" / "demo.toml"), {"imbalance": args.imbalance}, method={"name": "sfd", **options}
+    )
+    federation = build_federation(config.data, seed=config.seed)
+    method = make_method(config, federation.test.image_shape, len(federation.classes))
+    layer = make_layer("plaintext")
+    trained = method.init_state(seed=config.seed)
+    if args.checkpoint:
+        saved = torch.load(args.checkpoint, weights_only=True)
+        trained = GlobalState(saved["round"], saved["model"], {"trained": torch.tensor(config.rounds)})
+    closing = GlobalState(config.rounds, trained.model, {"trained": torch.tensor(config.rounds)})
+    start = method.init_state(seed=config.seed)
+    ctx = ServerContext(config.rounds + 1, config.seed)
+    rows = []
+    for repeat in range(args.repeats):
+        began = time.perf_counter()
+        contributions = [
+            method.local_round(start, silo, SiloContext(1, f"silo-{k}", config.seed))
+            for k, silo in enumerate(federation.silos)
+        ]
+        method.server_step(start, layer.aggregate(method.schema(start), contributions), ServerContext(1, 0))
+        training = time.perf_counter() - began
+        contributions = [
+            method.local_round(closing, silo, SiloContext(ctx.round, f"silo-{k}", config.seed))
+            for k, silo in enumerate(federation.silos)
+        ]
+        sums = layer.aggregate(method.schema(closing), contributions)
+        began = time.perf_counter()
+        features, labels = method.synthetic_features(sums, ctx)
+        synthesis = time.perf_counter() - began
+        began = time.perf_counter()
+        method.fine_tuned(closing.model, features, labels, torch.Generator().manual_seed(repeat))
+        finetune = time.perf_counter() - began
+        rows.append((training, synthesis, finetune, len(labels)))
+        print(
+            f"repeat {repeat + 1}: training round {training:.2f} s, synthesis {synthesis:.2f} s "
+            f"({len(labels)} features, {int(sums['count'].gt(0).sum())} classes), "
+            f"fine-tuning {finetune:.2f} s, "
+            f"synthesis / round {synthesis / training:.1f}",
+            flush=True,
+        )
+    median = lambda i: statistics.median(r[i] for r in rows)  # noqa: E731
+    ratios = [r[1] / r[0] for r in rows]
+    print(
+        f"\nmachine {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} with "
+        f"{torch.get_num_threads()} threads; IF {args.imbalance:g}, settings {options or 'defaults'}\n"
+        f"median of {args.repeats}: training round {median(0):.2f} s, synthesis {median(1):.2f} s, "
+        f"fine-tuning {median(2):.2f} s, synthesis / round {statistics.median(ratios):.1f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Methods that train like FedAvg and then fit the evaluated head to pooled per-class feature statistics.
+
+CCVR, SFD and DFL-FS share the shape: R training rounds, then one closing round in which every silo
+contributes Σz, Σzzᵀ (upper triangle) and counts per class — plus whatever else the method needs, e.g. SFD's
+Σφ(z) — from the final, frozen encoder; the server pools them and fits a head, which the evaluated model
+wears on the final backbone. The closing round leaves the model itself unchanged.
+
+Training rounds are counted in the state (`extra["trained"]`), not from round numbers, so a finished run
+whose `rounds` grows trains on and closes again.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from fedlt.aggregation import Contribution, Field, Schema, Sums
+from fedlt.config import setting
+from fedlt.data.arrays import LabeledImages
+from fedlt.methods.base import ServerContext, SiloContext
+from fedlt.methods.feature_stats import class_sums, upper_size
+from fedlt.methods.fedavg import FedAvg, FedAvgOptions
+from fedlt.methods.heads import extract_features, with_head
+from fedlt.methods.state import GlobalState
+from fedlt.models import SplitModel
+
+CLOSING = "statistics"
+
+
+@dataclass(frozen=True)
+class StatisticsOptions(FedAvgOptions):
+    feature_bound: float = setting(100.0, gt=0.0, doc="largest |feature| element a silo reports")
+
+
+class PostHocHead(FedAvg):
+    """FedAvg training, a closing statistics round, and a head fitted to the pooled statistics."""
+
+    def init_state(self, *, seed: int) -> GlobalState:
+        state = super().init_state(seed=seed)
+        return GlobalState(0, state.model, {"trained": torch.tensor(0)})
+
+    def trained_rounds(self, state: GlobalState) -> int:
+        return int(state.extra["trained"])
+
+    def remaining_rounds(self, state: GlobalState) -> int:
+        closing = self.closes_after_training() and "head.weight" not in state.extra
+        return super().remaining_rounds(state) + int(closing)
+
+    def closes_after_training(self) -> bool:
+        """False for a method that fits its head in every training round instead (CCVR's option)."""
+        return True
+
+    def closing(self, state: GlobalState) -> bool:
+        return self.closes_after_training() and self.trained_rounds(state) >= self.rounds
+
+    def with_statistics(self, state: GlobalState) -> bool:
+        return self.closing(state) or not self.closes_after_training()
+
+    def schema(self, state: GlobalState) -> Schema:
+        if self.closing(state):
+            return Schema(self.statistics_fields(), phase=CLOSING)
+        statistics = self.statistics_fields() if self.with_statistics(state) else ()
+        return Schema((*self.model_fields(state), *statistics))
+
+    def statistics_fields(self) -> tuple[Field, ...]:
+        classes, dim = self.model_spec.num_classes, self.feature_dim
+        n_max, bound = float(self.options.max_silo_samples), self.options.feature_bound
+        return (
+            Field("feature_sum", (classes, dim), n_max * bound, "per class Σz", per_class=True),
+            Field(
+                "outer_sum",
+                (classes, upper_size(dim)),
+                n_max * bound * bound,
+                "per class Σzzᵀ, upper triangle",
+                frac_bits=16,
+                per_class=True,
+            ),
+            Field("count", (classes,), n_max, "per class sample count", frac_bits=0, per_class=True),
+        )
+
+    def local_round(self, state: GlobalState, data: LabeledImages, ctx: SiloContext) -> Contribution:
+        values = {}
+        if self.with_statistics(state):
+            z = extract_features(self.load(state.model), torch.from_numpy(data.x))
+            bound = self.options.feature_bound
+            values = self.statistics(z.clamp(-bound, bound), torch.from_numpy(data.y), ctx)
+        if not self.closing(state):
+            values.update(self.trained_delta(state, data, ctx))
+        return self.schema(state).contribution(**values)
+
+    def statistics(self, z: torch.Tensor, y: torch.Tensor, ctx: SiloContext) -> dict[str, torch.Tensor]:
+        """The values of `statistics_fields` for one silo's (clipped) features."""
+        return class_sums(z, y, self.model_spec.num_classes)
+
+    def _server_step(self, state: GlobalState, sums: Sums, ctx: ServerContext) -> GlobalState:
+        trained = state.extra["trained"]
+        if self.closing(state):
+            weight, bias = self.fit_head(state.model, sums, ctx)
+            extra = {"trained": trained, "head.weight": weight, "head.bias": bias}
+            return GlobalState(state.round + 1, state.model, extra)
+        model = self.averaged_model(state, sums)
+        extra = {"trained": trained + 1}
+        if self.with_statistics(state):
+            extra["head.weight"], extra["head.bias"] = self.fit_head(model, sums, ctx)
+        return GlobalState(state.round + 1, model, extra)
+
+    @abstractmethod
+    def fit_head(
+        self, model: dict[str, torch.Tensor], sums: Sums, ctx: ServerContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The evaluated head for `model`'s backbone, from the summed statistics."""
+
+    def eval_model(self, state: GlobalState) -> SplitModel:
+        if "head.weight" not in state.extra:
+            return self.load(state.model)
+        return self.load(with_head(state.model, state.extra["head.weight"], state.extra["head.bias"]))
