@@ -63,19 +63,23 @@ def contributors(consortium: Consortium) -> dict[int, list[str]]:
     return {r: json.loads(c) for r, c in rows}
 
 
-@pytest.mark.parametrize("name", ["ccvr", "creff", "redgrape"])
+QUICK_OPTIONS = {"sfd": {"rff_features": 200, "synthesis_steps": 5, "finetune_epochs": 5}}
+
+
+@pytest.mark.parametrize("name", ["ccvr", "creff", "redgrape", "sfd", "dflfs"])
 def test_long_tail_methods_give_the_simulators_state_through_census_and_secure_sums(
     make_consortium, tmp_path, name
 ):
-    """Per-class fields go through the census and the tail guard in real processes; CCVR's closing
-    calibration round runs after training; the state equals the secagg simulator's bit for bit."""
-    plan = replace(PLAN, method=MethodChoice(name, METHODS[name].Options()))
+    """Per-class fields go through the census and the tail guard in real processes; the post-hoc methods'
+    closing round runs after training; the state equals the secagg simulator's bit for bit."""
+    plan = replace(PLAN, method=MethodChoice(name, METHODS[name].Options(**QUICK_OPTIONS.get(name, {}))))
     consortium = make_consortium(rounds=2, min_silos=3, plan=plan)
     consortium.start()
     assert consortium.wait_aggregator(timeout=240) == 0
     final = consortium.final_state()
     expected = simulated_state(tmp_path, rounds=2, method=plan.method)
-    assert final.round == (3 if name == "ccvr" else 2)
+    closing = name in ("ccvr", "sfd", "dflfs")
+    assert final.round == (3 if closing else 2)
     assert_same_model(final, expected, atol=0)
     assert set(final.extra) == set(expected.extra)
     for key in expected.extra:
@@ -83,8 +87,8 @@ def test_long_tail_methods_give_the_simulators_state_through_census_and_secure_s
     store = consortium.store()
     guarded = [r for r in store.audit_log() if r.event == "tail_guard"]
     store.close()
-    # a census runs in every round whose schema has per-class fields: CCVR's calibration round only
-    assert len(guarded) == (1 if name == "ccvr" else 2)
+    # a census runs in every round whose schema has per-class fields: the post-hoc methods' closing round only
+    assert len(guarded) == (1 if closing else 2)
 
 
 def test_full_run_gives_the_simulators_model(make_consortium, tmp_path):
