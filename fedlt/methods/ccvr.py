@@ -25,9 +25,7 @@ import torch
 
 from fedlt.aggregation import Sums
 from fedlt.config import setting
-from fedlt.errors import ContributionError
 from fedlt.methods.base import ServerContext
-from fedlt.methods.feature_stats import ClassGaussians
 from fedlt.methods.heads import head_of, retrain_head
 from fedlt.methods.posthoc import PostHocHead, StatisticsOptions
 from fedlt.seeding import derive_seed, torch_generator
@@ -57,9 +55,7 @@ class CCVR(PostHocHead):
         self, model: dict[str, torch.Tensor], sums: Sums, ctx: ServerContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The global head re-trained on virtual features drawn from the pooled class Gaussians."""
-        gaussians = ClassGaussians.from_sums(sums["feature_sum"], sums["outer_sum"], sums["count"])
-        if not gaussians.present.any():
-            raise ContributionError("no class has any feature statistics; nothing to calibrate on")
+        gaussians = self.pooled(sums)
         generator = torch_generator(derive_seed(ctx.seed, "ccvr", ctx.round))
         z, y = gaussians.sample(self.options.virtual_per_class, generator)
         return retrain_head(

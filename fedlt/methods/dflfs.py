@@ -22,7 +22,6 @@ import torch
 
 from fedlt.aggregation import Sums
 from fedlt.config import setting
-from fedlt.errors import ContributionError
 from fedlt.methods.base import ServerContext
 from fedlt.methods.feature_stats import ClassGaussians
 from fedlt.methods.heads import fresh_head, retrain_head
@@ -50,9 +49,7 @@ class DFLFS(PostHocHead):
     def fit_head(
         self, model: dict[str, torch.Tensor], sums: Sums, ctx: ServerContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        gaussians = ClassGaussians.from_sums(sums["feature_sum"], sums["outer_sum"], sums["count"])
-        if not gaussians.present.any():
-            raise ContributionError("no class has any feature statistics; nothing to regenerate from")
+        gaussians = self.pooled(sums)
         generator = torch_generator(derive_seed(ctx.seed, "dflfs", ctx.round))
         z, y = self.regenerated(gaussians, generator)
         classes, dim = gaussians.means.shape

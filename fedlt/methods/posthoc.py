@@ -19,8 +19,9 @@ import torch
 from fedlt.aggregation import Contribution, Field, Schema, Sums
 from fedlt.config import setting
 from fedlt.data.arrays import LabeledImages
+from fedlt.errors import ContributionError
 from fedlt.methods.base import ServerContext, SiloContext
-from fedlt.methods.feature_stats import class_sums, upper_size
+from fedlt.methods.feature_stats import ClassGaussians, class_sums, upper_size
 from fedlt.methods.fedavg import FedAvg, FedAvgOptions
 from fedlt.methods.heads import extract_features, with_head
 from fedlt.methods.state import GlobalState
@@ -105,6 +106,16 @@ class PostHocHead(FedAvg):
         if self.with_statistics(state):
             extra["head.weight"], extra["head.bias"] = self.fit_head(model, sums, ctx)
         return GlobalState(state.round + 1, model, extra)
+
+    @staticmethod
+    def pooled(sums: Sums, *, unbiased: bool = True) -> ClassGaussians:
+        """The class Gaussians of the summed statistics; refuses sums in which no class has any."""
+        gaussians = ClassGaussians.from_sums(
+            sums["feature_sum"], sums["outer_sum"], sums["count"], unbiased=unbiased
+        )
+        if not gaussians.present.any():
+            raise ContributionError("no class has any feature statistics; no head can be fitted to them")
+        return gaussians
 
     @abstractmethod
     def fit_head(

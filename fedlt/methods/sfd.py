@@ -32,10 +32,10 @@ from torch import nn
 
 from fedlt.aggregation import Field, Sums
 from fedlt.config import setting
-from fedlt.errors import ConfigError, ContributionError
+from fedlt.errors import ConfigError
 from fedlt.methods.abbl import adaptive_contrastive, adaptive_cross_entropy, contrastive_weight, local_prior
 from fedlt.methods.base import ServerContext, SiloContext
-from fedlt.methods.feature_stats import ClassGaussians, class_sums
+from fedlt.methods.feature_stats import class_sums
 from fedlt.methods.heads import head_of, retrain_head
 from fedlt.methods.local import train_local
 from fedlt.methods.posthoc import PostHocHead, StatisticsOptions
@@ -184,12 +184,8 @@ class SFD(PostHocHead):
     def synthetic_features(self, sums: Sums, ctx: ServerContext) -> tuple[torch.Tensor, torch.Tensor]:
         """SAFS for every class with statistics: (features, labels)."""
         o = self.options
-        stats = ClassGaussians.from_sums(
-            sums["feature_sum"], sums["outer_sum"], sums["count"], unbiased=False
-        )
+        stats = self.pooled(sums, unbiased=False)
         present = torch.nonzero(stats.present).flatten()
-        if len(present) == 0:
-            raise ContributionError("no class has any feature statistics; nothing to synthesise from")
         rff_means = sums["rff_sum"] / stats.counts.clamp(min=1)[:, None]
         counts = synthetic_counts(stats.counts[present], o.synthetic_most, o.synthetic_fewest)
         settings = SynthesisSettings(
