@@ -84,7 +84,7 @@ class ConsortiumConfig:
 def load_consortium_config(path: str | Path) -> ConsortiumConfig:
     path = Path(path)
     tree = read_toml(path)
-    plan_tree = {k: tree.pop(k) for k in ("model", "train", "method") if k in tree}
+    plan_tree = {k: tree.pop(k) for k in ("model", "train", "method", "selection") if k in tree}
     problems: list[str] = []
     sections = {
         name: parse_section(cls, tree.pop(name, {}), name, problems)
@@ -102,6 +102,12 @@ def load_consortium_config(path: str | Path) -> ConsortiumConfig:
     if sections["consortium"].privacy == "secagg" and sections["consortium"].min_silos < 2:
         problems.append(
             "consortium.min_silos: a secure sum needs at least 2 silos (a sum of one is its input)"
+        )
+    per_round = plan.selection.per_round
+    if 0 < per_round < sections["consortium"].min_silos:
+        problems.append(
+            f"selection.per_round: {per_round} silos a round cannot make consortium.min_silos "
+            f"({sections['consortium'].min_silos}) contributions"
         )
     problems += [f"{key}: unknown section or setting" for key in tree]
     counts = sections["evaluation"].class_counts

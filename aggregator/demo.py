@@ -24,6 +24,7 @@ from fedlt.data.federation import DataConfig, build_federation
 from fedlt.errors import FedltError
 from fedlt.methods import TrainConfig
 from fedlt.plan import ModelSection, RoundPlan
+from fedlt.selection import DISCLOSURE
 from privacy.pki.ca import init_ca, issue_operator, issue_server, issue_silo
 
 RECIPE = DataConfig(dataset="mnist5k", imbalance=100.0, alpha=0.5, silos=4)
@@ -83,7 +84,11 @@ def write_consortium(
                 "max_backoff_seconds": 4.0,
             },
             "data": {"source": "embedded", "index": k, "seed": consortium.seed, "recipe": as_table(recipe)},
-            "policy": {"methods": [plan.method.name], "privacy": [consortium.privacy]},
+            "policy": {
+                "methods": [plan.method.name],
+                "privacy": [consortium.privacy],
+                "disclosures": [DISCLOSURE] if plan.selection.discloses else [],
+            },
             "compute": {"threads": silo_threads},
         }
         silo_path = directory / f"silo-{k}.toml"

@@ -37,12 +37,14 @@ import numpy as np
 import torch
 
 from aggregator.config import ConsortiumConfig
+from aggregator.picking import RoundPicker
 from aggregator.store import Store, StoreError, now_ms
 from fedlt.aggregation import Contribution, Schema, SumLayer, Sums
 from fedlt.errors import ContributionError, FedltError
 from fedlt.methods import GlobalState, Method, ServerContext
 from fedlt.methods.state import pack_state, unpack_state
 from fedlt.recorder import RunRecorder, round_line
+from fedlt.selection import DISCLOSURE
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import round_pb2
 from privacy.secagg import tail_guard, wire
@@ -107,9 +109,14 @@ class Attempt:
     deadline_ms: int
     state_bytes: bytes
     started: float = field(default_factory=time.perf_counter)
+    disclosers: list[str] = field(default_factory=list)  # asked for the MFSC disclosure
     submissions: dict[str, Contribution] = field(default_factory=dict)
     receipts: dict[str, str] = field(default_factory=dict)
+    disclosed: dict[str, str] = field(default_factory=dict)  # silo -> SHA-256 of its disclosure
     secure: SecAggServer | None = None  # the secure sum in progress
+
+    def invites(self, silo_id: str) -> bool:
+        return silo_id in self.participants or silo_id in self.disclosers
 
 
 class RoundEngine:
@@ -149,6 +156,7 @@ class RoundEngine:
         self.stage = Stage.GATHERING
         self.state = self._load_state()
         self._state_bytes = pack_state(self.state)
+        self.picker = RoundPicker(config.plan.selection, config.consortium.seed, store, method)
         if recorder is not None and self.state.round > len(recorder.rounds) and self.state.round > 0:
             self._evaluator.submit(self._report, self.state, None, None)
 
@@ -185,7 +193,7 @@ class RoundEngine:
             session = self._sessions[silo_id] = Session(silo_id)
             if self.stage == Stage.FINISHED:
                 session.directives.put(self._finished())
-            elif self.attempt is not None and silo_id in self.attempt.participants:
+            elif self.attempt is not None and self.attempt.invites(silo_id):
                 session.directives.put(pb.JoinResponse(round_spec=self.attempt.signed))
             self._lock.notify_all()
             return session
@@ -206,7 +214,23 @@ class RoundEngine:
 
     def state_for(self, silo_id: str, round_id: str) -> bytes:
         with self._lock:
-            return self._invited(silo_id, round_id).state_bytes
+            return self._invited(silo_id, round_id, disclosing=True).state_bytes
+
+    def disclose(self, silo_id: str, round_id: str, name: str, shape: tuple[int, ...], values: bytes) -> str:
+        """Keep one silo's disclosure (MFSC's masked class means), which its RoundSpec asked for."""
+        digest = hashlib.sha256(values).hexdigest()
+        with self._lock:
+            attempt = self._invited(silo_id, round_id, disclosing=True)
+            if silo_id not in attempt.disclosers or name != DISCLOSURE:
+                raise NotParticipant(f"{round_id} does not ask {silo_id} for a {name!r} disclosure")
+            if silo_id in attempt.disclosed:
+                if attempt.disclosed[silo_id] == digest:
+                    return digest
+                raise AlreadySubmitted(f"{silo_id} already disclosed other values for {round_id}")
+            attempt.disclosed[silo_id] = self.picker.accept(silo_id, round_id, name, shape, values)
+            self._lock.notify_all()
+        log.info("round %d: %s disclosed its %s values", attempt.round, silo_id, name)
+        return digest
 
     def expected_bytes(self, silo_id: str, round_id: str, purpose: str = "") -> int:
         with self._lock:
@@ -263,12 +287,13 @@ class RoundEngine:
         self.store.record_contribution(round_id, silo_id, digest)
         return digest
 
-    def _invited(self, silo_id: str, round_id: str) -> Attempt:
+    def _invited(self, silo_id: str, round_id: str, *, disclosing: bool = False) -> Attempt:
+        """The attempt in flight, if it invites `silo_id` (to train, or also only to disclose)."""
         attempt = self.attempt
         if attempt is None or attempt.round_id != round_id:
             current = attempt.round_id if attempt else "none"
             raise WrongRound(f"no attempt {round_id!r} in flight (current: {current})")
-        if silo_id not in attempt.participants:
+        if silo_id not in attempt.participants and not (disclosing and silo_id in attempt.disclosers):
             raise NotParticipant(f"{silo_id} is not a participant of {round_id}")
         return attempt
 
@@ -314,15 +339,16 @@ class RoundEngine:
 
     def _run(self, stop: threading.Event) -> None:
         while self.state.round < self.total_rounds and not stop.is_set():
-            participants = self._gather(stop)
-            if participants is None:
+            connected = self._gather(stop)
+            if connected is None:
                 break
-            attempt = self._start_attempt(participants)
+            attempt = self._start_attempt(*self.picker.pick(self.state, self.state.round + 1, connected))
             try:
                 summed = self._secure_sum(attempt, stop) if self.secure else self._plain_sum(attempt, stop)
                 if summed is None:
                     self._abort(attempt, "aggregator stopping")
                     break
+                self._await_disclosures(attempt, stop)
                 self._commit(attempt, *summed)
             except OverflowRisk as exc:
                 self._abort(attempt, str(exc))
@@ -358,6 +384,16 @@ class RoundEngine:
                     return sorted(self._sessions)
             return None
 
+    def _await_disclosures(self, attempt: Attempt, stop: threading.Event) -> None:
+        """Give connected disclosers up to `timeouts.stage` more: the next round is picked from them."""
+        until = time.monotonic() + self.config.timeouts.stage
+        with self._lock:
+            self._wait(
+                stop,
+                lambda: all(s in attempt.disclosed or s not in self._sessions for s in attempt.disclosers),
+                until=until,
+            )
+
     def _plain_sum(self, attempt: Attempt, stop: threading.Event) -> tuple[Sums, list[str]] | None:
         contributors = self._collect(attempt, stop)
         if contributors is None:
@@ -371,7 +407,8 @@ class RoundEngine:
         if len(contributors) < self.config.consortium.min_silos:
             raise RoundFailed(f"{len(contributors)} contributions, fewer than min_silos")
 
-    def _start_attempt(self, participants: list[str]) -> Attempt:
+    def _start_attempt(self, participants: list[str], disclosers: list[str] | None = None) -> Attempt:
+        disclosers = disclosers or []
         round_number = self.state.round + 1
         attempt_number, round_id = self.store.begin_attempt(round_number, participants, secrets.token_hex(4))
         schema = self.method.schema(self.state)
@@ -403,16 +440,20 @@ class RoundEngine:
             seed=self.config.consortium.seed,
             privacy=self.config.consortium.privacy,
             participants=participants,
+            disclosures=[DISCLOSURE] if disclosers else [],
+            disclosers=disclosers,
             deadline_unix_ms=deadline,
             secagg=round_pb2.SecAggParameters(**asdict(self.config.secagg)) if self.secure else None,
         )
         blob = spec.SerializeToString()
         signed = round_pb2.SignedRoundSpec(spec=blob, signature=self.sign(blob))
-        attempt = Attempt(round_number, round_id, signed, schema, participants, deadline, state_bytes)
+        attempt = Attempt(
+            round_number, round_id, signed, schema, participants, deadline, state_bytes, disclosers=disclosers
+        )
         with self._lock:
             self.attempt = attempt
             self.stage = Stage.COLLECTING
-            for silo in participants:
+            for silo in sorted({*participants, *disclosers}):
                 if silo in self._sessions:
                     self._sessions[silo].directives.put(pb.JoinResponse(round_spec=signed))
         log.debug("round %d: attempt %s with %s", round_number, round_id, ", ".join(participants))
@@ -534,6 +575,8 @@ class RoundEngine:
             self.state, sums, ServerContext(attempt.round, self.config.consortium.seed)
         )
         timer.lap("server step")
+        if self.method.trains(self.state):
+            self.picker.committed(attempt.round, attempt.participants)
         packed = pack_state(state)
         self.store.commit_round(
             round_number=attempt.round,
@@ -575,7 +618,7 @@ class RoundEngine:
     def _abort(self, attempt: Attempt, reason: str) -> None:
         self.store.abort_attempt(attempt.round_id, reason)
         with self._lock:
-            for silo in attempt.participants:
+            for silo in sorted({*attempt.participants, *attempt.disclosers}):
                 if silo in self._sessions:
                     abort = pb.Abort(round_id=attempt.round_id, reason=reason)
                     self._sessions[silo].directives.put(pb.JoinResponse(abort=abort))

@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from aggregator.picking import BadDisclosure
 from aggregator.rounds import (
     AlreadySubmitted,
     BadContribution,
@@ -65,6 +66,7 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     AlreadySubmitted: grpc.StatusCode.ALREADY_EXISTS,
     StageError: grpc.StatusCode.FAILED_PRECONDITION,
     ProtocolViolation: grpc.StatusCode.INVALID_ARGUMENT,
+    BadDisclosure: grpc.StatusCode.INVALID_ARGUMENT,
 }
 
 
@@ -214,6 +216,13 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
         else:
             self.engine.submit(silo, header.round_id, b"".join(chunks), digest)
         return pb.SubmitResponse(round_id=header.round_id, sha256=digest, accepted_unix_ms=now_ms())
+
+    @_abort_on_refusal
+    def Disclose(self, request: pb.DiscloseRequest, context: grpc.ServicerContext) -> Any:
+        silo = self.identity.silo(context)
+        shape = tuple(request.shape)
+        digest = self.engine.disclose(silo, request.round_id, request.name, shape, request.values)
+        return pb.DiscloseResponse(round_id=request.round_id, sha256=digest)
 
     @_abort_on_refusal
     def AdvertiseKeys(self, request: pb.AdvertiseKeysRequest, context: grpc.ServicerContext) -> Any:

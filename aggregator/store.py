@@ -36,6 +36,10 @@ CREATE TABLE IF NOT EXISTS states (
     round INTEGER PRIMARY KEY, digest TEXT NOT NULL, data BLOB NOT NULL, committed_ms INTEGER NOT NULL,
     round_id TEXT, contributors TEXT NOT NULL, metrics TEXT
 );
+CREATE TABLE IF NOT EXISTS disclosures (
+    silo_id TEXT NOT NULL, name TEXT NOT NULL, round_id TEXT NOT NULL, data BLOB NOT NULL,
+    PRIMARY KEY (silo_id, name)
+);
 CREATE TABLE IF NOT EXISTS audit (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, at_ms INTEGER NOT NULL, event TEXT NOT NULL,
     detail TEXT NOT NULL, prev_hash TEXT NOT NULL, hash TEXT NOT NULL
@@ -137,6 +141,12 @@ class Store:
         with self._lock:
             self._db.execute("UPDATE silos SET last_seen_ms = ? WHERE silo_id = ?", (now_ms(), silo_id))
 
+    def policy(self, silo_id: str) -> dict:
+        """What the silo said its policy accepts when it last registered."""
+        with self._lock:
+            row = self._db.execute("SELECT policy FROM silos WHERE silo_id = ?", (silo_id,)).fetchone()
+        return json.loads(row[0]) if row else {}
+
     def silos(self) -> dict[str, int]:
         """Registered silo ids and when each was last seen."""
         with self._lock:
@@ -194,6 +204,34 @@ class Store:
             self._audit(
                 db, "contribution_accepted", {"round_id": round_id, "silo": silo_id, "sha256": sha256}
             )
+
+    def last_picked(self) -> dict[str, int]:
+        """The last committed round each silo was invited to."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT round, participants FROM attempts WHERE status = 'committed' ORDER BY round"
+            ).fetchall()
+        return {silo: r for r, participants in rows for silo in json.loads(participants)}
+
+    # --- disclosures: per-silo values a consortium has agreed to (not sums), latest one per silo --------
+
+    def save_disclosure(self, silo_id: str, name: str, round_id: str, data: bytes) -> str:
+        digest = hashlib.sha256(data).hexdigest()
+        with self._transaction() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO disclosures VALUES (?, ?, ?, ?)", (silo_id, name, round_id, data)
+            )
+            self._audit(
+                db,
+                "disclosure_received",
+                {"round_id": round_id, "silo": silo_id, "name": name, "sha256": digest},
+            )
+        return digest
+
+    def disclosures(self, name: str) -> dict[str, bytes]:
+        with self._lock:
+            rows = self._db.execute("SELECT silo_id, data FROM disclosures WHERE name = ?", (name,))
+            return dict(rows.fetchall())
 
     def commit_round(
         self,

@@ -1,4 +1,5 @@
-"""What every silo runs in a round — model, local training, method — as one TOML document.
+"""What every silo runs in a round — model, local training, method, how silos are picked — as one TOML
+document.
 
 The aggregator writes it into the signed RoundSpec; a silo parses it with the same validation as any config
 and builds exactly the method the simulator would build, which is what makes a consortium run and a
@@ -15,6 +16,7 @@ from fedlt.config import as_toml, parse_section, setting
 from fedlt.errors import ConfigError
 from fedlt.methods import Method, MethodChoice, ModelSpec, TrainConfig, method_class
 from fedlt.models import MODELS
+from fedlt.selection import SelectionConfig
 
 
 @dataclass(frozen=True)
@@ -32,13 +34,15 @@ class RoundPlan:
     model: ModelSection = field(default_factory=ModelSection)
     train: TrainConfig = field(default_factory=TrainConfig)
     method: MethodChoice = field(default_factory=MethodChoice)
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
 
     def problems(self) -> list[str]:
         """What the field-by-field checks cannot see."""
+        problems = self.selection.problems()
         shape = self.model.image_shape
         if len(shape) != 3 or min(shape, default=0) < 1:
-            return [f"model.image_shape: expected [channels, height, width], got {list(shape)}"]
-        return []
+            problems.append(f"model.image_shape: expected [channels, height, width], got {list(shape)}")
+        return problems
 
     def build_method(self) -> Method:
         channels, height, width = self.model.image_shape

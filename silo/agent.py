@@ -31,6 +31,7 @@ from fedlt.errors import FedltError
 from fedlt.methods import Method, SiloContext
 from fedlt.methods.state import unpack_state
 from fedlt.plan import RoundPlan
+from fedlt.selection import DISCLOSURE, class_mean_disclosure
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc, round_pb2
 from privacy.pki.errors import PkiError
@@ -198,7 +199,8 @@ class SiloAgent:
             return
         self.round_id = spec.round_id
         self._secure = None
-        payload = self._pending(spec.round_id) or self._train(stub, spec, plan)
+        trains = self.silo_id in spec.participants
+        payload = (self._pending(spec.round_id) if trains else None) or self._work(stub, spec, plan, trains)
         if payload is None:
             return
         if spec.privacy == "secagg":
@@ -290,7 +292,7 @@ class SiloAgent:
         spec = round_pb2.RoundSpec.FromString(signed.spec)
         policy = self.config.policy
         problems = []
-        if self.silo_id not in spec.participants:
+        if self.silo_id not in spec.participants and self.silo_id not in spec.disclosers:
             problems.append(f"this silo ({self.silo_id}) is not among the participants")
         if spec.method not in policy.methods:
             problems.append(f"method {spec.method!r} is not allowed by policy.methods")
@@ -323,7 +325,8 @@ class SiloAgent:
             )
         return spec, plan
 
-    def _train(self, stub, spec: round_pb2.RoundSpec, plan: RoundPlan) -> bytes | None:
+    def _work(self, stub, spec: round_pb2.RoundSpec, plan: RoundPlan, trains: bool) -> bytes | None:
+        """Fetch and check the state; disclose if asked (the policy allowed it); train if a participant."""
         self.activity = pb.SILO_ACTIVITY_FETCHING
         fetch_started = time.perf_counter()
         data = b"".join(
@@ -339,9 +342,15 @@ class SiloAgent:
         if schema != _schema_of(spec):
             log.error("%s: the signed schema differs from the method's own; not training", spec.round_id)
             return None
+        fetched = time.perf_counter() - fetch_started
+        log.debug("round %d: state fetched and checked in %.3f s", spec.round, fetched)
+        if DISCLOSURE in spec.disclosures:
+            self._disclose(stub, spec, plan, method, state)
+        if not trains:
+            self.activity = pb.SILO_ACTIVITY_IDLE
+            return None
         self.activity = pb.SILO_ACTIVITY_TRAINING
         started = time.perf_counter()
-        log.debug("round %d: state fetched and checked in %.3f s", spec.round, started - fetch_started)
         contribution = method.local_round(state, self.data, SiloContext(spec.round, self.silo_id, spec.seed))
         payload = np.ascontiguousarray(contribution.flat().numpy(), dtype="<f8").tobytes()
         atomic_write(self.state_dir / "pending.bin", lambda fh: fh.write(payload))
@@ -353,6 +362,31 @@ class SiloAgent:
             time.perf_counter() - started,
         )
         return payload
+
+    def _disclose(self, stub, spec: round_pb2.RoundSpec, plan: RoundPlan, method: Method, state) -> None:
+        """MFSC: this silo's class means under the received model, random points for classes it lacks."""
+        ctx = SiloContext(spec.round, self.silo_id, spec.seed)
+        means = class_mean_disclosure(method, state, self.data, ctx, plan.selection.mask)
+        request = pb.DiscloseRequest(
+            round_id=spec.round_id,
+            name=DISCLOSURE,
+            shape=list(means.shape),
+            values=np.ascontiguousarray(means.numpy(), dtype="<f8").tobytes(),
+        )
+        try:
+            receipt = stub.Disclose(request, timeout=CALL_TIMEOUT)
+        except grpc.RpcError as exc:
+            if exc.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+                raise
+            log.warning("%s: the aggregator refused the disclosure: %s", spec.round_id, exc.details())
+            return
+        log.info(
+            "round %d: disclosed masked class means (%s, mask %s) as policy.disclosures allows; sha256 %s",
+            spec.round,
+            DISCLOSURE,
+            plan.selection.mask,
+            receipt.sha256[:16],
+        )
 
     def _method_for(self, plan: RoundPlan, config_sha256: str) -> Method:
         """The same plan from round to round reuses one method (and its working model)."""

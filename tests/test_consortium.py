@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fedlt.methods import METHODS, MethodChoice
+from fedlt.selection import SelectionConfig
 from fedlt.sim.config import ModelChoice, SimConfig
 from fedlt.sim.run import run_simulation
 from tests.consortium_harness import PLAN, RECIPE, SILO_THREADS, Consortium
@@ -27,7 +28,14 @@ def make_consortium(tmp_path):
         consortium.stop()
 
 
-def simulated_state(tmp_path, rounds: int, silos: int = 3, privacy: str = "secagg", method=PLAN.method):
+def simulated_run(
+    tmp_path,
+    rounds: int,
+    silos: int = 3,
+    privacy: str = "secagg",
+    method=PLAN.method,
+    selection=PLAN.selection,
+):
     config = SimConfig(
         seed=0,
         privacy=privacy,
@@ -36,13 +44,18 @@ def simulated_state(tmp_path, rounds: int, silos: int = 3, privacy: str = "secag
         model=ModelChoice(PLAN.model.name),
         train=PLAN.train,
         method=method,
+        selection=selection,
     )
     threads = torch.get_num_threads()
     torch.set_num_threads(SILO_THREADS)
     try:
-        return run_simulation(config, tmp_path / f"sim-{privacy}", echo=lambda _: None).state
+        return run_simulation(config, tmp_path / f"sim-{privacy}", echo=lambda _: None)
     finally:
         torch.set_num_threads(threads)
+
+
+def simulated_state(tmp_path, rounds: int, **options):
+    return simulated_run(tmp_path, rounds, **options).state
 
 
 def assert_same_model(a, b, atol: float = 1e-5):
@@ -93,6 +106,33 @@ def test_long_tail_methods_give_the_simulators_state_through_census_and_secure_s
     # a retried attempt (a deadline missed on a loaded machine) has a census too, so count committed rounds
     retried = [r.detail for r in log if r.event in ("attempt_aborted", "attempt_abandoned")]
     assert len(guarded) == (1 if closing else 2), retried
+
+
+def test_mfsc_picks_the_simulators_silos_from_disclosures_of_every_connected_silo(make_consortium, tmp_path):
+    """Two of four silos train per round, picked tail-class first from the masked class means that all four
+    disclose; the disclosures are audited, never the values; the run equals the simulator's bit for bit."""
+    selection = SelectionConfig(per_round=2, strategy="mfsc")
+    plan = replace(PLAN, method=MethodChoice("dflfs", METHODS["dflfs"].Options()), selection=selection)
+    consortium = make_consortium(rounds=3, min_silos=2, silos=4, plan=plan)
+    consortium.start()
+    assert consortium.wait_aggregator(timeout=240) == 0
+    sim = simulated_run(tmp_path, rounds=3, silos=4, method=plan.method, selection=selection)
+    final = consortium.final_state()
+    assert_same_model(final, sim.state, atol=0)
+    for key in sim.state.extra:
+        assert torch.equal(final.extra[key], sim.state.extra[key]), key
+    picked = {r["round"]: r["participants"] for r in sim.metrics["rounds"] if r["round"] <= 3}
+    assert all(len(p) == 2 for p in picked.values())
+    assert contributors(consortium) == {**picked, 4: [f"silo-{k}" for k in range(4)]}  # closing: everyone
+    store = consortium.store()
+    log = store.audit_log()
+    store.close()
+    disclosed = [r.detail for r in log if r.event == "disclosure_received"]
+    assert len(disclosed) == 3 * 4  # every connected silo, every training round, none in the closing round
+    assert all(set(d) == {"round_id", "silo", "name", "sha256"} for d in disclosed)
+    assert any(
+        "disclosed masked class means" in (consortium.directory / "silo-3.log").read_text() for _ in [0]
+    )
 
 
 def test_full_run_gives_the_simulators_model(make_consortium, tmp_path):

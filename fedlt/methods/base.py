@@ -84,6 +84,11 @@ class Method(ABC):
         trains on and closes again."""
         return max(self.rounds - self.trained_rounds(state), 0)
 
+    def trains(self, state: GlobalState) -> bool:
+        """Whether the coming round trains: only training rounds pick a subset of silos; a closing
+        statistics round wants every silo's data."""
+        return True
+
     def build_model(self, seed: int) -> SplitModel:
         """The method's network; methods with an extra head (RedGrape) add it here."""
         return self.model_spec.build(seed)

@@ -1,4 +1,4 @@
-"""DFL-FS stage 2: classifier re-training on Gaussian features regenerated from global feature statistics.
+"""DFL-FS: stage 2, classifier re-training on Gaussian features regenerated from global feature statistics.
 
 After the training rounds, silos contribute per class Σz, Σzzᵀ and counts on the final encoder (a closing
 round, see `posthoc`); the server pools them into class means and covariances — Eq. 1–2 in outer-product
@@ -9,9 +9,12 @@ tail-favouring strategies, where a class's rank r runs from 0 for the largest cl
 - `wc` (weighted covariance, Eq. 4): `per_class` features from N(μ_c, w_c·Σ_c), w_c = w_b + w_k·r
   (w_b = 0.5, w_k = 0.1, the paper's; 1000 per class, the official stage-2 script's count).
 
-Not yet built: stage 1's masked feature-statistics clustering (MFSC) and the client selection it drives; the
-training rounds here are FedAvg over every silo, which is what the official repository's stage 1 does too.
-Classes with no statistics (or held back by the tail guard) get no features.
+Stage 1's training rounds are FedAvg. Its masked feature-statistics clustering (MFSC) and the client
+selection it drives are not part of the method but of the round's participant selection, which any method
+can use: `[selection] per_round = k, strategy = "mfsc"` (`fedlt.selection`), because MFSC is a per-silo
+disclosure rather than a sum and the consortium must agree to it (the paper's setting: 20 of 100 clients per
+round). The official repository's stage 1 is plain FedAvg over all clients. Classes with no statistics (or
+held back by the tail guard) get no features.
 """
 
 from __future__ import annotations

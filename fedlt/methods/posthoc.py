@@ -56,6 +56,9 @@ class PostHocHead(FedAvg):
     def closing(self, state: GlobalState) -> bool:
         return self.closes_after_training() and self.trained_rounds(state) >= self.rounds
 
+    def trains(self, state: GlobalState) -> bool:
+        return not self.closing(state)
+
     def with_statistics(self, state: GlobalState) -> bool:
         return self.closing(state) or not self.closes_after_training()
 

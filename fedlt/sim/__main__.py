@@ -37,6 +37,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     models = "; ".join(f"{name} ({entry.doc})" for name, entry in MODELS.items())
     p.add_argument("--model", help=f"auto (by image size) or one of: {models}")
     p.add_argument("--privacy", help="privacy layer")
+    p.add_argument("--per-round", type=int, help="silos that train in a round (0: all)")
+    p.add_argument("--selection", help="how they are picked: random or mfsc (a per-silo disclosure)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -57,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             "local_epochs",
             "model",
             "privacy",
+            "per_round",
+            "selection",
         )
     }
     try:

@@ -15,6 +15,7 @@ from fedlt.methods import TrainConfig
 from fedlt.methods.choice import MethodChoice
 from fedlt.metrics import ShotThresholds
 from fedlt.models import MODELS
+from fedlt.selection import SelectionConfig
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class SimConfig:
     model: ModelChoice = field(default_factory=ModelChoice)
     train: TrainConfig = field(default_factory=TrainConfig)
     method: MethodChoice = field(default_factory=MethodChoice)
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
     metrics: ShotThresholds = field(default_factory=ShotThresholds)
 
     def fingerprint(self) -> str:
@@ -50,17 +52,27 @@ FLAG_KEYS: dict[str, tuple[str, ...]] = {
     "model": ("model", "name"),
     "local_epochs": ("train", "local_epochs"),
     "method": ("method", "name"),
+    "per_round": ("selection", "per_round"),
+    "selection": ("selection", "strategy"),
 }
 
 
 def load_sim_config(
-    path: str | None, flags: Mapping[str, Any], method: Mapping[str, Any] | None = None
+    path: str | None,
+    flags: Mapping[str, Any],
+    method: Mapping[str, Any] | None = None,
+    tables: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> SimConfig:
-    """The file's settings with `method` (a whole `[method]` table) and then every flag that was given laid
-    over them; all problems raised together."""
+    """The file's settings with `method` (a whole `[method]` table), then `tables` (settings merged into
+    their sections) and then every flag that was given laid over them; all problems raised together."""
     tree: dict[str, Any] = read_toml(path) if path else {}
     if method is not None:
         tree["method"] = dict(method)
+    for section, values in (tables or {}).items():
+        node = tree.setdefault(section, {})
+        if not isinstance(node, dict):
+            raise ConfigError(path or "settings", [f"{section}: expected a table"])
+        node.update(values)
     for flag, value in flags.items():
         if value is None:
             continue
@@ -73,6 +85,12 @@ def load_sim_config(
         node[key] = value
     problems: list[str] = []
     config = parse_section(SimConfig, tree, "", problems)
+    problems += config.selection.problems()
+    if config.selection.per_round > config.data.silos:
+        problems.append(
+            f"selection.per_round: {config.selection.per_round} silos a round, "
+            f"but data.silos is only {config.data.silos}"
+        )
     if problems:
         raise ConfigError(path or "command-line flags", problems)
     return config

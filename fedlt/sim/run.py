@@ -22,6 +22,7 @@ from fedlt.errors import FedltError
 from fedlt.methods import GlobalState, Method, ModelSpec, ServerContext, SiloContext, method_class
 from fedlt.models import DEFAULT_FOR_SIDE
 from fedlt.recorder import RunRecorder, round_line
+from fedlt.selection import SelectionBook, choose_participants, class_mean_disclosure, estimate_coverage
 from fedlt.sim.config import SimConfig
 
 CHECKPOINT = "checkpoint.pt"
@@ -49,7 +50,11 @@ def run_simulation(
     method = make_method(config, federation.test.image_shape, len(federation.classes))
     layer = make_layer(config.privacy)
     out.mkdir(parents=True, exist_ok=True)
-    state, rounds = _resume(out, config, method) or (method.init_state(seed=config.seed), [])
+    state, rounds, book = _resume(out, config, method) or (
+        method.init_state(seed=config.seed),
+        [],
+        SelectionBook(),
+    )
     if rounds:
         echo(f"resuming {out} after round {state.round}")
     recorder = RunRecorder(
@@ -62,13 +67,28 @@ def run_simulation(
         rounds=rounds,
     )
     atomic_write_text(out / "config.toml", as_toml(config))
+    silos = {f"silo-{k}": silo for k, silo in enumerate(federation.silos)}
     while method.remaining_rounds(state) > 0:
         r, total = state.round + 1, state.round + method.remaining_rounds(state)
         started = time.perf_counter()
+        trains = method.trains(state)
+        picked = (
+            choose_participants(config.selection, list(silos), r, config.seed, book)
+            if trains
+            else list(silos)
+        )
+        if trains and config.selection.discloses:  # every silo, so that all means share one encoder
+            for silo_id, silo in silos.items():
+                ctx = SiloContext(r, silo_id, config.seed)
+                book.disclosures[silo_id] = class_mean_disclosure(
+                    method, state, silo, ctx, config.selection.mask
+                )
         contributions = [
-            method.local_round(state, silo, SiloContext(r, f"silo-{k}", config.seed))
-            for k, silo in enumerate(federation.silos)
+            method.local_round(state, silos[silo_id], SiloContext(r, silo_id, config.seed))
+            for silo_id in picked
         ]
+        if trains:
+            book.record(r, picked)
         sums = layer.aggregate(method.schema(state), contributions)
         state = method.server_step(state, sums, ServerContext(r, config.seed))
         entry = recorder.evaluate(
@@ -78,8 +98,12 @@ def run_simulation(
             state_digest=state.digest(),
         )
         entry["seconds"] = round(time.perf_counter() - started, 3)
+        if config.selection.per_round:
+            entry["participants"] = picked
+        if config.selection.discloses:
+            entry["coverage_error"] = _coverage_error(book, silos, config.selection.separation)
         recorder.append(entry)
-        _save_checkpoint(out, config, state, recorder.rounds)
+        _save_checkpoint(out, config, state, recorder.rounds, book)
         echo(round_line(entry, total))
         if on_round is not None:
             on_round(r, total, entry)
@@ -112,18 +136,35 @@ def _dataset_facts(config: SimConfig, federation: Federation) -> dict:
     }
 
 
-def _save_checkpoint(out: Path, config: SimConfig, state: GlobalState, rounds: list[dict]) -> None:
+def _coverage_error(book: SelectionBook, silos: dict, separation: float) -> float:
+    """How often MFSC misjudges whether a silo holds a class, over the silos that have disclosed; only a
+    simulator, which holds every silo's data, can score it."""
+    estimate = estimate_coverage(book.disclosures, separation)
+    wrong = total = 0
+    for silo_id, holds in estimate.items():
+        truth = torch.from_numpy(silos[silo_id].class_counts() > 0)
+        wrong += int((holds != truth).sum())
+        total += len(holds)
+    return round(wrong / total, 4)
+
+
+def _save_checkpoint(
+    out: Path, config: SimConfig, state: GlobalState, rounds: list[dict], book: SelectionBook
+) -> None:
     checkpoint = {
         "fingerprint": config.fingerprint(),
         "round": state.round,
         "model": dict(state.model),
         "extra": dict(state.extra),
         "rounds": rounds,
+        "selection": book.as_dict(),
     }
     atomic_write(out / CHECKPOINT, lambda fh: torch.save(checkpoint, fh))
 
 
-def _resume(out: Path, config: SimConfig, method: Method) -> tuple[GlobalState, list[dict]] | None:
+def _resume(
+    out: Path, config: SimConfig, method: Method
+) -> tuple[GlobalState, list[dict], SelectionBook] | None:
     path = out / CHECKPOINT
     if not path.exists():
         return None
@@ -139,4 +180,4 @@ def _resume(out: Path, config: SimConfig, method: Method) -> tuple[GlobalState, 
             f"{out} already holds {method.trained_rounds(state)} training rounds, more than the "
             f"{config.rounds} asked for; ask for at least as many, choose another --out, or pass --fresh"
         )
-    return state, saved["rounds"]
+    return state, saved["rounds"], SelectionBook.from_dict(saved["selection"])

@@ -229,6 +229,26 @@ class SubmitResponse(_message.Message):
     accepted_unix_ms: int
     def __init__(self, round_id: _Optional[str] = ..., sha256: _Optional[str] = ..., accepted_unix_ms: _Optional[int] = ...) -> None: ...
 
+class DiscloseRequest(_message.Message):
+    __slots__ = ("round_id", "name", "shape", "values")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    round_id: str
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    values: bytes
+    def __init__(self, round_id: _Optional[str] = ..., name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., values: _Optional[bytes] = ...) -> None: ...
+
+class DiscloseResponse(_message.Message):
+    __slots__ = ("round_id", "sha256")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    round_id: str
+    sha256: str
+    def __init__(self, round_id: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
+
 class AdvertiseKeysRequest(_message.Message):
     __slots__ = ("round_id", "c_public_key", "s_public_key", "signature", "sum")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]

@@ -60,6 +60,11 @@ class ConsortiumServiceStub:
                 request_serializer=fedlt_dot_v1_dot_consortium__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=fedlt_dot_v1_dot_consortium__pb2.SubmitResponse.FromString,
                 _registered_method=True)
+        self.Disclose = channel.unary_unary(
+                '/fedlt.v1.ConsortiumService/Disclose',
+                request_serializer=fedlt_dot_v1_dot_consortium__pb2.DiscloseRequest.SerializeToString,
+                response_deserializer=fedlt_dot_v1_dot_consortium__pb2.DiscloseResponse.FromString,
+                _registered_method=True)
         self.AdvertiseKeys = channel.unary_unary(
                 '/fedlt.v1.ConsortiumService/AdvertiseKeys',
                 request_serializer=fedlt_dot_v1_dot_consortium__pb2.AdvertiseKeysRequest.SerializeToString,
@@ -126,6 +131,13 @@ class ConsortiumServiceServicer:
 
     def Submit(self, request_iterator, context):
         """A contribution (plaintext, masked or encrypted), in chunks of at most 1 MiB after a header.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Disclose(self, request, context):
+        """A per-silo disclosure the RoundSpec asks for and the silo's policy allows (not a sum: see DESIGN.md).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -200,6 +212,11 @@ def add_ConsortiumServiceServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=fedlt_dot_v1_dot_consortium__pb2.SubmitRequest.FromString,
                     response_serializer=fedlt_dot_v1_dot_consortium__pb2.SubmitResponse.SerializeToString,
+            ),
+            'Disclose': grpc.unary_unary_rpc_method_handler(
+                    servicer.Disclose,
+                    request_deserializer=fedlt_dot_v1_dot_consortium__pb2.DiscloseRequest.FromString,
+                    response_serializer=fedlt_dot_v1_dot_consortium__pb2.DiscloseResponse.SerializeToString,
             ),
             'AdvertiseKeys': grpc.unary_unary_rpc_method_handler(
                     servicer.AdvertiseKeys,
@@ -368,6 +385,33 @@ class ConsortiumService:
             '/fedlt.v1.ConsortiumService/Submit',
             fedlt_dot_v1_dot_consortium__pb2.SubmitRequest.SerializeToString,
             fedlt_dot_v1_dot_consortium__pb2.SubmitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Disclose(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedlt.v1.ConsortiumService/Disclose',
+            fedlt_dot_v1_dot_consortium__pb2.DiscloseRequest.SerializeToString,
+            fedlt_dot_v1_dot_consortium__pb2.DiscloseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -29,7 +29,7 @@ class Schema(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ...) -> None: ...
 
 class RoundSpec(_message.Message):
-    __slots__ = ("consortium_id", "round", "attempt", "round_id", "method", "schema", "method_config", "config_sha256", "state_digest", "state_bytes", "seed", "privacy", "participants", "disclosures", "deadline_unix_ms", "secagg")
+    __slots__ = ("consortium_id", "round", "attempt", "round_id", "method", "schema", "method_config", "config_sha256", "state_digest", "state_bytes", "seed", "privacy", "participants", "disclosures", "deadline_unix_ms", "secagg", "disclosers")
     CONSORTIUM_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class RoundSpec(_message.Message):
     DISCLOSURES_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     SECAGG_FIELD_NUMBER: _ClassVar[int]
+    DISCLOSERS_FIELD_NUMBER: _ClassVar[int]
     consortium_id: str
     round: int
     attempt: int
@@ -62,7 +63,8 @@ class RoundSpec(_message.Message):
     disclosures: _containers.RepeatedScalarFieldContainer[str]
     deadline_unix_ms: int
     secagg: SecAggParameters
-    def __init__(self, consortium_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., round_id: _Optional[str] = ..., method: _Optional[str] = ..., schema: _Optional[_Union[Schema, _Mapping]] = ..., method_config: _Optional[str] = ..., config_sha256: _Optional[str] = ..., state_digest: _Optional[str] = ..., state_bytes: _Optional[int] = ..., seed: _Optional[int] = ..., privacy: _Optional[str] = ..., participants: _Optional[_Iterable[str]] = ..., disclosures: _Optional[_Iterable[str]] = ..., deadline_unix_ms: _Optional[int] = ..., secagg: _Optional[_Union[SecAggParameters, _Mapping]] = ...) -> None: ...
+    disclosers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, consortium_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., round_id: _Optional[str] = ..., method: _Optional[str] = ..., schema: _Optional[_Union[Schema, _Mapping]] = ..., method_config: _Optional[str] = ..., config_sha256: _Optional[str] = ..., state_digest: _Optional[str] = ..., state_bytes: _Optional[int] = ..., seed: _Optional[int] = ..., privacy: _Optional[str] = ..., participants: _Optional[_Iterable[str]] = ..., disclosures: _Optional[_Iterable[str]] = ..., deadline_unix_ms: _Optional[int] = ..., secagg: _Optional[_Union[SecAggParameters, _Mapping]] = ..., disclosers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SecAggParameters(_message.Message):
     __slots__ = ("threshold", "neighbours", "k_min")

@@ -1,0 +1,86 @@
+"""Which silos a round invites, and the MFSC disclosures that decide it, kept apart from the sums.
+
+The picking itself is `fedlt.selection`, the same function the simulator calls; this module feeds it what a
+consortium knows: the connected silos, each silo's registered policy, the last committed round each silo was
+invited to, and the disclosures stored so far (they survive a restart, like everything else the aggregator
+needs). MFSC asks every connected silo to disclose, not only those that train, so that the class means of
+one round all come from one model; if any connected silo's policy does not accept the disclosure, nobody is
+asked that round and the silos are drawn at random instead — loudly, in the log and the audit log.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from aggregator.store import Store
+from fedlt.errors import FedltError
+from fedlt.methods import GlobalState, Method
+from fedlt.selection import DISCLOSURE, SelectionBook, SelectionConfig, choose_participants
+
+log = logging.getLogger("aggregator")
+
+
+class BadDisclosure(FedltError):
+    """A disclosure that does not fit what the round asked for."""
+
+
+class RoundPicker:
+    def __init__(self, selection: SelectionConfig, seed: int, store: Store, method: Method) -> None:
+        self.selection = selection
+        self.seed = seed
+        self.store = store
+        self.method = method
+        self.shape = (method.model_spec.num_classes, method.feature_dim)
+        saved = {
+            silo: torch.from_numpy(np.frombuffer(data, dtype="<f8").copy()).reshape(self.shape)
+            for silo, data in store.disclosures(DISCLOSURE).items()
+        }
+        self.book = SelectionBook(saved, store.last_picked())
+
+    def pick(
+        self, state: GlobalState, round_number: int, connected: list[str]
+    ) -> tuple[list[str], list[str]]:
+        """(participants, disclosers) of the coming round."""
+        if not self.method.trains(state):
+            return connected, []
+        selection, disclosers = self.selection, []
+        if selection.discloses:
+            declined = [s for s in connected if DISCLOSURE not in self.store.policy(s).get("disclosures", [])]
+            if declined:
+                log.warning(
+                    "round %d: %s do not accept the %r disclosure; picking silos at random instead",
+                    round_number,
+                    ", ".join(declined),
+                    DISCLOSURE,
+                )
+                self.store.audit(
+                    "disclosure_declined", {"round": round_number, "name": DISCLOSURE, "silos": declined}
+                )
+                selection = replace(selection, strategy="random")
+            else:
+                disclosers = list(connected)
+        picked = choose_participants(selection, connected, round_number, self.seed, self.book)
+        return picked, disclosers
+
+    def accept(self, silo_id: str, round_id: str, name: str, shape: tuple[int, ...], values: bytes) -> str:
+        """Check, keep and audit one disclosure; the caller has checked the silo was asked for it."""
+        if name != DISCLOSURE:
+            raise BadDisclosure(f"unknown disclosure {name!r}")
+        if shape != self.shape:
+            raise BadDisclosure(f"{name} must be a {list(self.shape)} matrix, got {list(shape)}")
+        if len(values) != math.prod(shape) * 8:
+            raise BadDisclosure(f"{name} has {len(values)} bytes for a {list(shape)} float64 matrix")
+        matrix = torch.from_numpy(np.frombuffer(values, dtype="<f8").copy()).reshape(shape)
+        if not torch.isfinite(matrix).all():
+            raise BadDisclosure(f"{name} holds values that are not finite")
+        digest = self.store.save_disclosure(silo_id, name, round_id, values)
+        self.book.disclosures[silo_id] = matrix
+        return digest
+
+    def committed(self, round_number: int, participants: list[str]) -> None:
+        self.book.record(round_number, participants)

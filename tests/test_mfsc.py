@@ -1,0 +1,255 @@
+"""MFSC (DFL-FS stage 1): masked class means, the coverage they reveal, tail-first picking, and the rules
+around the disclosure (config, the aggregator's bookkeeping, the silo's policy)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from aggregator.config import ConsortiumSection, TimeoutSection, load_consortium_config
+from aggregator.demo import write_consortium
+from aggregator.picking import BadDisclosure, RoundPicker
+from aggregator.rounds import ROUNDSPEC_CONTEXT
+from aggregator.store import Store
+from fedlt.errors import ConfigError
+from fedlt.methods import METHODS, MethodChoice
+from fedlt.selection import (
+    MASKS,
+    SelectionBook,
+    SelectionConfig,
+    choose_participants,
+    estimate_coverage,
+    masked_class_means,
+    tail_first,
+)
+from fedlt.sim.config import load_sim_config
+from fedlt.sim.run import run_simulation
+from fedlt.v1 import round_pb2
+from privacy.pki.identity import load_certificate
+from privacy.pki.signing import sign
+from silo.agent import RefusedRound, SiloAgent
+from silo.config import load_silo_config
+from tests.consortium_harness import PLAN, RECIPE
+
+CLASSES, DIM = 6, 32
+
+
+def synthetic_silos(holdings: list[list[int]], seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Features of each silo: 20 samples per class it holds around that class's centre (ReLU-like, ≥ 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    centres = 4 * torch.rand(CLASSES, DIM, generator=gen)
+    silos = {}
+    for k, classes in enumerate(holdings):
+        y = torch.tensor(classes).repeat_interleave(20)
+        z = (centres[y] + 0.5 * torch.randn(len(y), DIM, generator=gen)).clamp_min(0)
+        silos[f"silo-{k}"] = (z, y)
+    return silos
+
+
+# silo-k's classes; class 5 is a tail class held by two silos, class 4 by three
+HOLDINGS = [[0, 1, 2, 5], [0, 1, 3], [0, 2, 3, 4], [0, 1, 4], [1, 2, 3, 4, 5], [0, 3]]
+
+
+def disclose(silos, mask: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    return {
+        s: masked_class_means(z, y, CLASSES, mask, torch.Generator().manual_seed(seed + k))
+        for k, (s, (z, y)) in enumerate(silos.items())
+    }
+
+
+def truth(holdings: list[list[int]]) -> dict[str, torch.Tensor]:
+    return {f"silo-{k}": torch.isin(torch.arange(CLASSES), torch.tensor(c)) for k, c in enumerate(holdings)}
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_masked_means_are_exact_for_held_classes_and_masked_elsewhere(mask):
+    z, y = synthetic_silos([[0, 2, 5]])["silo-0"]
+    means = masked_class_means(z, y, CLASSES, mask, torch.Generator().manual_seed(1))
+    assert means.shape == (CLASSES, DIM)
+    assert torch.isfinite(means).all()
+    for c in (0, 2, 5):
+        assert torch.allclose(means[c], z[y == c].double().mean(0))
+    again = masked_class_means(z, y, CLASSES, mask, torch.Generator().manual_seed(1))
+    assert torch.equal(means, again)  # seeded: a resumed run discloses the same values
+    other = masked_class_means(z, y, CLASSES, mask, torch.Generator().manual_seed(2))
+    assert not torch.equal(means[[1, 3, 4]], other[[1, 3, 4]])
+    if mask == "permuted":  # the values of a real mean, in another order
+        real = [torch.sort(means[c]).values for c in (0, 2, 5)]
+        assert all(any(torch.equal(torch.sort(means[c]).values, r) for r in real) for c in (1, 3, 4))
+
+
+def test_an_unknown_mask_is_refused():
+    z, y = synthetic_silos([[0]])["silo-0"]
+    with pytest.raises(ValueError, match="unknown mask"):
+        masked_class_means(z, y, CLASSES, "zeros", torch.Generator())
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_clustering_recovers_the_coverage_of_a_constructed_case(mask, seed):
+    estimate = estimate_coverage(disclose(synthetic_silos(HOLDINGS, seed), mask, seed), separation=2.0)
+    expected = truth(HOLDINGS)
+    for silo, holds in estimate.items():
+        assert torch.equal(holds, expected[silo]), silo
+
+
+def test_a_class_held_by_one_silo_reads_as_missing_and_full_coverage_as_full():
+    alone = [[0, 1, 5], [0, 1], [0, 1]]  # nobody corroborates silo-0's class 5
+    estimate = estimate_coverage(disclose(synthetic_silos(alone), "gaussian"), separation=2.0)
+    assert not estimate["silo-0"][5]
+    assert estimate["silo-0"][:2].all()
+    everything = [list(range(CLASSES))] * 4  # no mask anywhere: one mode of distances
+    estimate = estimate_coverage(disclose(synthetic_silos(everything), "gaussian"), separation=2.0)
+    assert all(holds.all() for holds in estimate.values())
+
+
+def test_tail_first_covers_the_rarest_class_and_rotates_among_its_holders():
+    coverage = truth(HOLDINGS)
+    candidates = sorted(coverage)
+    rng = np.random.default_rng(0)
+    picked = tail_first(candidates, 2, coverage, {}, rng)
+    assert {"silo-0", "silo-4"} & set(picked), "a holder of class 5, the rarest"
+    # silo-0 and silo-4 hold class 5; the one picked more recently waits
+    assert "silo-4" in tail_first(candidates, 2, coverage, {"silo-0": 3, "silo-4": 1}, rng)
+    assert "silo-0" in tail_first(candidates, 2, coverage, {"silo-0": 1, "silo-4": 3}, rng)
+    # with room for everyone, every class is covered
+    picked = tail_first(candidates, 3, coverage, {}, rng)
+    assert torch.stack([coverage[s] for s in picked]).any(0).all()
+
+
+def test_silos_that_have_not_disclosed_are_picked_first():
+    coverage = {s: v for s, v in truth(HOLDINGS).items() if s != "silo-5"}
+    picked = tail_first(sorted([*coverage, "silo-5"]), 2, coverage, {}, np.random.default_rng(0))
+    assert "silo-5" in picked
+
+
+def test_random_and_full_participation():
+    silos = [f"silo-{k}" for k in range(10)]
+    book = SelectionBook()
+    everyone = choose_participants(SelectionConfig(), silos, 1, 0, book)
+    assert everyone == silos
+    three = SelectionConfig(per_round=3)
+    picks = [choose_participants(three, silos, r, 0, book) for r in range(1, 6)]
+    assert all(len(p) == 3 and p == sorted(p) for p in picks)
+    assert picks[0] == choose_participants(three, silos, 1, 0, book)  # seeded by (seed, round)
+    assert len({tuple(p) for p in picks}) > 1
+
+
+def test_selection_settings_are_checked_at_load(tmp_path):
+    with pytest.raises(ConfigError, match="per_round must be at least 1"):
+        load_sim_config(None, {"selection": "mfsc"})
+    with pytest.raises(ConfigError, match=r"data\.silos is only 10"):
+        load_sim_config(None, {"per_round": 11})
+    with pytest.raises(ConfigError, match=r"selection\.strategy"):
+        load_sim_config(None, {"per_round": 2, "selection": "clustered"})
+    config = tmp_path / "consortium.toml"
+    config.write_text('[consortium]\nmin_silos = 3\n[selection]\nper_round = 2\nstrategy = "mfsc"\n')
+    with pytest.raises(ConfigError, match=r"cannot make consortium\.min_silos"):
+        load_consortium_config(config)
+
+
+def test_simulator_picks_silos_scores_mfsc_and_resumes_identically(tmp_path):
+    flags = {"dataset": "digits", "silos": 4, "imbalance": 10.0, "per_round": 2, "selection": "mfsc"}
+    straight = run_simulation(
+        load_sim_config(None, {**flags, "rounds": 3}), tmp_path / "a", echo=lambda _: None
+    )
+    rounds = straight.metrics["rounds"]
+    assert all(len(r["participants"]) == 2 for r in rounds)
+    assert all(0.0 <= r["coverage_error"] <= 1.0 for r in rounds)
+    run_simulation(load_sim_config(None, {**flags, "rounds": 2}), tmp_path / "b", echo=lambda _: None)
+    resumed = run_simulation(
+        load_sim_config(None, {**flags, "rounds": 3}), tmp_path / "b", echo=lambda _: None
+    )
+    assert resumed.state.digest() == straight.state.digest()
+    assert [r["participants"] for r in resumed.metrics["rounds"]] == [r["participants"] for r in rounds]
+
+
+# --- the aggregator's side ---------------------------------------------------------------------------
+
+
+def picker_with(tmp_path, policies: dict[str, list[str]]) -> tuple[RoundPicker, Store]:
+    store = Store(tmp_path / "consortium.sqlite")
+    for silo, disclosures in policies.items():
+        store.register_silo(silo, "0" * 64, "test", {"disclosures": disclosures})
+    plan = replace(PLAN, selection=SelectionConfig(per_round=2, strategy="mfsc"))
+    method = plan.build_method()
+    return RoundPicker(plan.selection, 0, store, method), store
+
+
+def test_nobody_is_asked_to_disclose_unless_every_connected_silo_accepts(tmp_path):
+    picker, store = picker_with(tmp_path, {"silo-0": ["mfsc"], "silo-1": ["mfsc"], "silo-2": []})
+    state = picker.method.init_state(seed=0)
+    picked, disclosers = picker.pick(state, 1, ["silo-0", "silo-1", "silo-2"])
+    assert disclosers == []
+    assert len(picked) == 2
+    declined = [r.detail for r in store.audit_log() if r.event == "disclosure_declined"]
+    assert declined == [{"round": 1, "name": "mfsc", "silos": ["silo-2"]}]
+    picked, disclosers = picker.pick(state, 1, ["silo-0", "silo-1"])
+    assert disclosers == ["silo-0", "silo-1"]
+    store.close()
+
+
+def test_disclosures_are_checked_kept_audited_and_survive_a_restart(tmp_path):
+    picker, store = picker_with(tmp_path, {"silo-0": ["mfsc"]})
+    shape = picker.shape
+    good = torch.rand(shape, dtype=torch.float64)
+    with pytest.raises(BadDisclosure, match="matrix"):
+        picker.accept("silo-0", "r1.a1.x", "mfsc", (shape[0], shape[1] + 1), good.numpy().tobytes())
+    bad = good.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(BadDisclosure, match="not finite"):
+        picker.accept("silo-0", "r1.a1.x", "mfsc", shape, bad.numpy().tobytes())
+    with pytest.raises(BadDisclosure, match="unknown disclosure"):
+        picker.accept("silo-0", "r1.a1.x", "labels", shape, good.numpy().tobytes())
+    digest = picker.accept("silo-0", "r1.a1.x", "mfsc", shape, good.numpy().tobytes())
+    assert digest == hashlib.sha256(good.numpy().tobytes()).hexdigest()
+    audited = [r.detail for r in store.audit_log() if r.event == "disclosure_received"]
+    assert audited == [{"round_id": "r1.a1.x", "silo": "silo-0", "name": "mfsc", "sha256": digest}]
+    reopened = RoundPicker(picker.selection, 0, store, picker.method)
+    assert torch.equal(reopened.book.disclosures["silo-0"], good)
+    store.close()
+
+
+# --- the silo's side ---------------------------------------------------------------------------------
+
+
+def test_a_silo_refuses_a_round_asking_for_a_disclosure_its_policy_does_not_allow(tmp_path):
+    plan = replace(PLAN, method=MethodChoice("dflfs", METHODS["dflfs"].Options()))
+    _, silo_configs = write_consortium(
+        tmp_path,
+        recipe=replace(RECIPE, silos=2),
+        plan=plan,
+        consortium=ConsortiumSection(id="c", min_silos=2),
+        timeouts=TimeoutSection(),
+    )
+    agent = SiloAgent(load_silo_config(silo_configs[0]))
+    agent.silo_id = "silo-0"
+    agent.aggregator_cert = load_certificate((tmp_path / "pki" / "aggregator.pem").read_bytes())
+    plan_toml = plan.to_toml()
+    spec = round_pb2.RoundSpec(
+        consortium_id="c",
+        round=1,
+        round_id="r1.a1.x",
+        method="dflfs",
+        method_config=plan_toml,
+        config_sha256=hashlib.sha256(plan_toml.encode()).hexdigest(),
+        privacy="secagg",
+        participants=["silo-0", "silo-1"],
+        disclosures=["mfsc"],
+        disclosers=["silo-0", "silo-1"],
+        secagg=round_pb2.SecAggParameters(k_min=2),
+    )
+    blob = spec.SerializeToString()
+    signed = round_pb2.SignedRoundSpec(
+        spec=blob, signature=sign(tmp_path / "pki" / "aggregator.key", blob, context=ROUNDSPEC_CONTEXT)
+    )
+    with pytest.raises(RefusedRound, match=r"disclosures \['mfsc'\] are not allowed by policy.disclosures"):
+        agent._check_spec(signed)
+    allowing = replace(agent.config, policy=replace(agent.config.policy, disclosures=("mfsc",)))
+    agent.config = allowing
+    checked, _ = agent._check_spec(signed)
+    assert list(checked.disclosers) == ["silo-0", "silo-1"]
