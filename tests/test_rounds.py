@@ -7,6 +7,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from aggregator.config import ConsortiumConfig, ConsortiumSection
 from aggregator.rounds import (
@@ -160,3 +161,31 @@ def test_a_round_committed_without_metrics_is_evaluated_at_start_up(tmp_path):
     assert [m["round"] for m in store.metrics_history()] == [1]
     assert lines[0].startswith("round    1/2")
     store.close()
+
+
+def test_disclosures_are_taken_only_from_silos_an_attempt_asks(engine):
+    """A disclosure is refused outside its attempt, from a silo the attempt does not ask, when altered after
+    it was accepted, and when the attempt asks for none; an identical resend is idempotent."""
+    for silo in ("a", "b"):
+        engine.connect(silo)
+    shape = engine.picker.shape
+    values = np.random.default_rng(0).random(shape).astype("<f8").tobytes()
+    plain = engine._start_attempt(["a", "b"])
+    with pytest.raises(NotParticipant, match="does not ask"):
+        engine.disclose("a", plain.round_id, "mfsc", shape, values)
+    engine.attempt = None
+    attempt = engine._start_attempt(["a"], disclosers=["a", "b"])
+    assert engine.state_for("b", attempt.round_id)  # a discloser fetches the state it computes means on
+    digest = engine.disclose("b", attempt.round_id, "mfsc", shape, values)
+    assert engine.disclose("b", attempt.round_id, "mfsc", shape, values) == digest
+    altered = np.random.default_rng(1).random(shape).astype("<f8").tobytes()
+    with pytest.raises(AlreadySubmitted):
+        engine.disclose("b", attempt.round_id, "mfsc", shape, altered)
+    with pytest.raises(WrongRound):
+        engine.disclose("a", plain.round_id, "mfsc", shape, values)  # replayed into a finished attempt
+    with pytest.raises(NotParticipant):
+        engine.disclose("c", attempt.round_id, "mfsc", shape, values)
+    with pytest.raises(NotParticipant):
+        engine.submit("b", attempt.round_id, *payload(engine, 1.0))  # disclosing is not training
+    kept = engine.picker.book.disclosures["b"].flatten()
+    assert torch.equal(kept, torch.from_numpy(np.frombuffer(values).copy()))
