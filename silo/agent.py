@@ -100,6 +100,8 @@ class SiloAgent:
                     return 0
                 backoff = 1.0
             except grpc.RpcError as exc:
+                if self.stop.is_set():
+                    break
                 code = exc.code()
                 if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                     raise Fatal(f"the aggregator refuses this silo: {exc.details()}") from None
@@ -108,22 +110,35 @@ class SiloAgent:
                 )
             self.stop.wait(backoff * random.uniform(0.8, 1.2))
             backoff = min(backoff * 2, self.config.connection.max_backoff_seconds)
+        log.info("stopped on request; progress is kept in %s", self.state_dir)
         return 0
 
     def _session(self) -> bool:
         conn = self.config.connection
         options = [("grpc.ssl_target_name_override", conn.server_name)] if conn.server_name else []
         session_over = threading.Event()
-        with grpc.secure_channel(conn.aggregator, self.credentials, options=options) as channel:
-            stub = consortium_pb2_grpc.ConsortiumServiceStub(channel)
-            self._register(stub)
-            stream = stub.Join(pb.JoinRequest(last_round=self._progress().get("committed", 0)))
-            threading.Thread(target=self._heartbeats, args=(stub, session_over), daemon=True).start()
-            threading.Thread(target=self._cancel_on_stop, args=(stream, session_over), daemon=True).start()
-            try:
-                return self._follow(stub, stream)
-            finally:
-                session_over.set()
+        helpers: list[threading.Thread] = []
+        try:
+            with grpc.secure_channel(conn.aggregator, self.credentials, options=options) as channel:
+                stub = consortium_pb2_grpc.ConsortiumServiceStub(channel)
+                self._register(stub)
+                stream = stub.Join(pb.JoinRequest(last_round=self._progress().get("committed", 0)))
+                helpers = [
+                    threading.Thread(target=self._heartbeats, args=(stub, session_over), daemon=True),
+                    threading.Thread(target=self._cancel_on_stop, args=(stream, session_over), daemon=True),
+                ]
+                for helper in helpers:
+                    helper.start()
+                try:
+                    return self._follow(stub, stream)
+                finally:
+                    session_over.set()
+                    stream.cancel()
+        finally:
+            # gRPC's C core can abort the process ("terminate called without an active exception") when
+            # the interpreter exits with a call still in flight on a daemon thread: end the helpers first.
+            for helper in helpers:
+                helper.join(timeout=CALL_TIMEOUT)
 
     def _follow(self, stub: consortium_pb2_grpc.ConsortiumServiceStub, stream: Iterator) -> bool:
         """Act on directives until the stream ends; True when the consortium is finished."""
@@ -147,8 +162,8 @@ class SiloAgent:
         return False
 
     def _cancel_on_stop(self, stream: grpc.Future, session_over: threading.Event) -> None:
-        while not session_over.is_set():
-            if self.stop.wait(0.5):
+        while not session_over.wait(0.2):
+            if self.stop.is_set():
                 stream.cancel()
                 return
 

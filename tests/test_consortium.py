@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from dataclasses import replace
 
 import pytest
@@ -181,6 +182,24 @@ def test_round_is_retried_when_too_few_remain(make_consortium):
     assert statuses[0] == (1, "aborted")
     assert statuses[-1] == (1, "committed")
     assert contributors(consortium)[1] == ["silo-0", "silo-1", "silo-2"]
+
+
+def test_silo_and_aggregator_stop_cleanly_when_the_operator_stops_them(make_consortium):
+    """SIGTERM (systemctl stop, Ctrl-C): exit 0 promptly, say so, and no retry warning or traceback."""
+    consortium = make_consortium(rounds=1, min_silos=3)
+    consortium.start_aggregator()
+    consortium.start_silo(0)
+    consortium.wait_for_silo_log(0, "registered as")
+    consortium.silos[0].send_signal(signal.SIGTERM)
+    assert consortium.silos[0].wait(10) == 0
+    log = (consortium.directory / "silo-0.log").read_text()
+    assert "stopped on request" in log
+    assert "connection problem" not in log
+    assert "Traceback" not in log
+    consortium.aggregator.send_signal(signal.SIGTERM)
+    assert consortium.wait_aggregator(timeout=10) == 0
+    assert "stopped after round 0" in consortium.output
+    assert not any("Traceback" in line for line in consortium.output)
 
 
 def test_aggregator_killed_mid_run_resumes_to_the_same_model(make_consortium, tmp_path):
