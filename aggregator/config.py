@@ -109,6 +109,12 @@ def load_consortium_config(path: str | Path) -> ConsortiumConfig:
             f"selection.per_round: {per_round} silos a round cannot make consortium.min_silos "
             f"({sections['consortium'].min_silos}) contributions"
         )
+    threshold = sections["secagg"].threshold
+    if sections["consortium"].privacy == "secagg" and 0 < per_round < threshold:
+        problems.append(
+            f"secagg.threshold: {threshold} survivors can never come from {per_round} silos a round "
+            "(selection.per_round)"
+        )
     problems += [f"{key}: unknown section or setting" for key in tree]
     counts = sections["evaluation"].class_counts
     if counts and len(counts) != len(plan.model.classes):

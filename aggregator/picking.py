@@ -10,8 +10,10 @@ asked that round and the silos are drawn at random instead — loudly, in the lo
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+from collections.abc import Collection
 from dataclasses import replace
 
 import numpy as np
@@ -36,16 +38,15 @@ class RoundPicker:
         self.store = store
         self.method = method
         self.shape = (method.model_spec.num_classes, method.feature_dim)
-        saved = {
-            silo: torch.from_numpy(np.frombuffer(data, dtype="<f8").copy()).reshape(self.shape)
-            for silo, data in store.disclosures(DISCLOSURE).items()
-        }
+        saved = {silo: self._matrix(data) for silo, data in store.disclosures(DISCLOSURE).items()}
         self.book = SelectionBook(saved, store.last_picked())
 
     def pick(
-        self, state: GlobalState, round_number: int, connected: list[str]
+        self, state: GlobalState, round_number: int, connected: list[str], avoid: Collection[str] = ()
     ) -> tuple[list[str], list[str]]:
-        """(participants, disclosers) of the coming round."""
+        """(participants, disclosers) of the coming round. `avoid`: silos that let an earlier attempt of
+        this round down; a retry picks around them when enough others are connected, or it would pick the
+        same silos, and fail the same way, forever."""
         if not self.method.trains(state):
             return connected, []
         selection, disclosers = self.selection, []
@@ -64,23 +65,33 @@ class RoundPicker:
                 selection = replace(selection, strategy="random")
             else:
                 disclosers = list(connected)
-        picked = choose_participants(selection, connected, round_number, self.seed, self.book)
+        candidates = [s for s in connected if s not in avoid]
+        if not selection.per_round or len(candidates) < selection.per_round:
+            candidates = connected
+        picked = choose_participants(selection, candidates, round_number, self.seed, self.book)
         return picked, disclosers
 
     def accept(self, silo_id: str, round_id: str, name: str, shape: tuple[int, ...], values: bytes) -> str:
-        """Check, keep and audit one disclosure; the caller has checked the silo was asked for it."""
+        """Check and audit one disclosure (the caller has checked the silo was asked for it); it is kept
+        by `committed` only if its round commits, so a retried round picks as the first attempt did."""
         if name != DISCLOSURE:
             raise BadDisclosure(f"unknown disclosure {name!r}")
         if shape != self.shape:
             raise BadDisclosure(f"{name} must be a {list(self.shape)} matrix, got {list(shape)}")
         if len(values) != math.prod(shape) * 8:
             raise BadDisclosure(f"{name} has {len(values)} bytes for a {list(shape)} float64 matrix")
-        matrix = torch.from_numpy(np.frombuffer(values, dtype="<f8").copy()).reshape(shape)
-        if not torch.isfinite(matrix).all():
+        if not np.isfinite(np.frombuffer(values, dtype="<f8")).all():
             raise BadDisclosure(f"{name} holds values that are not finite")
-        digest = self.store.save_disclosure(silo_id, name, round_id, values)
-        self.book.disclosures[silo_id] = matrix
+        digest = hashlib.sha256(values).hexdigest()
+        self.store.audit(
+            "disclosure_received", {"round_id": round_id, "silo": silo_id, "name": name, "sha256": digest}
+        )
         return digest
 
-    def committed(self, round_number: int, participants: list[str]) -> None:
+    def committed(self, round_number: int, participants: list[str], disclosed: dict[str, bytes]) -> None:
+        """The round's picks and disclosures, now that it committed (the store keeps them in its commit)."""
         self.book.record(round_number, participants)
+        self.book.disclosures.update({silo: self._matrix(values) for silo, values in disclosed.items()})
+
+    def _matrix(self, values: bytes) -> torch.Tensor:
+        return torch.from_numpy(np.frombuffer(values, dtype="<f8").copy()).reshape(self.shape)

@@ -112,7 +112,7 @@ class Attempt:
     disclosers: list[str] = field(default_factory=list)  # asked for the MFSC disclosure
     submissions: dict[str, Contribution] = field(default_factory=dict)
     receipts: dict[str, str] = field(default_factory=dict)
-    disclosed: dict[str, str] = field(default_factory=dict)  # silo -> SHA-256 of its disclosure
+    disclosed: dict[str, bytes] = field(default_factory=dict)  # silo -> its disclosure, kept if committed
     secure: SecAggServer | None = None  # the secure sum in progress
 
     def invites(self, silo_id: str) -> bool:
@@ -151,6 +151,7 @@ class RoundEngine:
         self._lock = threading.Condition()
         self._sessions: dict[str, Session] = {}
         self._last_contributed: dict[str, int] = {}
+        self._let_down: set[str] = set()  # invited to train in an aborted attempt of this round, gave nothing
         self.attempt: Attempt | None = None
         self.failure: Exception | None = None
         self.stage = Stage.GATHERING
@@ -224,10 +225,11 @@ class RoundEngine:
             if silo_id not in attempt.disclosers or name != DISCLOSURE:
                 raise NotParticipant(f"{round_id} does not ask {silo_id} for a {name!r} disclosure")
             if silo_id in attempt.disclosed:
-                if attempt.disclosed[silo_id] == digest:
+                if attempt.disclosed[silo_id] == values:
                     return digest
                 raise AlreadySubmitted(f"{silo_id} already disclosed other values for {round_id}")
-            attempt.disclosed[silo_id] = self.picker.accept(silo_id, round_id, name, shape, values)
+            self.picker.accept(silo_id, round_id, name, shape, values)
+            attempt.disclosed[silo_id] = values
             self._lock.notify_all()
         log.info("round %d: %s disclosed its %s values", attempt.round, silo_id, name)
         return digest
@@ -342,7 +344,8 @@ class RoundEngine:
             connected = self._gather(stop)
             if connected is None:
                 break
-            attempt = self._start_attempt(*self.picker.pick(self.state, self.state.round + 1, connected))
+            picked = self.picker.pick(self.state, self.state.round + 1, connected, avoid=self._let_down)
+            attempt = self._start_attempt(*picked)
             try:
                 summed = self._secure_sum(attempt, stop) if self.secure else self._plain_sum(attempt, stop)
                 if summed is None:
@@ -575,8 +578,9 @@ class RoundEngine:
             self.state, sums, ServerContext(attempt.round, self.config.consortium.seed)
         )
         timer.lap("server step")
-        if self.method.trains(self.state):
-            self.picker.committed(attempt.round, attempt.participants)
+        trained = self.method.trains(self.state)
+        with self._lock:  # a late disclosure may still arrive: commit one consistent set
+            disclosed = dict(attempt.disclosed)
         packed = pack_state(state)
         self.store.commit_round(
             round_number=attempt.round,
@@ -584,11 +588,16 @@ class RoundEngine:
             digest=state.digest(),
             data=packed,
             contributors=contributors,
+            picked=attempt.participants if trained else None,
+            disclosures={silo: (DISCLOSURE, values) for silo, values in disclosed.items()},
         )
+        if trained:
+            self.picker.committed(attempt.round, attempt.participants, disclosed)
         timer.lap("commit")
         with self._lock:
             self.state, self._state_bytes = state, packed
             self.attempt = None
+            self._let_down.clear()
         seconds = round(time.perf_counter() - attempt.started, 3)
         log.debug("round %d committed: %s", attempt.round, timer)
         if self.recorder is None:
@@ -618,6 +627,9 @@ class RoundEngine:
     def _abort(self, attempt: Attempt, reason: str) -> None:
         self.store.abort_attempt(attempt.round_id, reason)
         with self._lock:
+            self._let_down.update(
+                s for s in attempt.participants if self._last_contributed.get(s) != attempt.round
+            )
             for silo in sorted({*attempt.participants, *attempt.disclosers}):
                 if silo in self._sessions:
                     abort = pb.Abort(round_id=attempt.round_id, reason=reason)

@@ -14,7 +14,7 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +40,7 @@ CREATE TABLE IF NOT EXISTS disclosures (
     silo_id TEXT NOT NULL, name TEXT NOT NULL, round_id TEXT NOT NULL, data BLOB NOT NULL,
     PRIMARY KEY (silo_id, name)
 );
+CREATE TABLE IF NOT EXISTS picks (round INTEGER PRIMARY KEY, silos TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS audit (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, at_ms INTEGER NOT NULL, event TEXT NOT NULL,
     detail TEXT NOT NULL, prev_hash TEXT NOT NULL, hash TEXT NOT NULL
@@ -206,27 +207,12 @@ class Store:
             )
 
     def last_picked(self) -> dict[str, int]:
-        """The last committed round each silo was invited to."""
+        """The last committed training round each silo was picked for (closing rounds invite everyone)."""
         with self._lock:
-            rows = self._db.execute(
-                "SELECT round, participants FROM attempts WHERE status = 'committed' ORDER BY round"
-            ).fetchall()
-        return {silo: r for r, participants in rows for silo in json.loads(participants)}
+            rows = self._db.execute("SELECT round, silos FROM picks ORDER BY round").fetchall()
+        return {silo: r for r, silos in rows for silo in json.loads(silos)}
 
     # --- disclosures: per-silo values a consortium has agreed to (not sums), latest one per silo --------
-
-    def save_disclosure(self, silo_id: str, name: str, round_id: str, data: bytes) -> str:
-        digest = hashlib.sha256(data).hexdigest()
-        with self._transaction() as db:
-            db.execute(
-                "INSERT OR REPLACE INTO disclosures VALUES (?, ?, ?, ?)", (silo_id, name, round_id, data)
-            )
-            self._audit(
-                db,
-                "disclosure_received",
-                {"round_id": round_id, "silo": silo_id, "name": name, "sha256": digest},
-            )
-        return digest
 
     def disclosures(self, name: str) -> dict[str, bytes]:
         with self._lock:
@@ -241,7 +227,11 @@ class Store:
         digest: str,
         data: bytes,
         contributors: list[str],
+        picked: list[str] | None = None,
+        disclosures: Mapping[str, tuple[str, bytes]] | None = None,
     ) -> None:
+        """One transaction: the state, the silos picked to train, and the disclosures the round collected
+        (name, values per silo; only a committed round's are kept, each silo's latest per name)."""
         with self._transaction() as db:
             (latest,) = db.execute("SELECT COALESCE(MAX(round), -1) FROM states").fetchone()
             if latest != round_number - 1:
@@ -259,6 +249,12 @@ class Store:
                 ),
             )
             db.execute("UPDATE states SET data = x'' WHERE round <= ?", (round_number - KEEP_STATES,))
+            if picked is not None:
+                db.execute("INSERT INTO picks VALUES (?, ?)", (round_number, json.dumps(sorted(picked))))
+            db.executemany(
+                "INSERT OR REPLACE INTO disclosures VALUES (?, ?, ?, ?)",
+                [(silo, name, round_id, values) for silo, (name, values) in (disclosures or {}).items()],
+            )
             self._close_attempt(db, round_id, "committed", None)
             self._audit(
                 db,

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import random
+import secrets
 import signal
 import threading
 import time
@@ -31,7 +32,7 @@ from fedlt.errors import FedltError
 from fedlt.methods import Method, SiloContext
 from fedlt.methods.state import unpack_state
 from fedlt.plan import RoundPlan
-from fedlt.selection import DISCLOSURE, class_mean_disclosure
+from fedlt.selection import DISCLOSURE, class_mean_disclosure, mask_generator
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc, round_pb2
 from privacy.pki.errors import PkiError
@@ -359,7 +360,7 @@ class SiloAgent:
             return None
         fetched = time.perf_counter() - fetch_started
         log.debug("round %d: state fetched and checked in %.3f s", spec.round, fetched)
-        if DISCLOSURE in spec.disclosures:
+        if DISCLOSURE in spec.disclosures and self.silo_id in spec.disclosers:
             self._disclose(stub, spec, plan, method, state)
         if not trains:
             self.activity = pb.SILO_ACTIVITY_IDLE
@@ -380,8 +381,8 @@ class SiloAgent:
 
     def _disclose(self, stub, spec: round_pb2.RoundSpec, plan: RoundPlan, method: Method, state) -> None:
         """MFSC: this silo's class means under the received model, random points for classes it lacks."""
-        ctx = SiloContext(spec.round, self.silo_id, spec.seed)
-        means = class_mean_disclosure(method, state, self.data, ctx, plan.selection.mask)
+        gen = mask_generator(self._mask_secret(), spec.round)
+        means = class_mean_disclosure(method, state, self.data, plan.selection.mask, gen)
         request = pb.DiscloseRequest(
             round_id=spec.round_id,
             name=DISCLOSURE,
@@ -390,10 +391,9 @@ class SiloAgent:
         )
         try:
             receipt = stub.Disclose(request, timeout=CALL_TIMEOUT)
-        except grpc.RpcError as exc:
-            if exc.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
-                raise
-            log.warning("%s: the aggregator refused the disclosure: %s", spec.round_id, exc.details())
+        except grpc.RpcError as exc:  # the round goes on without it: picking falls back on older means
+            reason = f"{exc.code().name}: {exc.details()}"
+            log.warning("%s: the disclosure did not go through (%s)", spec.round_id, reason)
             return
         log.info(
             "round %d: disclosed masked class means (%s, mask %s) as policy.disclosures allows; sha256 %s",
@@ -402,6 +402,13 @@ class SiloAgent:
             plan.selection.mask,
             receipt.sha256[:16],
         )
+
+    def _mask_secret(self) -> bytes:
+        """The key of this silo's MFSC masks: made once, kept in state_dir (owner-only), never sent."""
+        path = self.state_dir / "mask.secret"
+        if not path.exists():
+            atomic_write(path, lambda fh: fh.write(secrets.token_bytes(32)))  # mkstemp: mode 0600
+        return path.read_bytes()
 
     def _method_for(self, plan: RoundPlan, config_sha256: str) -> Method:
         """The same plan from round to round reuses one method (and its working model)."""

@@ -23,11 +23,12 @@ from fedlt.selection import (
     SelectionConfig,
     choose_participants,
     estimate_coverage,
+    mask_generator,
     masked_class_means,
     tail_first,
 )
 from fedlt.sim.config import load_sim_config
-from fedlt.sim.run import run_simulation
+from fedlt.sim.run import CHECKPOINT, run_simulation
 from fedlt.v1 import round_pb2
 from privacy.pki.identity import load_certificate
 from privacy.pki.signing import sign
@@ -77,9 +78,32 @@ def test_masked_means_are_exact_for_held_classes_and_masked_elsewhere(mask):
     assert torch.equal(means, again)  # seeded: a resumed run discloses the same values
     other = masked_class_means(z, y, CLASSES, mask, torch.Generator().manual_seed(2))
     assert not torch.equal(means[[1, 3, 4]], other[[1, 3, 4]])
-    if mask == "permuted":  # the values of a real mean, in another order
-        real = [torch.sort(means[c]).values for c in (0, 2, 5)]
-        assert all(any(torch.equal(torch.sort(means[c]).values, r) for r in real) for c in (1, 3, 4))
+    # a range or sign test does not single masks out: every coordinate within the real means' range
+    real = means[[0, 2, 5]]
+    masks = means[[1, 3, 4]]
+    assert (masks >= real.min(0).values).all()
+    assert (masks <= real.max(0).values).all()
+    assert not any(torch.allclose(m, r) for m in masks for r in real)
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_a_silo_holding_one_class_does_not_mask_with_copies_of_its_mean(mask):
+    z, y = synthetic_silos([[3]])["silo-0"]
+    means = masked_class_means(z, y, CLASSES, mask, torch.Generator().manual_seed(0))
+    others = means[[0, 1, 2, 4, 5]]
+    assert not any(torch.allclose(m, means[3]) for m in others)
+    assert len(torch.unique(others, dim=0)) == 5
+
+
+def test_masks_are_keyed_by_a_secret_the_aggregator_does_not_have():
+    z, y = synthetic_silos([[0, 2, 5]])["silo-0"]
+
+    def masks(secret: bytes, round_number: int) -> torch.Tensor:
+        return masked_class_means(z, y, CLASSES, "gaussian", mask_generator(secret, round_number))[[1, 3, 4]]
+
+    assert torch.equal(masks(b"k" * 32, 3), masks(b"k" * 32, 3))  # every attempt of a round: one answer
+    assert not torch.equal(masks(b"k" * 32, 3), masks(b"k" * 32, 4))
+    assert not torch.equal(masks(b"k" * 32, 3), masks(b"j" * 32, 3))
 
 
 def test_an_unknown_mask_is_refused():
@@ -150,6 +174,9 @@ def test_selection_settings_are_checked_at_load(tmp_path):
     config.write_text('[consortium]\nmin_silos = 3\n[selection]\nper_round = 2\nstrategy = "mfsc"\n')
     with pytest.raises(ConfigError, match=r"cannot make consortium\.min_silos"):
         load_consortium_config(config)
+    config.write_text("[consortium]\nmin_silos = 2\n[secagg]\nthreshold = 4\n[selection]\nper_round = 3\n")
+    with pytest.raises(ConfigError, match=r"secagg\.threshold: 4 survivors can never come from 3 silos"):
+        load_consortium_config(config)
 
 
 def test_simulator_picks_silos_scores_mfsc_and_resumes_identically(tmp_path):
@@ -161,6 +188,10 @@ def test_simulator_picks_silos_scores_mfsc_and_resumes_identically(tmp_path):
     assert all(len(r["participants"]) == 2 for r in rounds)
     assert all(0.0 <= r["coverage_error"] <= 1.0 for r in rounds)
     run_simulation(load_sim_config(None, {**flags, "rounds": 2}), tmp_path / "b", echo=lambda _: None)
+    saved = torch.load(tmp_path / "b" / CHECKPOINT, weights_only=True)["selection"]
+    book = SelectionBook.from_dict(saved)
+    assert sorted(book.disclosures) == [f"silo-{k}" for k in range(4)]
+    assert book.last_picked == {s: r["round"] for r in rounds[:2] for s in r["participants"]}
     resumed = run_simulation(
         load_sim_config(None, {**flags, "rounds": 3}), tmp_path / "b", echo=lambda _: None
     )
@@ -209,8 +240,38 @@ def test_disclosures_are_checked_kept_audited_and_survive_a_restart(tmp_path):
     assert digest == hashlib.sha256(good.numpy().tobytes()).hexdigest()
     audited = [r.detail for r in store.audit_log() if r.event == "disclosure_received"]
     assert audited == [{"round_id": "r1.a1.x", "silo": "silo-0", "name": "mfsc", "sha256": digest}]
+    store.save_initial_state("c", b"")
+    _, round_id = store.begin_attempt(1, ["silo-0"], "x")
+    store.commit_round(
+        round_number=1,
+        round_id=round_id,
+        digest="d",
+        data=b"",
+        contributors=["silo-0"],
+        picked=["silo-0"],
+        disclosures={"silo-0": ("mfsc", good.numpy().tobytes())},
+    )
+    _, closing = store.begin_attempt(2, ["silo-0", "silo-1"], "x")  # a closing round: nobody was picked
+    store.commit_round(round_number=2, round_id=closing, digest="e", data=b"", contributors=["silo-0"])
+    store.close()
+    store = Store(tmp_path / "consortium.sqlite")
     reopened = RoundPicker(picker.selection, 0, store, picker.method)
     assert torch.equal(reopened.book.disclosures["silo-0"], good)
+    assert reopened.book.last_picked == {"silo-0": 1}
+    store.close()
+
+
+def test_a_retry_picks_around_silos_that_let_the_first_attempt_down(tmp_path):
+    picker, store = picker_with(tmp_path, {f"silo-{k}": ["mfsc"] for k in range(4)})
+    state = picker.method.init_state(seed=0)
+    connected = [f"silo-{k}" for k in range(4)]
+    first, _ = picker.pick(state, 1, connected)
+    retry, disclosers = picker.pick(state, 1, connected, avoid=first[:1])
+    assert first[0] not in retry
+    assert len(retry) == 2
+    assert disclosers == connected  # every connected silo is still asked
+    everyone_failed, _ = picker.pick(state, 1, connected, avoid=connected[:3])  # too few left: pick anyway
+    assert len(everyone_failed) == 2
     store.close()
 
 
@@ -253,3 +314,19 @@ def test_a_silo_refuses_a_round_asking_for_a_disclosure_its_policy_does_not_allo
     agent.config = allowing
     checked, _ = agent._check_spec(signed)
     assert list(checked.disclosers) == ["silo-0", "silo-1"]
+
+
+def test_a_silos_mask_secret_is_its_own_kept_and_private(tmp_path):
+    _, silo_configs = write_consortium(
+        tmp_path,
+        recipe=replace(RECIPE, silos=2),
+        plan=PLAN,
+        consortium=ConsortiumSection(id="c", min_silos=2),
+        timeouts=TimeoutSection(),
+    )
+    first, second = (SiloAgent(load_silo_config(c)) for c in silo_configs)
+    secret = first._mask_secret()
+    assert len(secret) == 32
+    assert secret != second._mask_secret()
+    assert SiloAgent(load_silo_config(silo_configs[0]))._mask_secret() == secret  # kept across restarts
+    assert (first.state_dir / "mask.secret").stat().st_mode & 0o077 == 0

@@ -187,5 +187,32 @@ def test_disclosures_are_taken_only_from_silos_an_attempt_asks(engine):
         engine.disclose("c", attempt.round_id, "mfsc", shape, values)
     with pytest.raises(NotParticipant):
         engine.submit("b", attempt.round_id, *payload(engine, 1.0))  # disclosing is not training
+
+
+def test_a_disclosure_counts_only_once_its_round_commits(engine):
+    """An aborted attempt's disclosures are audited but not kept, so its retry picks as it did; the
+    committed round's are kept in the book and in the store, with the round's picks, for a restart."""
+    for silo in ("a", "b"):
+        engine.connect(silo)
+    shape = engine.picker.shape
+    first = np.random.default_rng(0).random(shape).astype("<f8").tobytes()
+    attempt = engine._start_attempt(["a", "b"], disclosers=["a", "b"])
+    engine.disclose("b", attempt.round_id, "mfsc", shape, first)
+    engine.submit("a", attempt.round_id, *payload(engine, 1.0))
+    engine._abort(attempt, "a deadline passed")
+    assert engine.picker.book.disclosures == {}
+    assert engine.store.disclosures("mfsc") == {}
+    assert engine._let_down == {"b"}  # invited to train, gave nothing: a retry picks around it
+    retry = engine._start_attempt(["a", "b"], disclosers=["a", "b"])
+    engine.disclose("b", retry.round_id, "mfsc", shape, first)
+    for silo in ("a", "b"):
+        engine.submit(silo, retry.round_id, *payload(engine, 1.0))
+    engine._commit(retry, *engine._plain_sum(retry, threading.Event()))
+    engine._evaluator.shutdown(wait=True)
     kept = engine.picker.book.disclosures["b"].flatten()
-    assert torch.equal(kept, torch.from_numpy(np.frombuffer(values).copy()))
+    assert torch.equal(kept, torch.from_numpy(np.frombuffer(first).copy()))
+    assert engine.store.disclosures("mfsc") == {"b": first}
+    assert engine.store.last_picked() == {"a": 1, "b": 1} == engine.picker.book.last_picked
+    assert engine._let_down == set()
+    received = [r.detail["round_id"] for r in engine.store.audit_log() if r.event == "disclosure_received"]
+    assert received == [attempt.round_id, retry.round_id]

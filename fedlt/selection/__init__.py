@@ -2,7 +2,14 @@
 
 from fedlt.selection.choose import SelectionBook, choose_participants, tail_first
 from fedlt.selection.config import MASKS, STRATEGIES, SelectionConfig
-from fedlt.selection.mfsc import DISCLOSURE, class_mean_disclosure, estimate_coverage, masked_class_means
+from fedlt.selection.mfsc import (
+    DISCLOSURE,
+    class_mean_disclosure,
+    estimate_coverage,
+    mask_generator,
+    masked_class_means,
+    simulated_mask_secret,
+)
 
 __all__ = [
     "DISCLOSURE",
@@ -13,6 +20,8 @@ __all__ = [
     "choose_participants",
     "class_mean_disclosure",
     "estimate_coverage",
+    "mask_generator",
     "masked_class_means",
+    "simulated_mask_secret",
     "tail_first",
 ]

@@ -1,8 +1,10 @@
 """Which silos train in a round: all of them, a seeded random sample, or MFSC's tail-class-first pick.
 
 A driver (the simulator, the aggregator) keeps a `SelectionBook`: each silo's latest disclosure and the last
-round it was picked. The paper keeps the last statistics each client uploaded for the same reason: only the
-picked silos disclose in a round. A silo that has never disclosed is picked first, so every silo is seen.
+round it was picked. The paper keeps the last statistics each client uploaded because only the picked
+clients upload; here every connected silo discloses each training round (so that one round's means share one
+encoder), and the book still covers a silo that was offline. A silo that has never disclosed is picked
+first, so every silo is seen.
 
 Tail-first (DFL-FS, Sec. 3.2): classes are visited from the fewest estimated holders to the most; for each
 class no picked silo covers yet, the holder picked least recently is added (ties: the one adding most

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from fedlt.config import setting
 
 STRATEGIES = ("random", "mfsc")
-MASKS = ("gaussian", "uniform", "permuted")
+MASKS = ("gaussian", "uniform")
 
 
 @dataclass(frozen=True)
@@ -16,7 +16,7 @@ class SelectionConfig:
     strategy: str = setting(
         "random",
         choices=STRATEGIES,
-        doc="mfsc asks every picked silo for its masked class means: a per-silo disclosure",
+        doc="mfsc asks every connected silo for its masked class means: a per-silo disclosure",
     )
     mask: str = setting("gaussian", choices=MASKS, doc="what mfsc puts in place of the classes a silo lacks")
     separation: float = setting(

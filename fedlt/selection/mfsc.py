@@ -1,7 +1,7 @@
 """Masked feature-statistics clustering (MFSC, DFL-FS stage 1): which silo holds which class, estimated from
 per-silo class means in which every class a silo lacks is replaced by a random point.
 
-This is a per-silo **disclosure**, not a sum: the aggregator sees each picked silo's real class means. The
+This is a per-silo **disclosure**, not a sum: the aggregator sees every asked silo's real class means. The
 mask hides *which* rows are real only as far as clustering cannot tell them apart; the aggregator's estimate
 of every silo's class coverage is the point of the method, so coverage is disclosed too (docs/operator.md).
 
@@ -13,21 +13,28 @@ Where the paper (Sec. 3.2) leaves the algorithm open, this module decides, and s
   threshold that splits the log nearest-neighbour distances into two modes (Otsu); if the modes are not at
   least `separation` times apart, there is no mask to find and every mean counts as real. A class held by
   one silo alone therefore reads as missing: nothing corroborates it.
-- Masks (`mask`): `gaussian` draws each coordinate from the silo's own feature mean and spread, `uniform`
-  between its own feature minimum and maximum, `permuted` shuffles the coordinates of one of its real class
-  means (the same values, so the same norm and sparsity as a real mean, in no class's direction).
+- Masks (`mask`) stay inside the box of the silo's own real class means, so a sign or range test does not
+  find them (means of ReLU features are never negative): `uniform` draws each coordinate between the
+  smallest and largest value of that coordinate over the real means, `gaussian` from their mean and spread
+  truncated to that range. A silo holding one class uses its per-sample features instead, so masks are not
+  copies of its one mean. (Random convex combinations of the real means were tried as a third mask and
+  dropped: they land near real class means often enough that clustering misreads coverage.)
+- Mask randomness comes from a secret that never leaves the silo (`mask_generator`): were it derived from
+  the RoundSpec's seed, the aggregator could regenerate every mask and read coverage off exactly.
 """
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Mapping
 
 import numpy as np
 import torch
 
 from fedlt.data.arrays import LabeledImages
-from fedlt.methods import GlobalState, Method, SiloContext
+from fedlt.methods import GlobalState, Method
 from fedlt.methods.heads import extract_features
+from fedlt.seeding import derive_seed
 from fedlt.selection.config import MASKS
 
 DISCLOSURE = "mfsc"
@@ -54,24 +61,35 @@ def masked_class_means(
 def _mask_points(
     z: torch.Tensor, real: torch.Tensor, k: int, mask: str, gen: torch.Generator
 ) -> torch.Tensor:
-    d = z.shape[1]
-    if mask == "gaussian":
-        return z.mean(0) + z.std(0, correction=0) * torch.randn(k, d, generator=gen, dtype=z.dtype)
+    reference = real if len(real) >= 2 else z
+    low, high = reference.min(0).values, reference.max(0).values
     if mask == "uniform":
-        low, high = z.min(0).values, z.max(0).values
-        return low + (high - low) * torch.rand(k, d, generator=gen, dtype=z.dtype)
-    rows = real[torch.randint(len(real), (k,), generator=gen)]
-    order = torch.rand(k, d, generator=gen).argsort(dim=1)
-    return rows.gather(1, order)
+        return low + (high - low) * torch.rand(k, len(low), generator=gen, dtype=z.dtype)
+    mean, spread = reference.mean(0), reference.std(0, correction=0).clamp_min(1e-12)  # gaussian, truncated
+    cdf_low = torch.special.ndtr((low - mean) / spread)
+    cdf_high = torch.special.ndtr((high - mean) / spread)
+    u = cdf_low + (cdf_high - cdf_low) * torch.rand(k, len(low), generator=gen, dtype=z.dtype)
+    return (mean + spread * torch.special.ndtri(u)).clamp(low, high)  # clamp: rounding at the edges
+
+
+def mask_generator(secret: bytes, round_number: int) -> torch.Generator:
+    """The mask draws of one round: keyed by the silo's secret, the same for every attempt of the round."""
+    digest = hmac.new(secret, b"fedlt/mfsc-mask/" + round_number.to_bytes(8, "little"), "sha256").digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def simulated_mask_secret(seed: int, silo_id: str) -> bytes:
+    """The simulator's stand-in for a silo's mask secret (a simulation has no party to keep one from)."""
+    return derive_seed(seed, "mfsc-mask-secret", silo_id).to_bytes(8, "little")
 
 
 def class_mean_disclosure(
-    method: Method, state: GlobalState, data: LabeledImages, ctx: SiloContext, mask: str
+    method: Method, state: GlobalState, data: LabeledImages, mask: str, gen: torch.Generator
 ) -> torch.Tensor:
-    """What a picked silo discloses: its masked class means under the received global encoder."""
+    """What a silo discloses: its masked class means under the received global encoder."""
     z = extract_features(method.load(state.model), torch.from_numpy(data.x))
     y = torch.from_numpy(data.y)
-    return masked_class_means(z, y, method.model_spec.num_classes, mask, ctx.generator("mfsc-mask"))
+    return masked_class_means(z, y, method.model_spec.num_classes, mask, gen)
 
 
 def estimate_coverage(disclosures: Mapping[str, torch.Tensor], separation: float) -> dict[str, torch.Tensor]:

@@ -22,7 +22,14 @@ from fedlt.errors import FedltError
 from fedlt.methods import GlobalState, Method, ModelSpec, ServerContext, SiloContext, method_class
 from fedlt.models import DEFAULT_FOR_SIDE
 from fedlt.recorder import RunRecorder, round_line
-from fedlt.selection import SelectionBook, choose_participants, class_mean_disclosure, estimate_coverage
+from fedlt.selection import (
+    SelectionBook,
+    choose_participants,
+    class_mean_disclosure,
+    estimate_coverage,
+    mask_generator,
+    simulated_mask_secret,
+)
 from fedlt.sim.config import SimConfig
 
 CHECKPOINT = "checkpoint.pt"
@@ -79,9 +86,9 @@ def run_simulation(
         )
         if trains and config.selection.discloses:  # every silo, so that all means share one encoder
             for silo_id, silo in silos.items():
-                ctx = SiloContext(r, silo_id, config.seed)
+                gen = mask_generator(simulated_mask_secret(config.seed, silo_id), r)
                 book.disclosures[silo_id] = class_mean_disclosure(
-                    method, state, silo, ctx, config.selection.mask
+                    method, state, silo, config.selection.mask, gen
                 )
         contributions = [
             method.local_round(state, silos[silo_id], SiloContext(r, silo_id, config.seed))
