@@ -121,6 +121,17 @@ def test_clustering_recovers_the_coverage_of_a_constructed_case(mask, seed):
         assert torch.equal(holds, expected[silo]), silo
 
 
+def test_two_silos_with_the_same_data_do_not_upset_everyone_elses_estimate():
+    silos = synthetic_silos(HOLDINGS)
+    disclosed = disclose(silos, "gaussian")
+    disclosed["silo-6"] = disclosed["silo-0"].clone()  # the same data, and the same mask secret
+    estimate = estimate_coverage(disclosed, separation=2.0)
+    everything = torch.ones(CLASSES, dtype=torch.bool)  # the twins corroborate each other's masks too
+    expected = {**truth(HOLDINGS), "silo-0": everything, "silo-6": everything}
+    for silo, holds in estimate.items():
+        assert torch.equal(holds, expected[silo]), silo
+
+
 def test_a_class_held_by_one_silo_reads_as_missing_and_full_coverage_as_full():
     alone = [[0, 1, 5], [0, 1], [0, 1]]  # nobody corroborates silo-0's class 5
     estimate = estimate_coverage(disclose(synthetic_silos(alone), "gaussian"), separation=2.0)

@@ -101,9 +101,12 @@ def estimate_coverage(disclosures: Mapping[str, torch.Tensor], separation: float
     distances = torch.cdist(points, points)
     distances.diagonal(dim1=1, dim2=2).fill_(float("inf"))
     nearest = distances.min(dim=2).values  # [classes, silos]
-    log_nearest = torch.log(nearest.clamp_min(1e-12)).numpy()
-    threshold = _two_mode_split(log_nearest.ravel(), np.log(separation))
-    holds = torch.from_numpy(log_nearest <= threshold)
+    # an identical mean elsewhere (two silos with the same data) corroborates; its log distance, -inf, is
+    # kept out of the split it would otherwise dominate
+    identical = (nearest == 0).numpy()
+    log_nearest = torch.log(nearest).numpy()
+    threshold = _two_mode_split(log_nearest[~identical], np.log(separation))
+    holds = torch.from_numpy(identical | (log_nearest <= threshold))
     return {s: holds[:, i] for i, s in enumerate(silos)}
 
 
