@@ -289,8 +289,7 @@ def test_a_retry_picks_around_silos_that_let_the_first_attempt_down(tmp_path):
 # --- the silo's side ---------------------------------------------------------------------------------
 
 
-def test_a_silo_refuses_a_round_asking_for_a_disclosure_its_policy_does_not_allow(tmp_path):
-    plan = replace(PLAN, method=MethodChoice("dflfs", METHODS["dflfs"].Options()))
+def two_silo_configs(tmp_path, plan=PLAN) -> list:
     _, silo_configs = write_consortium(
         tmp_path,
         recipe=replace(RECIPE, silos=2),
@@ -298,6 +297,12 @@ def test_a_silo_refuses_a_round_asking_for_a_disclosure_its_policy_does_not_allo
         consortium=ConsortiumSection(id="c", min_silos=2),
         timeouts=TimeoutSection(),
     )
+    return silo_configs
+
+
+def test_a_silo_refuses_a_round_asking_for_a_disclosure_its_policy_does_not_allow(tmp_path):
+    plan = replace(PLAN, method=MethodChoice("dflfs", METHODS["dflfs"].Options()))
+    silo_configs = two_silo_configs(tmp_path, plan)
     agent = SiloAgent(load_silo_config(silo_configs[0]))
     agent.silo_id = "silo-0"
     agent.aggregator_cert = load_certificate((tmp_path / "pki" / "aggregator.pem").read_bytes())
@@ -328,13 +333,7 @@ def test_a_silo_refuses_a_round_asking_for_a_disclosure_its_policy_does_not_allo
 
 
 def test_a_silos_mask_secret_is_its_own_kept_and_private(tmp_path):
-    _, silo_configs = write_consortium(
-        tmp_path,
-        recipe=replace(RECIPE, silos=2),
-        plan=PLAN,
-        consortium=ConsortiumSection(id="c", min_silos=2),
-        timeouts=TimeoutSection(),
-    )
+    silo_configs = two_silo_configs(tmp_path)
     first, second = (SiloAgent(load_silo_config(c)) for c in silo_configs)
     secret = first._mask_secret()
     assert len(secret) == 32
