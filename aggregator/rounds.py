@@ -219,16 +219,15 @@ class RoundEngine:
 
     def disclose(self, silo_id: str, round_id: str, name: str, shape: tuple[int, ...], values: bytes) -> str:
         """Keep one silo's disclosure (MFSC's masked class means), which its RoundSpec asked for."""
-        digest = hashlib.sha256(values).hexdigest()
         with self._lock:
             attempt = self._invited(silo_id, round_id, disclosing=True)
             if silo_id not in attempt.disclosers or name != DISCLOSURE:
                 raise NotParticipant(f"{round_id} does not ask {silo_id} for a {name!r} disclosure")
             if silo_id in attempt.disclosed:
-                if attempt.disclosed[silo_id] == values:
-                    return digest
+                if attempt.disclosed[silo_id] == values:  # an identical resend: the same receipt
+                    return hashlib.sha256(values).hexdigest()
                 raise AlreadySubmitted(f"{silo_id} already disclosed other values for {round_id}")
-            self.picker.accept(silo_id, round_id, name, shape, values)
+            digest = self.picker.accept(silo_id, round_id, name, shape, values)
             attempt.disclosed[silo_id] = values
             self._lock.notify_all()
         log.info("round %d: %s disclosed its %s values", attempt.round, silo_id, name)
