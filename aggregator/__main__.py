@@ -1,4 +1,4 @@
-"""`python -m aggregator`: the consortium operator's commands (CA, serve, status, demo)."""
+"""`python -m aggregator`: the consortium operator's commands (CA, roster, serve, status, demo)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from aggregator.ca_cli import add_ca_parser, run_ca
+from aggregator.roster_cli import add_roster_parser, run_roster
 from fedlt.errors import FedltError
 
 
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     commands = parser.add_subparsers(dest="command", required=True)
     add_ca_parser(commands)
+    add_roster_parser(commands)
     serve = commands.add_parser("serve", help="run the aggregator service")
     serve.add_argument("--config", required=True, help="consortium.toml")
     status = commands.add_parser("status", help="show rounds and silos of a running aggregator")
@@ -37,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "ca":
             return run_ca(args)
+        if args.command == "roster":
+            return run_roster(args)
         if args.command == "serve":
             from aggregator.config import load_consortium_config
             from aggregator.server import serve as run_server

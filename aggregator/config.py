@@ -32,6 +32,9 @@ class ServerSection:
     key: str = "pki/aggregator.key"
     ca: str = "pki/ca.pem"
     crl: str = "pki/crl.pem"
+    roster: str = setting(
+        "pki/roster.json", doc="the consortium's roster; silos adopt a newer one a quorum signed"
+    )
     data_dir: str = setting("aggregator-data", doc="SQLite database and the run's metrics and plots")
 
 

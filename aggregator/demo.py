@@ -26,6 +26,7 @@ from fedlt.methods import TrainConfig
 from fedlt.plan import ModelSection, RoundPlan
 from fedlt.selection import DISCLOSURE
 from privacy.pki.ca import init_ca, issue_operator, issue_server, issue_silo
+from privacy.pki.roster import draft
 
 RECIPE = DataConfig(dataset="mnist5k", imbalance=100.0, alpha=0.5, silos=4)
 DEMO_PLAN = RoundPlan(
@@ -48,16 +49,26 @@ def write_consortium(
     timeouts: TimeoutSection,
     silo_threads: int = 0,
 ) -> tuple[Path, list[Path]]:
-    """CA, certificates and config files for a consortium on this machine, one silo per recipe shard.
+    """CA, certificates, the roster and config files for a consortium on this machine, one silo per shard.
 
     The silo configs name the aggregator as ADDRESS until it is known (`point_silos_at`).
     """
     pki = directory / "pki"
     init_ca(pki / "ca", name=f"{consortium.id} CA")
-    issue_server(pki / "ca", pki, hosts=["127.0.0.1", "localhost"])
+    aggregator = issue_server(pki / "ca", pki, hosts=["127.0.0.1", "localhost"])
     issue_operator(pki / "ca", pki, name="operator")
+    silo_ids = [f"silo-{k}" for k in range(recipe.silos)]
+    silo_certs = [issue_silo(pki / "ca", pki, silo_id=silo_id).certificate for silo_id in silo_ids]
+    roster = draft(
+        consortium.id,
+        aggregator=aggregator.certificate.read_bytes(),
+        silos=[(silo_id, cert.read_bytes()) for silo_id, cert in zip(silo_ids, silo_certs, strict=True)],
+    )
+    (pki / "roster.json").write_bytes(roster.to_json())
     counts = build_federation(recipe, seed=consortium.seed).train_counts.tolist()
-    server = ServerSection(listen="127.0.0.1:0", ca="pki/ca/ca.pem", crl="pki/ca/crl.pem")
+    server = ServerSection(
+        listen="127.0.0.1:0", ca="pki/ca/ca.pem", crl="pki/ca/crl.pem", roster="pki/roster.json"
+    )
     evaluation = EvaluationSection(
         dataset=recipe.dataset, test_per_class=recipe.test_per_class, class_counts=tuple(counts)
     )
@@ -72,7 +83,6 @@ def write_consortium(
     path.write_text(f"# A consortium on this machine, written by aggregator.demo.\n{render_toml(tree)}")
     silo_configs = []
     for k in range(recipe.silos):
-        issue_silo(pki / "ca", pki, silo_id=f"silo-{k}")
         silo = {
             "state_dir": f"silo-{k}-state",
             "connection": {
@@ -80,6 +90,7 @@ def write_consortium(
                 "ca": "pki/ca/ca.pem",
                 "certificate": f"pki/silo-{k}.pem",
                 "key": f"pki/silo-{k}.key",
+                "roster": "pki/roster.json",
                 "heartbeat_seconds": 2.0,
                 "max_backoff_seconds": 4.0,
             },

@@ -50,10 +50,10 @@ from fedlt.v1 import round_pb2
 from privacy.secagg import tail_guard, wire
 from privacy.secagg.codec import FixedPointCodec, OverflowRisk
 from privacy.secagg.protocol import Peers, SecAggError, SecAggServer
+from privacy.secagg.tail_guard import Census
 
 log = logging.getLogger("aggregator")
 
-ROUNDSPEC_CONTEXT = "fedlt/roundspec/v1"
 _T = TypeVar("_T")
 
 
@@ -113,6 +113,7 @@ class Attempt:
     submissions: dict[str, Contribution] = field(default_factory=dict)
     receipts: dict[str, str] = field(default_factory=dict)
     disclosed: dict[str, bytes] = field(default_factory=dict)  # silo -> its disclosure, kept if committed
+    census: Census | None = None  # the phase's census, when an earlier attempt took it
     secure: SecAggServer | None = None  # the secure sum in progress
 
     def invites(self, silo_id: str) -> bool:
@@ -405,6 +406,10 @@ class RoundEngine:
             attempt.schema, [attempt.submissions[s] for s in contributors]
         ), contributors
 
+    def _phase(self, schema: Schema) -> str:
+        consortium = self.config.consortium
+        return tail_guard.phase_key(consortium.id, self.plan_sha256, consortium.seed, schema.phase)
+
     def _require_minimum(self, contributors: list[str] | tuple[str, ...]) -> None:
         if len(contributors) < self.config.consortium.min_silos:
             raise RoundFailed(f"{len(contributors)} contributions, fewer than min_silos")
@@ -416,6 +421,7 @@ class RoundEngine:
         schema = self.method.schema(self.state)
         state_bytes = self._state_bytes
         deadline = now_ms() + int(1000 * self.config.timeouts.round)
+        census = self.store.census(self._phase(schema)) if self._guarded(schema) else None
         spec = round_pb2.RoundSpec(
             consortium_id=self.config.consortium.id,
             round=round_number,
@@ -446,12 +452,26 @@ class RoundEngine:
             disclosers=disclosers,
             deadline_unix_ms=deadline,
             secagg=round_pb2.SecAggParameters(**asdict(self.config.secagg)) if self.secure else None,
+            census=None
+            if census is None
+            else round_pb2.Census(silos=census.silos, silos_per_class=census.counts),
         )
         blob = spec.SerializeToString()
         signed = round_pb2.SignedRoundSpec(spec=blob, signature=self.sign(blob))
         attempt = Attempt(
-            round_number, round_id, signed, schema, participants, deadline, state_bytes, disclosers=disclosers
+            round_number,
+            round_id,
+            signed,
+            schema,
+            participants,
+            deadline,
+            state_bytes,
+            disclosers=disclosers,
+            census=census,
         )
+        if self.secure:
+            census_due = self._guarded(schema) and census is None
+            self._open_sum(attempt, "census" if census_due else "contribution", participants, census)
         with self._lock:
             self.attempt = attempt
             self.stage = Stage.COLLECTING
@@ -461,51 +481,66 @@ class RoundEngine:
         log.debug("round %d: attempt %s with %s", round_number, round_id, ", ".join(participants))
         return attempt
 
+    def _guarded(self, schema: Schema) -> bool:
+        return self.secure and bool(schema.classes) and self.config.secagg.k_min >= 2
+
+    def _open_sum(self, attempt: Attempt, purpose: str, silos: list[str], census: Census | None) -> None:
+        """Set up the attempt's next secure sum; the first one before the RoundSpec goes out, so no silo's
+        first message can arrive before the session that takes it."""
+        spec_hash = hashlib.sha256(attempt.signed.spec).digest()
+        if purpose == "census":
+            words, binding = attempt.schema.classes, spec_hash
+        else:
+            words = attempt.schema.size
+            binding = census.binding(spec_hash) if self._guarded(attempt.schema) else spec_hash
+        spec = self.config.secagg.session(attempt.round_id, purpose, silos, words, binding)
+        with self._lock:
+            attempt.secure = SecAggServer(spec, peers=self.peers)
+
     def _secure_sum(self, attempt: Attempt, stop: threading.Event) -> tuple[Sums, list[str]] | None:
-        """The census (when the tail guard applies), then the contribution, as secure sums."""
-        schema, settings = attempt.schema, self.config.secagg
+        """The phase's census (when the tail guard applies and the phase has none yet), then the contribution.
+
+        Per-class rows are released only by silos of the census set, and only in a sum over exactly that set
+        (`privacy.secagg.tail_guard`); the silos enforce it, the aggregator only avoids waiting for a sum
+        they will refuse to sign.
+        """
+        schema, k_min = attempt.schema, self.config.secagg.k_min
         codec = FixedPointCodec(schema, max_silos=len(attempt.participants))  # refuses an overflow first
-        silos, counted = attempt.participants, None
-        if schema.classes and settings.k_min >= 2:
-            census = self._session(attempt, "census", silos, schema.classes, stop)
-            if census is None:
+        silos, census = attempt.participants, attempt.census
+        census_due = attempt.secure.spec.purpose == "census"
+        if census_due:
+            taken = self._session(attempt, stop, first=True)
+            if taken is None:
                 return None
-            counts, counted = census
-            held = tail_guard.held_back(counts, settings.k_min)
-            self.store.audit(
-                "tail_guard", {"round_id": attempt.round_id, "k_min": settings.k_min, "held_back": held}
-            )
-            if held:
-                log.info("round %d: tail guard holds back classes %s", attempt.round, held)
+            counts, counted = taken
+            census = Census.of(counted, counts)
+            self.store.save_census(self._phase(schema), census)
             self._send(counted, attempt, "census", census=pb.CensusResult(silos_per_class=counts.tolist()))
             silos = list(counted)
-        summed = self._session(attempt, "contribution", silos, schema.size, stop, keep=counted)
+            self._open_sum(attempt, "contribution", silos, census)
+        whole: tuple[str, ...] = ()
+        if self._guarded(schema):
+            whole = census.silos if tuple(sorted(silos)) == census.silos else ()
+            zeroed = census.guarded(silos, k_min)
+            self.store.audit("tail_guard", {"round_id": attempt.round_id, "k_min": k_min, "zeroed": zeroed})
+            if zeroed:
+                log.info("round %d: tail guard zeroes classes %s", attempt.round, zeroed)
+        summed = self._session(attempt, stop, first=not census_due, whole=whole)
         if summed is None:
             return None
         total, contributors = summed
         return self.layer.seal(schema, codec.decode(total), len(contributors)), list(contributors)
 
     def _session(
-        self,
-        attempt: Attempt,
-        purpose: str,
-        silos: list[str],
-        words: int,
-        stop: threading.Event,
-        *,
-        keep: tuple[str, ...] | None = None,
+        self, attempt: Attempt, stop: threading.Event, *, first: bool, whole: tuple[str, ...] = ()
     ) -> tuple[np.ndarray, tuple[str, ...]] | None:
-        """One secure sum through its five stages; None if the aggregator is stopping.
+        """The attempt's open secure sum through its five stages; None if the aggregator is stopping.
 
-        `keep`: the census counted these silos, so all of them must send their masked contribution, or
-        a class the census saw at k_min holders could be summed over fewer.
+        `first`: the round's first sum, whose first stage waits for training, until the round's deadline.
+        `whole`: the census set, when this sum carries per-class rows; silos sign it only if none of it left.
         """
-        binding = hashlib.sha256(attempt.signed.spec).digest()
-        spec = self.config.secagg.session(attempt.round_id, purpose, silos, words, binding)
-        server = SecAggServer(spec, peers=self.peers)
-        with self._lock:
-            attempt.secure = server
-        first = keep is None  # the first stage of a round waits for training, until the round's deadline
+        server = attempt.secure
+        purpose = server.spec.purpose
         if not self._await_stage(server, attempt.deadline_ms if first else None, stop):
             return None
         keys = pb.KeyList(keys=[wire.keys_to_pb(k) for k in self._close(server.close_keys)])
@@ -517,11 +552,13 @@ class RoundEngine:
         if not self._await_stage(server, None, stop):
             return None
         survivors = self._close(server.close_masked)
-        if keep is not None and set(survivors) != set(keep):
-            gone = sorted(set(keep) - set(survivors))
-            raise RoundFailed(f"{', '.join(gone)} left between the census and the contribution")
         if purpose == "contribution":
             self._require_minimum(survivors)
+        if whole and survivors != whole:
+            gone = ", ".join(sorted(set(whole) - set(survivors)))
+            raise RoundFailed(
+                f"{gone} left a sum of per-class rows, which silos sign only over the whole census"
+            )
         self._send(survivors, attempt, purpose, survivors=pb.SurvivorList(survivors=survivors))
         if not self._await_stage(server, None, stop):
             return None

@@ -11,13 +11,16 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from aggregator.config import ConsortiumConfig
-from aggregator.rounds import ROUNDSPEC_CONTEXT, RoundEngine
-from aggregator.service import ConsortiumServicer, Identity, OperatorServicer
-from aggregator.store import Store
+from aggregator.rounds import RoundEngine
+from aggregator.service import CertificateGate, ConsortiumServicer, Identity, OperatorServicer
+from aggregator.store import AuditKey, Store
 from fedlt.aggregation import make_layer
 from fedlt.atomic import atomic_write_text
 from fedlt.config import as_table
@@ -27,7 +30,9 @@ from fedlt.recorder import RunRecorder
 from fedlt.seeding import derive_seed
 from fedlt.v1 import consortium_pb2, consortium_pb2_grpc, operator_pb2, operator_pb2_grpc
 from privacy.pki.identity import RevocationList
-from privacy.pki.signing import load_private_key, sign
+from privacy.pki.roster import RosterFile
+from privacy.pki.signing import ROUNDSPEC_CONTEXT, load_private_key, sign
+from privacy.pki.trust import MemberTrust
 from privacy.secagg.peers import ConsortiumPeers
 
 log = logging.getLogger("aggregator")
@@ -36,15 +41,19 @@ DATABASE = "consortium.sqlite"
 LISTENING = "listening.json"
 # Each connected silo holds one worker for its directive stream; the rest serve unary calls.
 WORKERS = 128
+AUDIT_CHAIN_INFO = b"fedlt/audit-chain/v1"
 
 
 def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo=print) -> int:
     stop = stop or threading.Event()
     tls = _read_tls(config)
     data_dir = config.path(config.server.data_dir)
-    store = Store(data_dir / DATABASE)
     key = load_private_key(config.path(config.server.key))
+    store = Store(data_dir / DATABASE, audit_key=derive_audit_key(key))
     method = config.plan.build_method()
+    revocations = RevocationList.load(config.path(config.server.ca), config.path(config.server.crl))
+    roster = RosterFile(config.path(config.server.roster))
+    members = MemberTrust(tls["ca"], roster, revocations)
     engine = RoundEngine(
         config=config,
         store=store,
@@ -52,14 +61,24 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
         layer=make_layer(config.consortium.privacy),
         sign=lambda blob: sign(key, blob, context=ROUNDSPEC_CONTEXT),
         recorder=_recorder(config, data_dir, store),
-        peers=ConsortiumPeers(tls["ca"]),
+        peers=ConsortiumPeers(members),
         echo=echo,
     )
-    identity = Identity(RevocationList.load(config.path(config.server.ca), config.path(config.server.crl)))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="grpc"))
-    consortium_pb2_grpc.add_ConsortiumServiceServicer_to_server(
-        ConsortiumServicer(engine, store, identity, tls["certificate"]), server
+    identity = Identity(revocations)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="grpc"),
+        interceptors=[CertificateGate(identity)],
     )
+    servicer = ConsortiumServicer(
+        engine,
+        store,
+        identity,
+        tls["certificate"],
+        members=members,
+        roster=roster,
+        submit_seconds=config.timeouts.round,
+    )
+    consortium_pb2_grpc.add_ConsortiumServiceServicer_to_server(servicer, server)
     operator_pb2_grpc.add_OperatorServiceServicer_to_server(OperatorServicer(engine, identity), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -104,6 +123,17 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
     finished = engine.state.round >= config.consortium.rounds
     echo("all rounds committed" if finished else f"stopped after round {engine.state.round}")
     return 0
+
+
+def derive_audit_key(private_key: ec.EllipticCurvePrivateKey) -> AuditKey:
+    """HKDF-SHA256 of the aggregator's private scalar: a copy of the database alone cannot forge the chain.
+
+    Whoever holds the key file can sign RoundSpecs too, so the audit chain asks for nothing more secret than
+    the aggregator already keeps; the info string separates this use from every other use of the key.
+    """
+    size = (private_key.curve.key_size + 7) // 8
+    scalar = private_key.private_numbers().private_value.to_bytes(size, "big")
+    return AuditKey(HKDF(hashes.SHA256(), length=32, salt=None, info=AUDIT_CHAIN_INFO).derive(scalar))
 
 
 def _read_tls(config: ConsortiumConfig) -> dict[str, bytes]:

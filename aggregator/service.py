@@ -1,8 +1,11 @@
 """Thin gRPC servicers over the round engine: who is calling (from the certificate), and status codes.
 
 A caller's silo id is read from its client certificate (verified by TLS against the consortium CA, checked
-here against the revocation list), never from a message field. Every refusal maps to a status code in one
-table, `STATUS_OF`; anything unexpected becomes INTERNAL without leaking details to the caller.
+here against the revocation list), never from a message field; `CertificateGate` applies the same check to
+every RPC of the server, health and reflection included. Requests are checked where they enter: enum numbers
+the schema does not define, registrations naming what no policy can hold, empty or endless uploads. Every
+refusal maps to a status code in one table, `STATUS_OF`; anything unexpected becomes INTERNAL without leaking
+details to the caller.
 """
 
 from __future__ import annotations
@@ -11,10 +14,14 @@ import functools
 import hashlib
 import logging
 import queue
+import threading
+import time
+from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from aggregator.picking import BadDisclosure
 from aggregator.rounds import (
@@ -26,20 +33,46 @@ from aggregator.rounds import (
     WrongRound,
 )
 from aggregator.store import Store, now_ms
+from fedlt.aggregation import LAYERS
+from fedlt.methods import METHODS
+from fedlt.selection import DISCLOSURE
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc, operator_pb2, operator_pb2_grpc
 from privacy.pki.errors import PkiError
 from privacy.pki.identity import RevocationList, load_certificate, operator_name_of, silo_id_of
+from privacy.pki.roster import RosterFile
+from privacy.pki.trust import MemberTrust
 from privacy.secagg import wire
 from privacy.secagg.protocol import AdvertisedKeys, ProtocolViolation, StageError
 
 log = logging.getLogger("aggregator.service")
 
 CHUNK = 1 << 20
+AGENT_VERSION_CHARS = 64
+# What a silo's policy may name, from the tables that define each kind; the messages list these keys.
+POLICY_CHOICES: dict[str, tuple[str, ...]] = {
+    "accepted_methods": tuple(METHODS),
+    "accepted_privacy": tuple(LAYERS),
+    "accepted_disclosures": (DISCLOSURE,),
+}
+
+M = TypeVar("M", bound=Message)
 
 
 class Malformed(Refusal):
-    """A malformed request (wrong order of stream parts, sizes that do not add up)."""
+    """A malformed request (wrong order of stream parts, sizes that do not add up, undefined enum numbers)."""
+
+
+class BadRegistration(Refusal):
+    """A registration whose agent version or policy lists hold values no silo agent sends."""
+
+
+class TooSlow(Refusal):
+    """A client stream outlasted the aggregator's own bound on it."""
+
+
+class Cancelled(Refusal):
+    """The RPC ended while its stream was being read: the caller cancelled it, or gRPC did."""
 
 
 class Unauthenticated(Refusal):
@@ -63,6 +96,9 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     BadContribution: grpc.StatusCode.INVALID_ARGUMENT,
     Malformed: grpc.StatusCode.INVALID_ARGUMENT,
+    BadRegistration: grpc.StatusCode.INVALID_ARGUMENT,
+    TooSlow: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Cancelled: grpc.StatusCode.CANCELLED,
     AlreadySubmitted: grpc.StatusCode.ALREADY_EXISTS,
     StageError: grpc.StatusCode.FAILED_PRECONDITION,
     ProtocolViolation: grpc.StatusCode.INVALID_ARGUMENT,
@@ -70,20 +106,27 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
 }
 
 
+def _refuse(context: grpc.ServicerContext, exc: Exception, where: str) -> None:
+    """Abort with the code `STATUS_OF` gives the refusal; anything else is a bug: logged, and INTERNAL."""
+    for kind, code in STATUS_OF.items():
+        if isinstance(exc, kind):
+            context.abort(code, str(exc))
+    log.error("unexpected error in %s", where, exc_info=exc)
+    context.abort(grpc.StatusCode.INTERNAL, "internal error; see the aggregator's log")
+
+
 def _abort_on_refusal(handler: Callable) -> Callable:
-    """Map refusals to status codes; for streaming handlers this wraps the generator too."""
+    """Check every request message's enums, then map refusals to status codes; for streaming handlers this
+    wraps the generator too, and for streaming requests each message as the handler reads it."""
 
     def fail(context: grpc.ServicerContext, exc: Exception) -> None:
-        for kind, code in STATUS_OF.items():
-            if isinstance(exc, kind):
-                context.abort(code, str(exc))
-        log.exception("unexpected error in %s", handler.__name__)
-        context.abort(grpc.StatusCode.INTERNAL, "internal error; see the aggregator's log")
+        _refuse(context, exc, handler.__name__)
 
     @functools.wraps(handler)
     def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
-            result = handler(self, request, context)
+            checked = _known_enums(request) if isinstance(request, Message) else map(_known_enums, request)
+            result = handler(self, checked, context)
         except Exception as exc:
             fail(context, exc)
         if not isinstance(result, Iterator):
@@ -98,6 +141,119 @@ def _guarded(stream: Iterator, context: grpc.ServicerContext, fail: Callable) ->
         yield from stream
     except Exception as exc:
         fail(context, exc)
+
+
+def _known_enums(message: M) -> M:
+    """Refuse enum numbers the schema does not define, in any field at any depth.
+
+    proto3 enums are open: an unknown number parses and stays a plain int, and a handler that names it
+    (`SiloActivity.Name(99)`) would fail with an internal error instead of refusing the caller. No request
+    has a map field; one that gains an enum-valued map needs its own branch in `_unknown_enums`.
+    """
+    problems = list(_unknown_enums(message, message.DESCRIPTOR.name))
+    if problems:
+        raise Malformed("; ".join(problems))
+    return message
+
+
+def _unknown_enums(message: Message, where: str) -> Iterator[str]:
+    for field, value in message.ListFields():
+        path = f"{where}.{field.name}"
+        values = value if field.is_repeated else [value]
+        if field.enum_type is not None:
+            known = field.enum_type.values_by_number
+            yield from (
+                f"{path}: {number} is not a {field.enum_type.name} "
+                f"(known: {', '.join(known[n].name for n in sorted(known))})"
+                for number in values
+                if number not in known
+            )
+        elif field.message_type is not None:
+            for item in values:
+                yield from _unknown_enums(item, path)
+
+
+def _registration_problems(request: pb.RegisterRequest) -> list[str]:
+    """Every reason to refuse a registration; what passes is shown to the operator and kept in the store."""
+    problems = []
+    version = request.agent_version
+    if not version:
+        problems.append("agent_version: empty")
+    elif len(version) > AGENT_VERSION_CHARS:
+        problems.append(f"agent_version: {len(version)} characters; at most {AGENT_VERSION_CHARS}")
+    elif not version.isprintable():
+        problems.append("agent_version: not printable")
+    for name, allowed in POLICY_CHOICES.items():
+        counts = Counter(getattr(request, name))
+        unknown = [_shown(value) for value in counts if value not in allowed]
+        repeated = [f"{_shown(value)} {n} times" for value, n in counts.items() if n > 1]
+        if unknown:
+            problems.append(f"{name}: unknown {_first(unknown)}; allowed: {', '.join(allowed)}")
+        if repeated:
+            problems.append(f"{name}: repeats {_first(repeated)}")
+    return problems
+
+
+def _shown(value: str, limit: int = 32) -> str:
+    """A caller's string in a refusal, cut short: a refusal does not echo a huge request back."""
+    return repr(value if len(value) <= limit else value[:limit] + "…")
+
+
+def _first(items: list[str], count: int = 3) -> str:
+    more = f" and {len(items) - count} more" if len(items) > count else ""
+    return ", ".join(items[:count]) + more
+
+
+def _within(parts: Iterator[M], seconds: float, context: grpc.ServicerContext) -> Iterator[M]:
+    """A client stream's parts, cut off with TooSlow after `seconds`, even while the client sends nothing.
+
+    gRPC has no server-side deadline, and a handler blocked on the next part cannot be interrupted, so the
+    parts are read on a helper thread and handed over through a short queue (which keeps gRPC's flow control:
+    the helper reads at most two parts ahead). The helper ends with the RPC; an RPC that ends early (the
+    caller cancelled, gRPC refused an oversized message) ends the wait within a second, with Cancelled.
+    """
+    handover: queue.Queue = queue.Queue(maxsize=2)
+    threading.Thread(
+        target=_hand_over, args=(parts, handover, context), name="client-stream", daemon=True
+    ).start()
+    until = time.monotonic() + seconds
+    while True:
+        left = until - time.monotonic()
+        if left <= 0:
+            raise TooSlow(f"this stream took longer than the {seconds:g} s the aggregator allows")
+        try:
+            part, error = handover.get(timeout=min(left, 1.0))
+        except queue.Empty:
+            if not context.is_active():
+                raise Cancelled("the RPC ended before its stream did") from None
+            continue
+        if error is not None:
+            raise error
+        if part is None:
+            return
+        yield part
+
+
+def _hand_over(parts: Iterator, handover: queue.Queue, context: grpc.ServicerContext) -> None:
+    """Runs on the helper thread of `_within`: (part, None) for each part, then (None, error or None)."""
+    end: tuple[None, Exception | None] = (None, None)
+    try:
+        for part in parts:
+            if not _offer(handover, (part, None), context):
+                return
+    except Exception as exc:  # raised again on the handler's thread
+        end = (None, exc)
+    _offer(handover, end, context)
+
+
+def _offer(handover: queue.Queue, item: tuple, context: grpc.ServicerContext) -> bool:
+    while context.is_active():
+        try:
+            handover.put(item, timeout=1.0)
+        except queue.Full:
+            continue
+        return True
+    return False
 
 
 class Identity:
@@ -120,28 +276,95 @@ class Identity:
         return silo_id_of(self.certificate(context))
 
 
+_HANDLER_OF: dict[str, Callable[..., grpc.RpcMethodHandler]] = {
+    "unary_unary": grpc.unary_unary_rpc_method_handler,
+    "unary_stream": grpc.unary_stream_rpc_method_handler,
+    "stream_unary": grpc.stream_unary_rpc_method_handler,
+    "stream_stream": grpc.stream_stream_rpc_method_handler,
+}
+
+
+class CertificateGate(grpc.ServerInterceptor):
+    """Runs `Identity.certificate` before every RPC of the server, health and reflection included.
+
+    The fedlt servicers read the certificate themselves (they need the caller's id); the stock services do
+    not, so without the gate a revoked member could still learn which services run and whether they serve.
+    An interceptor sees no ServicerContext, so the check runs in a wrapper of the method's behaviour, which
+    gRPC calls with one.
+    """
+
+    def __init__(self, identity: Identity) -> None:
+        self.identity = identity
+
+    def intercept_service(
+        self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None  # no such method: UNIMPLEMENTED tells nothing the published .proto files do not
+        kind = next(kind for kind in _HANDLER_OF if getattr(handler, kind) is not None)
+        behaviour = getattr(handler, kind)
+
+        def checked(request: Any, context: grpc.ServicerContext) -> Any:
+            try:
+                self.identity.certificate(context)
+            except Exception as exc:
+                _refuse(context, exc, handler_call_details.method)
+            return behaviour(request, context)
+
+        return _HANDLER_OF[kind](
+            checked,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
 class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
-    def __init__(self, engine: RoundEngine, store: Store, identity: Identity, aggregator_pem: bytes) -> None:
+    """`members` admits the roster's silos; `roster` and the CRL go to every silo that registers, which
+    checks its peers with them;
+    `submit_seconds` bounds one Submit stream on the aggregator's side (`serve` gives it the round's timeout,
+    after which no contribution is accepted anyway)."""
+
+    def __init__(
+        self,
+        engine: RoundEngine,
+        store: Store,
+        identity: Identity,
+        aggregator_pem: bytes,
+        *,
+        members: MemberTrust,
+        roster: RosterFile,
+        submit_seconds: float,
+    ) -> None:
         self.engine = engine
         self.store = store
         self.identity = identity
         self.aggregator_pem = aggregator_pem
+        self.members = members
+        self.roster = roster
+        self.submit_seconds = submit_seconds
 
     @_abort_on_refusal
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterResponse:
         cert = self.identity.certificate(context)
         silo = silo_id_of(cert)
+        problems = _registration_problems(request)
+        if problems:
+            raise BadRegistration("registration refused: " + "; ".join(problems))
         policy = {
             "methods": list(request.accepted_methods),
             "privacy": list(request.accepted_privacy),
             "disclosures": list(request.accepted_disclosures),
         }
-        fingerprint = hashlib.sha256(context.auth_context()["x509_pem_cert"][0]).hexdigest()
-        self.store.register_silo(silo, fingerprint, request.agent_version[:64], policy)
+        pem = context.auth_context()["x509_pem_cert"][0]
+        self.members.silo(pem, silo)  # a certificate the CA issued but the roster does not name is no member
+        self.store.register_silo(silo, hashlib.sha256(pem).hexdigest(), request.agent_version, policy)
         return pb.RegisterResponse(
             silo_id=silo,
             consortium_id=self.engine.config.consortium.id,
             aggregator_certificate=self.aggregator_pem,
+            roster=self.roster.raw(),
+            crl=self.identity.revocations.crl_path.read_bytes(),
         )
 
     @_abort_on_refusal
@@ -185,7 +408,8 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
     @_abort_on_refusal
     def Submit(self, request_iterator: Iterator[pb.SubmitRequest], context: grpc.ServicerContext) -> Any:
         silo = self.identity.silo(context)
-        first = next(request_iterator, None)
+        parts = _within(request_iterator, self.submit_seconds, context)
+        first = next(parts, None)
         if first is None or not first.HasField("header"):
             raise Malformed("a Submit stream starts with a header")
         header = first.header
@@ -200,9 +424,11 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
         if header.total_bytes != expected:
             raise BadContribution(f"header announces {header.total_bytes} bytes; the schema needs {expected}")
         chunks, received, hasher = [], 0, hashlib.sha256()
-        for part in request_iterator:
+        for part in parts:
             if not part.HasField("chunk") or received + len(part.chunk) > expected:
                 raise Malformed("after the header come only chunks, adding up to total_bytes")
+            if not part.chunk:
+                raise Malformed("empty chunk: every chunk after the header carries payload bytes")
             chunks.append(part.chunk)
             hasher.update(part.chunk)
             received += len(part.chunk)

@@ -3,23 +3,28 @@
 A round becomes real only in `commit_round`, one transaction that stores the new global state, closes the
 attempt and appends the audit record; an aggregator killed at any moment restarts from the last committed
 round and never loses or repeats one. The audit log is append-only (triggers refuse UPDATE and DELETE) and
-hash-chained, so a record removed or edited behind SQLite's back shows up in `verify_audit`.
-Contributions are never stored: only what the operator may show an auditor is.
+chained with HMAC-SHA256 under the aggregator's audit key, so a record removed or edited behind SQLite's back
+shows up in `verify_audit`, even when the editor recomputed the chain: that needs the key, not just the file.
+Contributions are never stored: only what the operator may show an auditor is. The file holds silo
+disclosures, so it and its directory are created readable by the aggregator's user only.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import os
 import sqlite3
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedlt.errors import FedltError
+from privacy.secagg.tail_guard import Census
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -41,6 +46,7 @@ CREATE TABLE IF NOT EXISTS disclosures (
     PRIMARY KEY (silo_id, name)
 );
 CREATE TABLE IF NOT EXISTS picks (round INTEGER PRIMARY KEY, silos TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS censuses (phase TEXT PRIMARY KEY, silos TEXT NOT NULL, counts TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS audit (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, at_ms INTEGER NOT NULL, event TEXT NOT NULL,
     detail TEXT NOT NULL, prev_hash TEXT NOT NULL, hash TEXT NOT NULL
@@ -53,6 +59,7 @@ CREATE TRIGGER IF NOT EXISTS audit_no_delete BEFORE DELETE ON audit
 
 GENESIS = "0" * 64
 KEEP_STATES = 3
+AUDIT_KEY_ID = b"fedlt/audit-key-id/v1"
 
 
 class StoreError(FedltError):
@@ -76,20 +83,53 @@ class AuditRecord:
     hash: str
 
 
+@dataclass(frozen=True)
+class AuditKey:
+    """The secret the audit chain is keyed with (`aggregator.server.derive_audit_key`); kept out of reprs."""
+
+    secret: bytes = field(repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.secret) < 32:
+            raise ValueError(f"an audit key has at least 32 bytes, not {len(self.secret)}")
+
+    def link(self, prev: str, at_ms: int, event: str, detail_json: str) -> str:
+        """A record's hash: HMAC-SHA256 over the previous hash and the record's fields."""
+        message = f"{prev}\x1f{at_ms}\x1f{event}\x1f{detail_json}".encode()
+        return hmac.new(self.secret, message, hashlib.sha256).hexdigest()
+
+    def key_id(self) -> str:
+        """Names the key in the database without revealing it, so a store opened under another is refused."""
+        return hmac.new(self.secret, AUDIT_KEY_ID, hashlib.sha256).hexdigest()[:32]
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
 
 
 class Store:
-    """Thread-safe: the gRPC handlers and the round driver share one connection behind a lock."""
+    """Thread-safe: the gRPC handlers and the round driver share one connection behind a lock.
 
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    The audit chain of a database is keyed under one `AuditKey` for its whole life; opening it under another,
+    or opening one from before keyed chains, raises StoreError rather than extend a chain nobody can verify.
+    """
+
+    def __init__(self, path: Path, *, audit_key: AuditKey) -> None:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # SQLite would create the file 0644, and its -wal and -shm companions take the file's mode.
+        with suppress(FileExistsError):
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(SCHEMA)
         self._lock = threading.RLock()
+        self._audit_key = audit_key
+        try:
+            self._adopt_audit_key()
+        except StoreError:
+            self._db.close()
+            raise
 
     def close(self) -> None:
         with self._lock:
@@ -105,6 +145,24 @@ class Store:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
+
+    def _adopt_audit_key(self) -> None:
+        """A new database records which key chains it; an existing one must be chained under this key."""
+        with self._transaction() as db:
+            row = db.execute("SELECT value FROM meta WHERE key = 'audit_key'").fetchone()
+            if row is None and db.execute("SELECT 1 FROM audit LIMIT 1").fetchone() is None:
+                db.execute("INSERT INTO meta VALUES ('audit_key', ?)", (self._audit_key.key_id(),))
+                return
+        if row is None:
+            raise StoreError(
+                "this database's audit log was chained without a key, so a copy of the file could have "
+                "rewritten it; keep it for the record and use a new data_dir"
+            )
+        if row[0] != self._audit_key.key_id():
+            raise StoreError(
+                "this database's audit log is chained under another key than the one derived from "
+                "server.key; was the aggregator's key replaced? Use the key the run started with"
+            )
 
     # --- identity of the run ---------------------------------------------------------------------
 
@@ -212,6 +270,23 @@ class Store:
             rows = self._db.execute("SELECT round, silos FROM picks ORDER BY round").fetchall()
         return {silo: r for r, silos in rows for silo in json.loads(silos)}
 
+    # --- the census of each phase: taken once, summed over one set of silos (privacy.secagg.tail_guard) ---
+
+    def census(self, phase: str) -> Census | None:
+        with self._lock:
+            row = self._db.execute("SELECT silos, counts FROM censuses WHERE phase = ?", (phase,)).fetchone()
+        return None if row is None else Census.of(json.loads(row[0]), json.loads(row[1]))
+
+    def save_census(self, phase: str, census: Census) -> None:
+        """Kept for the phase as soon as it is taken, committed round or not: silos sign one census a phase,
+        so a restarted aggregator must ask for rounds over this one rather than take another."""
+        with self._transaction() as db:
+            db.execute(
+                "INSERT INTO censuses VALUES (?, ?, ?)",
+                (phase, json.dumps(list(census.silos)), json.dumps(list(census.counts))),
+            )
+            self._audit(db, "census_taken", {"phase": phase, "silos": list(census.silos)})
+
     # --- disclosures: per-silo values a consortium has agreed to (not sums), latest one per silo --------
 
     def disclosures(self, name: str) -> dict[str, bytes]:
@@ -287,7 +362,7 @@ class Store:
         text = json.dumps(detail, sort_keys=True)
         db.execute(
             "INSERT INTO audit (at_ms, event, detail, prev_hash, hash) VALUES (?, ?, ?, ?, ?)",
-            (at, event, text, prev, _chain(prev, at, event, text)),
+            (at, event, text, prev, self._audit_key.link(prev, at, event, text)),
         )
 
     def audit_log(self) -> list[AuditRecord]:
@@ -296,14 +371,11 @@ class Store:
         return [AuditRecord(s, at, e, json.loads(d), p, h) for s, at, e, d, p, h in rows]
 
     def verify_audit(self) -> None:
-        """Raise StoreError at the first record whose chain link or content hash is wrong."""
+        """Raise StoreError at the first record whose chain link or keyed hash is wrong."""
         prev = GENESIS
         for rec in self.audit_log():
             text = json.dumps(rec.detail, sort_keys=True)
-            if rec.prev_hash != prev or rec.hash != _chain(prev, rec.at_ms, rec.event, text):
+            expected = self._audit_key.link(prev, rec.at_ms, rec.event, text)
+            if rec.prev_hash != prev or not hmac.compare_digest(rec.hash, expected):
                 raise StoreError(f"audit record {rec.seq} ({rec.event}) does not match the hash chain")
             prev = rec.hash
-
-
-def _chain(prev: str, at_ms: int, event: str, detail_json: str) -> str:
-    return hashlib.sha256(f"{prev}\x1f{at_ms}\x1f{event}\x1f{detail_json}".encode()).hexdigest()

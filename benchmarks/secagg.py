@@ -68,8 +68,10 @@ from aggregator.store import AuditRecord
 from fedlt.aggregation import Schema
 from fedlt.plan import ModelSection, RoundPlan
 from fedlt.v1 import consortium_pb2 as pb
-from privacy.pki.ca import init_ca, issue_silo
+from privacy.pki.ca import init_ca, issue_server, issue_silo
+from privacy.pki.roster import Roster, draft
 from privacy.pki.signing import load_private_key, sign
+from privacy.pki.trust import MemberTrust, RevokedSerials
 from privacy.secagg import prg, wire
 from privacy.secagg.codec import FixedPointCodec
 from privacy.secagg.local import STAGES
@@ -165,23 +167,31 @@ def timed(action: Callable[[], object]) -> tuple[object, float]:
 
 @dataclass(frozen=True)
 class Members:
-    """Consortium certificates for the silos: what each signs with, and the PEM its peers check."""
+    """Consortium certificates and roster for the silos: what each signs with, and what its peers check."""
 
     ca_pem: bytes
     keys: Mapping[str, ec.EllipticCurvePrivateKey]
     certificates: Mapping[str, bytes]
+    roster: Roster
 
     @classmethod
     def issue(cls, directory: Path, silos: int) -> Members:
         init_ca(directory / "ca", name="secagg benchmark CA")
+        aggregator = issue_server(directory / "ca", directory, hosts=["127.0.0.1"]).certificate.read_bytes()
         ids = [f"silo-{k}" for k in range(silos)]
         for silo in ids:
             issue_silo(directory / "ca", directory, silo_id=silo)
+        certificates = {u: (directory / f"{u}.pem").read_bytes() for u in ids}
         return cls(
             (directory / "ca" / "ca.pem").read_bytes(),
             {u: load_private_key(directory / f"{u}.key") for u in ids},
-            {u: (directory / f"{u}.pem").read_bytes() for u in ids},
+            certificates,
+            draft("bench", aggregator=aggregator, silos=certificates.items()),
         )
+
+    def peers(self) -> ConsortiumPeers:
+        """One party's check of its peers: CA-issued, on the roster, not revoked; each has its own cache."""
+        return ConsortiumPeers(MemberTrust(self.ca_pem, self.roster, RevokedSerials()))
 
     def signer(self, silo: str) -> Signer:
         key = self.keys[silo]
@@ -302,7 +312,7 @@ def session_costs(n: int, repeats: int, schema: Schema, members: Members) -> dic
     inputs = {u: codec.encode(v) for u, v in flats.items()}
     words = schema.size
     # each silo verifies certificates with its own cache, as each agent process does; so does the aggregator
-    peers = {u: ConsortiumPeers(members.ca_pem) for u in (*participants, "aggregator")}
+    peers = {u: members.peers() for u in (*participants, "aggregator")}
     t = settings.session("r0", "contribution", participants, words, b"").t
     scenarios = [s for s in DROPOUTS if s == "none" or n - 1 >= t]
     drop = participants[-1]

@@ -1,4 +1,8 @@
-"""`python -m silo run --config silo.toml`: run this silo's agent until the consortium finishes."""
+"""`python -m silo run --config silo.toml`: run this silo's agent until the consortium finishes.
+
+`python -m silo roster show|sign --config silo.toml`: show the roster this silo has pinned, or add this silo's
+signature to a roster draft the operator sent (a new version counts once a quorum of silos signed it).
+"""
 
 from __future__ import annotations
 
@@ -7,10 +11,14 @@ import logging
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from fedlt.errors import FedltError
-from silo.agent import SiloAgent
-from silo.config import load_silo_config
+from privacy.pki.identity import read_certificate
+from privacy.pki.roster import SILO, Roster
+from privacy.pki.signing import load_private_key
+from silo.config import SiloConfig, load_silo_config
+from silo.trust import pinned_roster
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,16 +27,60 @@ def main(argv: list[str] | None = None) -> int:
     run = commands.add_parser("run", help="connect to the aggregator and take part in rounds")
     run.add_argument("--config", required=True, help="silo.toml")
     run.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    roster = commands.add_parser("roster", help="show the pinned roster, or sign a new version")
+    roster_commands = roster.add_subparsers(dest="roster_command", required=True)
+    show = roster_commands.add_parser("show", help="the roster this silo trusts now")
+    show.add_argument("--config", required=True, help="silo.toml")
+    sign = roster_commands.add_parser("sign", help="add this silo's signature to a roster draft, in place")
+    sign.add_argument("--config", required=True, help="silo.toml")
+    sign.add_argument("draft", type=Path, help="the roster draft (python -m aggregator roster draft)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     try:
-        return SiloAgent(load_silo_config(args.config), stop=stop).run()
+        config = load_silo_config(args.config)
+        if args.command == "roster":
+            return _show_roster(config) if args.roster_command == "show" else _sign_roster(config, args.draft)
+        return _run(config, args.log_level)
     except FedltError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def _run(config: SiloConfig, log_level: str) -> int:
+    from silo.agent import SiloAgent  # torch and gRPC load only for the agent
+
+    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return SiloAgent(config, stop=stop).run()
+
+
+def _pinned(config: SiloConfig) -> Roster:
+    return pinned_roster(config.path(config.state_dir), config.path(config.connection.roster))
+
+
+def _show_roster(config: SiloConfig) -> int:
+    print(_pinned(config).describe())
+    return 0
+
+
+def _sign_roster(config: SiloConfig, path: Path) -> int:
+    """Sign only a draft that could follow the pinned roster, as a silo member of the pinned roster."""
+    pinned, draft = _pinned(config), Roster.read(path)
+    if draft.consortium != pinned.consortium or draft.version <= pinned.version:
+        raise FedltError(
+            f"{path} is v{draft.version} of {draft.consortium!r}; this silo holds v{pinned.version} of "
+            f"{pinned.consortium!r}, so it can only sign a later version of the same consortium"
+        )
+    conn = config.connection
+    me = pinned.member_of(read_certificate(config.path(conn.certificate)), role=SILO)
+    print(draft.describe())
+    signed = draft.signed_by(me, load_private_key(config.path(conn.key)))
+    path.write_bytes(signed.to_json())
+    print(
+        f"signed as {me.id}: {len(signed.signatures)} signatures now; v{pinned.version} needs {pinned.quorum}"
+    )
+    return 0
 
 
 if __name__ == "__main__":

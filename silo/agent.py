@@ -1,11 +1,14 @@
 """The silo agent: connect, check every claim the aggregator makes, train, upload; survive restarts.
 
-For each RoundSpec the agent verifies the aggregator's signature (with the certificate it checked against the
-consortium CA at registration), that it is addressed to this consortium and this silo, that its method,
-privacy layer and disclosures are allowed by the silo's policy, that the plan matches its hash, and that the
-state it streams matches the signed digest. Only then does it train. A finished contribution is written to
-disk before upload, so an agent restarted mid-upload sends the same bytes instead of training again.
-With the `secagg` layer the contribution leaves only masked, through the stages of `silo.secure`.
+Trust comes from the silo's pinned roster (`silo.trust`), not from the aggregator: the aggregator's TLS
+endpoint and RoundSpec signer must be the roster's aggregator, and every peer the roster's silo of that id.
+For each RoundSpec the agent verifies the signature, that it is addressed to the roster's consortium and to
+this silo, that its method, privacy layer, disclosures and secure-sum parameters meet the silo's policy, that
+the plan parses and matches its hash, and that the state it streams matches the signed digest. Only then does
+it train. Each privacy layer the agent implements has its own path (`LAYERS_IMPLEMENTED`); a RoundSpec naming
+any other is refused, so no layer ever falls back to a plain upload. A finished contribution is written to
+disk before upload, so an agent restarted mid-upload sends the same bytes instead of training again. With the
+`secagg` layer the contribution leaves only masked, through the stages of `silo.secure`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import numpy as np
 import torch
+from google.protobuf.message import DecodeError
 
 from fedlt.aggregation import Field, Schema
 from fedlt.atomic import atomic_write, atomic_write_text
@@ -32,21 +36,23 @@ from fedlt.errors import FedltError
 from fedlt.methods import Method, SiloContext
 from fedlt.methods.state import unpack_state
 from fedlt.plan import RoundPlan
-from fedlt.selection import DISCLOSURE, class_mean_disclosure, mask_generator
+from fedlt.selection import DISCLOSURE, class_mean_disclosure, mask_stream
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc, round_pb2
 from privacy.pki.errors import PkiError
-from privacy.pki.identity import load_certificate, verify_chain
-from privacy.pki.signing import load_private_key, sign, verify
+from privacy.pki.signing import ROUNDSPEC_CONTEXT, load_private_key, sign, verify
 from privacy.secagg.peers import ConsortiumPeers
-from silo.config import SiloConfig
-from silo.secure import SecureRound
+from privacy.secagg.protocol import SecAggError
+from silo.config import LAYERS_IMPLEMENTED, SiloConfig
+from silo.releases import ReleaseLedger
+from silo.secure import SecureRound, settings_of
+from silo.tls_probe import server_certificate
+from silo.trust import SiloTrust
 from silo.upload import submit_stream
 
 log = logging.getLogger("silo")
 
 VERSION = "fedlt-silo/0.1"
-ROUNDSPEC_CONTEXT = "fedlt/roundspec/v1"
 # Calls other than the directive stream must not hang forever on a silent network.
 CALL_TIMEOUT = 120.0
 
@@ -81,13 +87,21 @@ class SiloAgent:
             private_key=config.path(conn.key).read_bytes(),
             certificate_chain=config.path(conn.certificate).read_bytes(),
         )
+        self.trust = SiloTrust(
+            self.state_dir,
+            ca_pem=self.ca_pem,
+            kit_roster=config.path(conn.roster),
+            crl=config.path(conn.crl) if conn.crl else None,
+        )
+        self.ledger = ReleaseLedger(self.state_dir)
         self.silo_id = ""
-        self.aggregator_cert = None
+        self.aggregator_pem = b""
         self.activity = pb.SILO_ACTIVITY_IDLE
         self.round_id = ""
         self._method: tuple[str, Method] | None = None
         self._signing_key = load_private_key(config.path(conn.key))
-        self._peers = ConsortiumPeers(self.ca_pem)
+        self._peers = ConsortiumPeers(self.trust.members)
+        self._policy = config.policy.session_policy()
         self._secure: SecureRound | None = None
 
     # --- the long-running loop ----------------------------------------------------------------
@@ -109,6 +123,10 @@ class SiloAgent:
                 log.warning(
                     "connection problem (%s: %s); retrying in %.0f s", code.name, exc.details(), backoff
                 )
+            except OSError as exc:
+                if self.stop.is_set():
+                    break
+                log.warning("connection problem (%s); retrying in %.0f s", exc, backoff)
             self.stop.wait(backoff * random.uniform(0.8, 1.2))
             backoff = min(backoff * 2, self.config.connection.max_backoff_seconds)
         log.info("stopped on request; progress is kept in %s", self.state_dir)
@@ -119,10 +137,17 @@ class SiloAgent:
         options = [("grpc.ssl_target_name_override", conn.server_name)] if conn.server_name else []
         session_over = threading.Event()
         helpers: list[threading.Thread] = []
+        tls_pem = server_certificate(
+            conn.aggregator,
+            server_name=conn.server_name,
+            ca_pem=self.ca_pem,
+            certificate=self.config.path(conn.certificate),
+            key=self.config.path(conn.key),
+        )
         try:
             with grpc.secure_channel(conn.aggregator, self.credentials, options=options) as channel:
                 stub = consortium_pb2_grpc.ConsortiumServiceStub(channel)
-                self._register(stub)
+                self._register(stub, tls_pem)
                 stream = stub.Join(pb.JoinRequest(last_round=self._progress().get("committed", 0)))
                 helpers = [
                     threading.Thread(target=self._heartbeats, args=(stub, session_over), daemon=True),
@@ -168,25 +193,38 @@ class SiloAgent:
                 stream.cancel()
                 return
 
-    def _register(self, stub: consortium_pb2_grpc.ConsortiumServiceStub) -> None:
+    def _register(self, stub: consortium_pb2_grpc.ConsortiumServiceStub, tls_pem: bytes) -> None:
+        """Register, take any newer roster or CRL offered, then check the aggregator against the roster."""
         policy = self.config.policy
-        reply = stub.Register(
-            pb.RegisterRequest(
-                agent_version=VERSION,
-                accepted_methods=policy.methods,
-                accepted_privacy=policy.privacy,
-                accepted_disclosures=policy.disclosures,
-            ),
-            timeout=CALL_TIMEOUT,
+        request = pb.RegisterRequest(
+            agent_version=VERSION,
+            accepted_methods=policy.methods,
+            accepted_privacy=policy.privacy,
+            accepted_disclosures=policy.disclosures,
         )
         try:
-            cert = load_certificate(reply.aggregator_certificate)
-            verify_chain(cert, load_certificate(self.ca_pem))
+            reply = stub.Register(request, timeout=CALL_TIMEOUT)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:  # a retry would send the same again
+                raise Fatal(f"the aggregator refuses this silo's registration: {exc.details()}") from None
+            raise
+        self.trust.offer_roster(reply.roster)
+        self.trust.offer_crl(reply.crl)
+        roster = self.trust.roster
+        try:
+            if reply.consortium_id != roster.consortium:
+                raise PkiError(
+                    f"it serves consortium {reply.consortium_id!r}, the roster {roster.consortium!r}"
+                )
+            tls = self.trust.members.aggregator(tls_pem)
+            signer = self.trust.members.aggregator(reply.aggregator_certificate)
+            if tls != signer:
+                raise PkiError("it signs RoundSpecs with another certificate than it serves TLS with")
         except PkiError as exc:
             raise Fatal(
-                f"the aggregator's signing certificate is not from this consortium's CA: {exc}"
+                f"the aggregator at {self.config.connection.aggregator} is not this consortium's: {exc}"
             ) from None
-        self.aggregator_cert, self.silo_id = cert, reply.silo_id
+        self.aggregator_pem, self.silo_id = reply.aggregator_certificate, reply.silo_id
         log.info("registered as %s with consortium %r", reply.silo_id, reply.consortium_id)
 
     def _heartbeats(
@@ -219,10 +257,20 @@ class SiloAgent:
         payload = (self._pending(spec.round_id) if trains else None) or self._work(stub, spec, plan, trains)
         if payload is None:
             return
-        if spec.privacy == "secagg":
-            contribution = torch.from_numpy(np.frombuffer(payload, dtype="<f8").copy())
-            self._secure_start(stub, signed, spec, contribution)
-            return
+        self.uploads()[spec.privacy](stub, signed, spec, payload)
+
+    def uploads(self) -> dict[str, Callable[..., None]]:
+        """How a contribution leaves, per privacy layer: one path each, chosen by name, never a fallback."""
+        return {"secagg": self._secure_start, "plaintext": self._plaintext_upload}
+
+    def _plaintext_upload(
+        self,
+        stub: consortium_pb2_grpc.ConsortiumServiceStub,
+        signed: round_pb2.SignedRoundSpec,
+        spec: round_pb2.RoundSpec,
+        payload: bytes,
+    ) -> None:
+        """The `plaintext` layer: the contribution as it is, only ever if policy.privacy lists this layer."""
         self.activity = pb.SILO_ACTIVITY_UPLOADING
         try:
             stream = submit_stream(spec.round_id, payload, kind=pb.CONTRIBUTION_KIND_PLAINTEXT)
@@ -246,8 +294,11 @@ class SiloAgent:
         stub: consortium_pb2_grpc.ConsortiumServiceStub,
         signed: round_pb2.SignedRoundSpec,
         spec: round_pb2.RoundSpec,
-        contribution: torch.Tensor,
+        payload: bytes,
     ) -> None:
+        """The `secagg` layer: the contribution leaves only masked, through `SecureRound`'s stages."""
+        contribution = torch.from_numpy(np.frombuffer(payload, dtype="<f8").copy())
+
         def start() -> None:
             self._secure = SecureRound(
                 signed,
@@ -257,6 +308,8 @@ class SiloAgent:
                 me=self.silo_id,
                 sign=lambda data, *, context: sign(self._signing_key, data, context=context),
                 peers=self._peers,
+                policy=self._policy,
+                ledger=self.ledger,
                 timeout=CALL_TIMEOUT,
             )
             self._secure.start(stub)
@@ -304,15 +357,25 @@ class SiloAgent:
             self._secure = None
 
     def _check_spec(self, signed: round_pb2.SignedRoundSpec) -> tuple[round_pb2.RoundSpec, RoundPlan]:
-        verify(self.aggregator_cert, signed.signature, signed.spec, context=ROUNDSPEC_CONTEXT)
-        spec = round_pb2.RoundSpec.FromString(signed.spec)
+        signer = self.trust.members.aggregator(self.aggregator_pem)  # still valid, not revoked, on the roster
+        verify(signer, signed.signature, signed.spec, context=ROUNDSPEC_CONTEXT)
+        try:
+            spec = round_pb2.RoundSpec.FromString(signed.spec)
+        except DecodeError:
+            raise RefusedRound("a signed RoundSpec that does not parse") from None
         policy = self.config.policy
         problems = []
+        if spec.consortium_id != self.trust.roster.consortium:
+            problems.append(
+                f"it is for consortium {spec.consortium_id!r}, not {self.trust.roster.consortium!r}"
+            )
         if self.silo_id not in spec.participants and self.silo_id not in spec.disclosers:
             problems.append(f"this silo ({self.silo_id}) is not among the participants")
         if spec.method not in policy.methods:
             problems.append(f"method {spec.method!r} is not allowed by policy.methods")
-        if spec.privacy not in policy.privacy:
+        if spec.privacy not in LAYERS_IMPLEMENTED:
+            problems.append(f"privacy layer {spec.privacy!r} is not implemented by this agent")
+        elif spec.privacy not in policy.privacy:
             problems.append(f"privacy layer {spec.privacy!r} is not allowed by policy.privacy")
         extra = sorted(set(spec.disclosures) - set(policy.disclosures))
         if extra:
@@ -321,13 +384,16 @@ class SiloAgent:
             problems.append("method_config does not match config_sha256")
         if spec.state_bytes > policy.max_state_mb * 2**20:
             problems.append(f"state of {spec.state_bytes} bytes exceeds policy.max_state_mb")
-        if spec.privacy == "secagg" and spec.secagg.k_min < policy.min_tail_guard:
-            problems.append(
-                f"tail guard k_min {spec.secagg.k_min} is below policy.min_tail_guard {policy.min_tail_guard}"
-            )
+        if spec.privacy == "secagg":
+            problems += self._secure_sum_problems(spec)
         if problems:
             raise RefusedRound(f"{spec.round_id}: " + "; ".join(problems))
-        plan = RoundPlan.from_toml(spec.method_config, f"RoundSpec {spec.round_id}")
+        try:
+            plan = RoundPlan.from_toml(spec.method_config, f"RoundSpec {spec.round_id}")
+        except FedltError as exc:
+            raise RefusedRound(
+                f"{spec.round_id}: its method_config is not a plan this silo can run: {exc}"
+            ) from None
         if plan.method.name != spec.method:
             raise RefusedRound(f"{spec.round_id}: plan runs {plan.method.name!r}, spec says {spec.method!r}")
         if (
@@ -341,16 +407,31 @@ class SiloAgent:
             )
         return spec, plan
 
+    def _secure_sum_problems(self, spec: round_pb2.RoundSpec) -> list[str]:
+        """The signed secure-sum parameters against this silo's minimums, before any work is done."""
+        policy = self.config.policy
+        problems = []
+        if spec.secagg.k_min < policy.min_tail_guard:
+            problems.append(
+                f"tail guard k_min {spec.secagg.k_min} is below policy.min_tail_guard {policy.min_tail_guard}"
+            )
+        if self.silo_id in spec.participants:
+            try:
+                session = settings_of(spec).session(spec.round_id, "contribution", spec.participants, 1, b"")
+            except SecAggError as exc:
+                return [*problems, f"its secure sum is malformed: {exc}"]
+            problems += self._policy.problems(session)
+        return problems
+
     def _work(self, stub, spec: round_pb2.RoundSpec, plan: RoundPlan, trains: bool) -> bytes | None:
         """Fetch and check the state; disclose if asked (the policy allowed it); train if a participant."""
         self.activity = pb.SILO_ACTIVITY_FETCHING
         fetch_started = time.perf_counter()
-        data = b"".join(
-            part.data
-            for part in stub.FetchState(pb.FetchStateRequest(round_id=spec.round_id), timeout=CALL_TIMEOUT)
-        )
+        data = _fetch_state(stub, spec)
+        if data is None:
+            return None
         state = unpack_state(data, spec.round - 1)
-        if len(data) != spec.state_bytes or state.digest() != spec.state_digest:
+        if state.digest() != spec.state_digest:
             log.error("%s: the state received does not match the signed digest; not training", spec.round_id)
             return None
         method = self._method_for(plan, spec.config_sha256)
@@ -380,15 +461,21 @@ class SiloAgent:
         return payload
 
     def _disclose(self, stub, spec: round_pb2.RoundSpec, plan: RoundPlan, method: Method, state) -> None:
-        """MFSC: this silo's class means under the received model, random points for classes it lacks."""
-        gen = mask_generator(self._mask_secret(), spec.round)
-        means = class_mean_disclosure(method, state, self.data, plan.selection.mask, gen)
-        request = pb.DiscloseRequest(
-            round_id=spec.round_id,
-            name=DISCLOSURE,
-            shape=list(means.shape),
-            values=np.ascontiguousarray(means.numpy(), dtype="<f8").tobytes(),
-        )
+        """MFSC: this silo's class means under the received model, random points for classes it lacks or holds
+        too few samples of. One disclosure per round's state: a retried attempt sends the same bytes."""
+        key = f"{spec.state_digest}/{spec.round}"
+        values = self.ledger.disclosure(key)
+        if values is None:
+            minimum = max(plan.selection.min_samples, self.config.policy.disclosure_min_samples)
+            stream = mask_stream(self._mask_secret(), spec.round)
+            means = class_mean_disclosure(
+                method, state, self.data, plan.selection.mask, stream, min_samples=minimum
+            )
+            values = np.ascontiguousarray(means.numpy(), dtype="<f8").tobytes()
+            self.ledger.record_disclosure(key, values)
+        classes = method.model_spec.num_classes
+        shape = [classes, len(values) // (8 * classes)]
+        request = pb.DiscloseRequest(round_id=spec.round_id, name=DISCLOSURE, shape=shape, values=values)
         try:
             receipt = stub.Disclose(request, timeout=CALL_TIMEOUT)
         except grpc.RpcError as exc:  # the round goes on without it: picking falls back on older means
@@ -435,6 +522,20 @@ class SiloAgent:
 
     def _save_progress(self, **facts: object) -> None:
         atomic_write_text(self.state_dir / "progress.json", json.dumps({**self._progress(), **facts}))
+
+
+def _fetch_state(stub: consortium_pb2_grpc.ConsortiumServiceStub, spec: round_pb2.RoundSpec) -> bytes | None:
+    """The streamed state, read only as far as the signed size: a longer or out-of-order stream is dropped."""
+    data = bytearray()
+    for part in stub.FetchState(pb.FetchStateRequest(round_id=spec.round_id), timeout=CALL_TIMEOUT):
+        if part.offset != len(data) or len(data) + len(part.data) > spec.state_bytes:
+            log.error("%s: the state streamed does not fit the signed size; not training", spec.round_id)
+            return None
+        data += part.data
+    if len(data) != spec.state_bytes:
+        log.error("%s: the state streamed is shorter than the signed size; not training", spec.round_id)
+        return None
+    return bytes(data)
 
 
 def _schema_of(spec: round_pb2.RoundSpec) -> Schema:

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from pathlib import Path
 
-from fedlt.aggregation import LAYERS
 from fedlt.config import parse_section, read_toml, resolve, setting
 from fedlt.data.arrays import LabeledImages
 from fedlt.data.federation import DataConfig, build_federation
 from fedlt.data.files import load_dataset
 from fedlt.errors import ConfigError
 from fedlt.methods import METHODS
+from privacy.secagg.policy import SessionPolicy
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,14 @@ class ConnectionSection:
     ca: str = "pki/ca.pem"
     certificate: str = "pki/silo.pem"
     key: str = "pki/silo.key"
+    roster: str = setting(
+        "pki/roster.json",
+        doc="the roster from the enrollment kit; pinned on first start, then changed only "
+        "by a roster a quorum of its silos signed",
+    )
+    crl: str = setting(
+        "", doc="a CRL file this silo keeps up to date itself, besides the one the aggregator relays"
+    )
     heartbeat_seconds: float = setting(10.0, gt=0.0)
     max_backoff_seconds: float = setting(30.0, gt=0.0)
 
@@ -38,15 +47,60 @@ class DataSection:
     recipe: DataConfig = field(default_factory=DataConfig)
 
 
+# The privacy layers this agent implements; a RoundSpec naming any other is refused, whatever the policy says.
+LAYERS_IMPLEMENTED = ("secagg", "plaintext")
+
+
 @dataclass(frozen=True)
 class PolicySection:
     """What this silo agrees to; a RoundSpec asking for anything else is refused, not negotiated."""
 
     methods: tuple[str, ...] = tuple(METHODS)
-    privacy: tuple[str, ...] = ("secagg", "ckks")
+    privacy: tuple[str, ...] = ("secagg",)
     disclosures: tuple[str, ...] = ()
     max_state_mb: float = setting(2048.0, gt=0.0)
     min_tail_guard: int = setting(2, ge=0, doc="refuse secagg rounds whose tail guard k_min is lower")
+    min_participants: int = setting(3, ge=2, doc="refuse secure sums over fewer silos")
+    threshold_above: str = setting(
+        "2/3", doc="refuse secure sums whose threshold is not above this fraction of a seed's holders"
+    )
+    disclosure_min_samples: int = setting(
+        5, ge=1, doc="mfsc: disclose a class's mean only if this silo holds at least this many samples of it"
+    )
+    min_neighbours: int = setting(
+        0,
+        ge=0,
+        doc="accept SecAgg+ graphs with at least this many neighbours per silo; 0: complete graph only",
+    )
+
+    def session_policy(self) -> SessionPolicy:
+        return SessionPolicy(
+            min_participants=self.min_participants,
+            threshold_above=Fraction(self.threshold_above),
+            min_neighbours=self.min_neighbours,
+        )
+
+    def problems(self) -> list[str]:
+        found = []
+        unknown_methods = sorted(set(self.methods) - set(METHODS))
+        if unknown_methods:
+            found.append(f"policy.methods: unknown {unknown_methods}; known: {', '.join(METHODS)}")
+        unknown_layers = sorted(set(self.privacy) - set(LAYERS_IMPLEMENTED))
+        if unknown_layers:
+            found.append(
+                f"policy.privacy: {unknown_layers} not implemented by this agent; "
+                f"known: {', '.join(LAYERS_IMPLEMENTED)}"
+            )
+        try:
+            fraction = Fraction(self.threshold_above)
+        except (ValueError, ZeroDivisionError):
+            fraction = None
+        if fraction is None or not Fraction(1, 2) <= fraction < 1:
+            found.append(
+                f"policy.threshold_above: a fraction from 1/2 up to (not including) 1, such as '2/3'; "
+                f"got {self.threshold_above!r}"
+            )
+        return found
 
 
 @dataclass(frozen=True)
@@ -82,12 +136,7 @@ def load_silo_config(path: str | Path) -> SiloConfig:
     tree.pop("base_dir", None)
     config = parse_section(SiloConfig, tree, "", problems)
     config = replace(config, base_dir=path.parent)
-    unknown_methods = sorted(set(config.policy.methods) - set(METHODS))
-    if unknown_methods:
-        problems.append(f"policy.methods: unknown {unknown_methods}; known: {', '.join(METHODS)}")
-    unknown_layers = sorted(set(config.policy.privacy) - {*LAYERS, "secagg", "ckks"})
-    if unknown_layers:
-        problems.append(f"policy.privacy: unknown {unknown_layers}")
+    problems += config.policy.problems()
     if config.data.source == "files" and not config.data.path:
         problems.append("data.path: required when data.source = 'files'")
     if config.data.source == "embedded" and config.data.index >= config.data.recipe.silos:

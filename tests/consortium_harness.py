@@ -22,10 +22,11 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from aggregator.config import ConsortiumSection, TimeoutSection
+from aggregator.config import ConsortiumSection, TimeoutSection, load_consortium_config
 from aggregator.demo import point_silos_at, wait_for_address, write_consortium
+from aggregator.server import derive_audit_key
 from aggregator.service import ConsortiumServicer, Identity
-from aggregator.store import Store
+from aggregator.store import AuditKey, Store
 from fedlt.data.federation import DataConfig
 from fedlt.methods import TrainConfig
 from fedlt.methods.state import GlobalState, unpack_state
@@ -34,6 +35,9 @@ from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc
 from privacy.pki.ca import init_ca, issue_server, issue_silo
 from privacy.pki.identity import RevocationList
+from privacy.pki.roster import Roster, RosterFile, draft
+from privacy.pki.signing import load_private_key
+from privacy.pki.trust import MemberTrust
 from silo.agent import DRILL
 
 RECIPE = DataConfig(dataset="digits", imbalance=10.0, alpha=0.5, silos=3, min_silo_size=10, test_per_class=30)
@@ -48,6 +52,8 @@ SILO_THREADS = 1
 # Server steps that re-train a head (CReFF, CCVR) reduce in BLAS in an order that depends on the thread count;
 # the aggregator runs with the simulator's count too, so their states can be compared bit for bit.
 AGGREGATOR_ENV = {**ENV, "OMP_NUM_THREADS": str(SILO_THREADS)}
+# Stores tests build themselves; a live aggregator's store is keyed by its private key (`Consortium.store`).
+AUDIT_KEY = AuditKey(b"fedlt tests' fixed audit key ...")
 
 
 @dataclass
@@ -83,6 +89,22 @@ class Consortium:
             silo_threads=SILO_THREADS,
         )
         return cls(directory, silo_configs)
+
+    def enroll(self, silo_id: str, directory: Path, **issue_options) -> None:
+        """A new silo: a certificate from the consortium CA, and the operator's roster naming it (the
+        aggregator re-reads the file; silos would adopt it only once a quorum signed it)."""
+        issue_silo(self.directory / "pki" / "ca", directory, silo_id=silo_id, **issue_options)
+        path = self.directory / "pki" / "roster.json"
+        roster = Roster.read(path)
+        members = [(m.id, m.certificate) for m in roster.members if m.role == "silo"]
+        aggregator = (self.directory / "pki" / "aggregator.pem").read_bytes()
+        grown = draft(
+            roster.consortium,
+            aggregator=aggregator,
+            silos=[*members, (silo_id, (directory / f"{silo_id}.pem").read_bytes())],
+            previous=roster,
+        )
+        path.write_bytes(grown.to_json())
 
     @property
     def data_dir(self) -> Path:
@@ -191,7 +213,7 @@ class Consortium:
                 p.wait(10)
 
     def final_state(self) -> GlobalState:
-        store = Store(self.data_dir / "consortium.sqlite")
+        store = self.store()
         try:
             latest = store.latest_state()
             return unpack_state(latest.data, latest.round)
@@ -199,7 +221,10 @@ class Consortium:
             store.close()
 
     def store(self) -> Store:
-        return Store(self.data_dir / "consortium.sqlite")
+        """The aggregator's store, opened with the audit key it derives from its private key."""
+        config = load_consortium_config(self.directory / "consortium.toml")
+        key = derive_audit_key(load_private_key(config.path(config.server.key)))
+        return Store(self.data_dir / "consortium.sqlite", audit_key=key)
 
 
 class PayloadEngine:
@@ -220,6 +245,15 @@ class PayloadEngine:
         return digest
 
 
+def no_members(directory: Path, identity: Identity) -> dict:
+    """`members` and `roster` for a servicer whose tests never register a silo: a roster of the aggregator."""
+    path = directory / "roster.json"
+    roster = draft("payload", aggregator=(directory / "aggregator.pem").read_bytes(), silos=[])
+    path.write_bytes(roster.to_json())
+    ca = (directory / "ca" / "ca.pem").read_bytes()
+    return {"members": MemberTrust(ca, roster, identity.revocations), "roster": RosterFile(path)}
+
+
 @contextmanager
 def payload_server(directory: Path, payload: bytes) -> Iterator[consortium_pb2_grpc.ConsortiumServiceStub]:
     """The real ConsortiumServicer over mutual TLS on 127.0.0.1, and a stub connected as silo-0."""
@@ -229,7 +263,9 @@ def payload_server(directory: Path, payload: bytes) -> Iterator[consortium_pb2_g
     ca = (directory / "ca" / "ca.pem").read_bytes()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     identity = Identity(RevocationList.load(directory / "ca" / "ca.pem", directory / "ca" / "crl.pem"))
-    servicer = ConsortiumServicer(PayloadEngine(payload), None, identity, b"")
+    servicer = ConsortiumServicer(
+        PayloadEngine(payload), None, identity, b"", **no_members(directory, identity), submit_seconds=120.0
+    )
     consortium_pb2_grpc.add_ConsortiumServiceServicer_to_server(servicer, server)
     key_pair = ((directory / "aggregator.key").read_bytes(), (directory / "aggregator.pem").read_bytes())
     port = server.add_secure_port(
@@ -267,7 +303,8 @@ def channel(consortium: Consortium, name: str | None, *, ca_dir=None) -> grpc.Ch
 
 
 def register(ch: grpc.Channel) -> pb.RegisterResponse:
-    return consortium_pb2_grpc.ConsortiumServiceStub(ch).Register(pb.RegisterRequest(), timeout=10)
+    request = pb.RegisterRequest(agent_version="fedlt-tests/0")
+    return consortium_pb2_grpc.ConsortiumServiceStub(ch).Register(request, timeout=10)
 
 
 def read_all(stream, into: queue.Queue) -> None:

@@ -110,11 +110,11 @@ def test_long_tail_methods_give_the_simulators_state_through_census_and_secure_s
 
 
 def test_mfsc_picks_the_simulators_silos_from_disclosures_of_every_connected_silo(make_consortium, tmp_path):
-    """Two of four silos train per round, picked tail-class first from the masked class means that all four
+    """Three of four silos train per round, picked tail-class first from the masked class means that all four
     disclose; the disclosures are audited, never the values; the run equals the simulator's bit for bit."""
-    selection = SelectionConfig(per_round=2, strategy="mfsc")
+    selection = SelectionConfig(per_round=3, strategy="mfsc")
     plan = replace(PLAN, method=MethodChoice("dflfs", METHODS["dflfs"].Options()), selection=selection)
-    consortium = make_consortium(rounds=3, min_silos=2, silos=4, plan=plan)
+    consortium = make_consortium(rounds=3, min_silos=3, silos=4, plan=plan)
     for k in range(4):  # the silos' own mask secrets, set to the simulator's so that the runs can be compared
         state_dir = consortium.directory / f"silo-{k}-state"
         state_dir.mkdir()
@@ -127,7 +127,7 @@ def test_mfsc_picks_the_simulators_silos_from_disclosures_of_every_connected_sil
     for key in sim.state.extra:
         assert torch.equal(final.extra[key], sim.state.extra[key]), key
     picked = {r["round"]: r["participants"] for r in sim.metrics["rounds"] if r["round"] <= 3}
-    assert all(len(p) == 2 for p in picked.values())
+    assert all(len(p) == 3 for p in picked.values())
     assert contributors(consortium) == {**picked, 4: [f"silo-{k}" for k in range(4)]}  # closing: everyone
     store = consortium.store()
     log = store.audit_log()
@@ -159,15 +159,15 @@ def test_full_run_gives_the_simulators_model(make_consortium, tmp_path):
 
 
 def test_round_completes_without_a_killed_silo_when_enough_remain(make_consortium):
-    consortium = make_consortium(rounds=2, min_silos=2)
+    consortium = make_consortium(rounds=2, min_silos=3, silos=4)
     consortium.start()
-    consortium.freeze_after_registering(2)
+    consortium.freeze_after_registering(3)
     consortium.wait_for_attempt(1)
-    consortium.kill(consortium.silos[2])  # a participant of round 1, killed before it answered
+    consortium.kill(consortium.silos[3])  # a participant of round 1, killed before it answered
     assert consortium.wait_aggregator(timeout=180) == 0
     rounds = contributors(consortium)
-    assert rounds[1] == ["silo-0", "silo-1"]
-    assert rounds[2] == ["silo-0", "silo-1"]
+    assert rounds[1] == ["silo-0", "silo-1", "silo-2"]
+    assert rounds[2] == ["silo-0", "silo-1", "silo-2"]
 
 
 def test_round_is_retried_when_too_few_remain(make_consortium):

@@ -57,7 +57,7 @@ def test_certificate_from_another_ca_is_refused(live, tmp_path):
 
 def test_expired_certificate_is_refused(live, tmp_path):
     past = datetime.now(UTC) - timedelta(days=400)
-    issue_silo(live.directory / "pki" / "ca", tmp_path, silo_id="old-silo", valid_from=past, days=30)
+    live.enroll("old-silo", tmp_path, valid_from=past, days=30)
     with channel(live, "old-silo", ca_dir=tmp_path) as ch:
         code, _ = code_of(lambda: register(ch))
     assert code == CODE.UNAVAILABLE
@@ -65,13 +65,25 @@ def test_expired_certificate_is_refused(live, tmp_path):
 
 def test_revoked_certificate_is_refused_without_restart(live, tmp_path):
     ca = live.directory / "pki" / "ca"
-    issue_silo(ca, tmp_path, silo_id="leaving-silo")
+    live.enroll("leaving-silo", tmp_path)
     with channel(live, "leaving-silo", ca_dir=tmp_path) as ch:
         assert register(ch).silo_id == "leaving-silo"
         revoke(ca, silo_id="leaving-silo")
         code, details = code_of(lambda: register(ch))
     assert code == CODE.PERMISSION_DENIED
     assert "revoked" in details
+
+
+def test_a_certificate_the_ca_issued_but_the_roster_does_not_name_is_no_member(live, tmp_path):
+    """The operator holds the CA key: a Sybil it issues passes TLS, and is refused at registration."""
+    issue_silo(live.directory / "pki" / "ca", tmp_path, silo_id="sybil")
+    with channel(live, "sybil", ca_dir=tmp_path) as ch:
+        code, details = code_of(lambda: register(ch))
+    assert code == CODE.PERMISSION_DENIED
+    assert "does not name this certificate" in details
+    store = live.store()
+    assert "sybil" not in store.silos()
+    store.close()
 
 
 def test_operator_certificate_is_not_a_silo_and_a_silo_is_not_the_operator(live):

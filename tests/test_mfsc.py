@@ -13,28 +13,27 @@ import torch
 from aggregator.config import ConsortiumSection, TimeoutSection, load_consortium_config
 from aggregator.demo import write_consortium
 from aggregator.picking import BadDisclosure, RoundPicker
-from aggregator.rounds import ROUNDSPEC_CONTEXT
 from aggregator.store import Store
 from fedlt.errors import ConfigError
 from fedlt.methods import METHODS, MethodChoice
 from fedlt.selection import (
     MASKS,
+    MaskStream,
     SelectionBook,
     SelectionConfig,
     choose_participants,
     estimate_coverage,
-    mask_generator,
+    mask_stream,
     masked_class_means,
     tail_first,
 )
 from fedlt.sim.config import load_sim_config
 from fedlt.sim.run import CHECKPOINT, run_simulation
 from fedlt.v1 import round_pb2
-from privacy.pki.identity import load_certificate
-from privacy.pki.signing import sign
+from privacy.pki.signing import ROUNDSPEC_CONTEXT, sign
 from silo.agent import RefusedRound, SiloAgent
 from silo.config import load_silo_config
-from tests.consortium_harness import PLAN, RECIPE
+from tests.consortium_harness import AUDIT_KEY, PLAN, RECIPE
 
 CLASSES, DIM = 6, 32
 
@@ -57,9 +56,42 @@ HOLDINGS = [[0, 1, 2, 5], [0, 1, 3], [0, 2, 3, 4], [0, 1, 4], [1, 2, 3, 4, 5], [
 
 def disclose(silos, mask: str, seed: int = 0) -> dict[str, torch.Tensor]:
     return {
-        s: masked_class_means(z, y, CLASSES, mask, torch.Generator().manual_seed(seed + k))
+        s: masked_class_means(z, y, CLASSES, mask, stream(seed + k))
         for k, (s, (z, y)) in enumerate(silos.items())
     }
+
+
+def stream(seed: int) -> MaskStream:
+    """A mask keystream for tests, one per seed."""
+    return MaskStream(seed.to_bytes(32, "little"))
+
+
+def test_a_one_sample_class_mean_is_that_sample_so_silos_disclose_small_classes_as_masks():
+    """Under an encoder the aggregator chose to be the identity, a class mean is an input mean: a class of one
+    sample is that sample. The attack works at min_samples = 1; the default discloses a mask instead."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.rand(41, DIM, generator=gen)
+    y = torch.tensor([0] * 20 + [1] * 20 + [2])  # class 2: one patient
+    identity = x  # the features an identity-like first layer hands back
+    leaked = masked_class_means(identity, y, CLASSES, "gaussian", stream(0), min_samples=1)
+    assert torch.allclose(leaked[2], x[40].double())
+    default = SelectionConfig().min_samples
+    assert default >= 5
+    guarded = masked_class_means(identity, y, CLASSES, "gaussian", stream(0), min_samples=default)
+    assert not torch.allclose(guarded[2], x[40].double(), atol=1e-3)
+    assert torch.allclose(guarded[0], x[:20].double().mean(0))  # classes with enough samples are unchanged
+
+
+def test_mask_keystream_is_chacha20_known_answer_and_uniform():
+    """RFC 8439 A.1, test vector 1 (zero key, zero nonce, counter 0): the keystream starts 76 b8 e0 ad a0 f1
+    3d 90, so the first draw is that little-endian word's top 53 bits."""
+    first = MaskStream(bytes(32)).uniform(1).item()
+    word = int.from_bytes(bytes.fromhex("76b8e0ada0f13d90"), "little")
+    assert first == (word >> 11) * 2.0**-53
+    draws = MaskStream(b"k" * 32).uniform(100_000)
+    assert draws.min() >= 0.0
+    assert draws.max() < 1.0
+    assert abs(draws.mean().item() - 0.5) < 0.01
 
 
 def truth(holdings: list[list[int]]) -> dict[str, torch.Tensor]:
@@ -69,14 +101,14 @@ def truth(holdings: list[list[int]]) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("mask", MASKS)
 def test_masked_means_are_exact_for_held_classes_and_masked_elsewhere(mask):
     z, y = synthetic_silos([[0, 2, 5]])["silo-0"]
-    means = masked_class_means(z, y, CLASSES, mask, torch.Generator().manual_seed(1))
+    means = masked_class_means(z, y, CLASSES, mask, stream(1))
     assert means.shape == (CLASSES, DIM)
     assert torch.isfinite(means).all()
     for c in (0, 2, 5):
         assert torch.allclose(means[c], z[y == c].double().mean(0))
-    again = masked_class_means(z, y, CLASSES, mask, torch.Generator().manual_seed(1))
+    again = masked_class_means(z, y, CLASSES, mask, stream(1))
     assert torch.equal(means, again)  # seeded: a resumed run discloses the same values
-    other = masked_class_means(z, y, CLASSES, mask, torch.Generator().manual_seed(2))
+    other = masked_class_means(z, y, CLASSES, mask, stream(2))
     assert not torch.equal(means[[1, 3, 4]], other[[1, 3, 4]])
     # a range or sign test does not single masks out: every coordinate within the real means' range
     real = means[[0, 2, 5]]
@@ -89,7 +121,7 @@ def test_masked_means_are_exact_for_held_classes_and_masked_elsewhere(mask):
 @pytest.mark.parametrize("mask", MASKS)
 def test_a_silo_holding_one_class_does_not_mask_with_copies_of_its_mean(mask):
     z, y = synthetic_silos([[3]])["silo-0"]
-    means = masked_class_means(z, y, CLASSES, mask, torch.Generator().manual_seed(0))
+    means = masked_class_means(z, y, CLASSES, mask, stream(0))
     others = means[[0, 1, 2, 4, 5]]
     assert not any(torch.allclose(m, means[3]) for m in others)
     assert len(torch.unique(others, dim=0)) == 5
@@ -99,7 +131,7 @@ def test_masks_are_keyed_by_a_secret_the_aggregator_does_not_have():
     z, y = synthetic_silos([[0, 2, 5]])["silo-0"]
 
     def masks(secret: bytes, round_number: int) -> torch.Tensor:
-        return masked_class_means(z, y, CLASSES, "gaussian", mask_generator(secret, round_number))[[1, 3, 4]]
+        return masked_class_means(z, y, CLASSES, "gaussian", mask_stream(secret, round_number))[[1, 3, 4]]
 
     assert torch.equal(masks(b"k" * 32, 3), masks(b"k" * 32, 3))  # every attempt of a round: one answer
     assert not torch.equal(masks(b"k" * 32, 3), masks(b"k" * 32, 4))
@@ -109,7 +141,7 @@ def test_masks_are_keyed_by_a_secret_the_aggregator_does_not_have():
 def test_an_unknown_mask_is_refused():
     z, y = synthetic_silos([[0]])["silo-0"]
     with pytest.raises(ValueError, match="unknown mask"):
-        masked_class_means(z, y, CLASSES, "zeros", torch.Generator())
+        masked_class_means(z, y, CLASSES, "zeros", stream(0))
 
 
 @pytest.mark.parametrize("mask", MASKS)
@@ -214,7 +246,7 @@ def test_simulator_picks_silos_scores_mfsc_and_resumes_identically(tmp_path):
 
 
 def picker_with(tmp_path, policies: dict[str, list[str]]) -> tuple[RoundPicker, Store]:
-    store = Store(tmp_path / "consortium.sqlite")
+    store = Store(tmp_path / "consortium.sqlite", audit_key=AUDIT_KEY)
     for silo, disclosures in policies.items():
         store.register_silo(silo, "0" * 64, "test", {"disclosures": disclosures})
     plan = replace(PLAN, selection=SelectionConfig(per_round=2, strategy="mfsc"))
@@ -265,7 +297,7 @@ def test_disclosures_are_checked_kept_audited_and_survive_a_restart(tmp_path):
     _, closing = store.begin_attempt(2, ["silo-0", "silo-1"], "x")  # a closing round: nobody was picked
     store.commit_round(round_number=2, round_id=closing, digest="e", data=b"", contributors=["silo-0"])
     store.close()
-    store = Store(tmp_path / "consortium.sqlite")
+    store = Store(tmp_path / "consortium.sqlite", audit_key=AUDIT_KEY)
     reopened = RoundPicker(picker.selection, 0, store, picker.method)
     assert torch.equal(reopened.book.disclosures["silo-0"], good)
     assert reopened.book.last_picked == {"silo-0": 1}
@@ -289,10 +321,10 @@ def test_a_retry_picks_around_silos_that_let_the_first_attempt_down(tmp_path):
 # --- the silo's side ---------------------------------------------------------------------------------
 
 
-def two_silo_configs(tmp_path, plan=PLAN) -> list:
+def silo_configs_of_three(tmp_path, plan=PLAN) -> list:
     _, silo_configs = write_consortium(
         tmp_path,
-        recipe=replace(RECIPE, silos=2),
+        recipe=replace(RECIPE, silos=3),
         plan=plan,
         consortium=ConsortiumSection(id="c", min_silos=2),
         timeouts=TimeoutSection(),
@@ -302,10 +334,10 @@ def two_silo_configs(tmp_path, plan=PLAN) -> list:
 
 def test_a_silo_refuses_a_round_asking_for_a_disclosure_its_policy_does_not_allow(tmp_path):
     plan = replace(PLAN, method=MethodChoice("dflfs", METHODS["dflfs"].Options()))
-    silo_configs = two_silo_configs(tmp_path, plan)
+    silo_configs = silo_configs_of_three(tmp_path, plan)
     agent = SiloAgent(load_silo_config(silo_configs[0]))
     agent.silo_id = "silo-0"
-    agent.aggregator_cert = load_certificate((tmp_path / "pki" / "aggregator.pem").read_bytes())
+    agent.aggregator_pem = (tmp_path / "pki" / "aggregator.pem").read_bytes()
     plan_toml = plan.to_toml()
     spec = round_pb2.RoundSpec(
         consortium_id="c",
@@ -315,9 +347,9 @@ def test_a_silo_refuses_a_round_asking_for_a_disclosure_its_policy_does_not_allo
         method_config=plan_toml,
         config_sha256=hashlib.sha256(plan_toml.encode()).hexdigest(),
         privacy="secagg",
-        participants=["silo-0", "silo-1"],
+        participants=["silo-0", "silo-1", "silo-2"],
         disclosures=["mfsc"],
-        disclosers=["silo-0", "silo-1"],
+        disclosers=["silo-0", "silo-1", "silo-2"],
         secagg=round_pb2.SecAggParameters(k_min=2),
     )
     blob = spec.SerializeToString()
@@ -329,12 +361,12 @@ def test_a_silo_refuses_a_round_asking_for_a_disclosure_its_policy_does_not_allo
     allowing = replace(agent.config, policy=replace(agent.config.policy, disclosures=("mfsc",)))
     agent.config = allowing
     checked, _ = agent._check_spec(signed)
-    assert list(checked.disclosers) == ["silo-0", "silo-1"]
+    assert list(checked.disclosers) == ["silo-0", "silo-1", "silo-2"]
 
 
 def test_a_silos_mask_secret_is_its_own_kept_and_private(tmp_path):
-    silo_configs = two_silo_configs(tmp_path)
-    first, second = (SiloAgent(load_silo_config(c)) for c in silo_configs)
+    silo_configs = silo_configs_of_three(tmp_path)
+    first, second = (SiloAgent(load_silo_config(c)) for c in silo_configs[:2])
     secret = first._mask_secret()
     assert len(secret) == 32
     assert secret != second._mask_secret()

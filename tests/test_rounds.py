@@ -24,7 +24,7 @@ from fedlt.data.embedded import load_embedded, split_balanced_test
 from fedlt.methods.state import GlobalState, pack_state
 from fedlt.metrics import ShotThresholds
 from fedlt.recorder import RunRecorder
-from tests.consortium_harness import PLAN
+from tests.consortium_harness import AUDIT_KEY, PLAN
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def engine(tmp_path):
     config = ConsortiumConfig(
         consortium=ConsortiumSection(rounds=2, min_silos=2, privacy="plaintext"), plan=PLAN
     )
-    store = Store(tmp_path / "db.sqlite")
+    store = Store(tmp_path / "db.sqlite", audit_key=AUDIT_KEY)
     store.register_silo("a", "c", "v", {})
     store.register_silo("b", "c", "v", {})
     lines: list[str] = []
@@ -130,7 +130,7 @@ def test_a_round_committed_without_metrics_is_evaluated_at_start_up(tmp_path):
         consortium=ConsortiumSection(rounds=2, min_silos=1, privacy="plaintext"), plan=PLAN
     )
     method = PLAN.build_method()
-    store = Store(tmp_path / "db.sqlite")
+    store = Store(tmp_path / "db.sqlite", audit_key=AUDIT_KEY)
     store.bind(config.fingerprint())
     initial = method.init_state(seed=0)
     store.save_initial_state(initial.digest(), pack_state(initial))

@@ -54,8 +54,27 @@ def silo_ids(n: int) -> tuple[str, ...]:
     return tuple(f"silo-{i:02d}" for i in range(n))
 
 
+# The sparse graph is drawn from the keys silos advertise, which exist only once a session runs. The reference
+# predicate below must know the graph beforehand, so this module fixes the draw (as FCP's tests fix the PRNG);
+# tests/test_malicious_aggregator.py checks the real draw.
+REFERENCE_GRAPH = b"reference graph"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def reference_graph():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SessionSpec, "with_keys", lambda spec, keys: replace(spec, keys_digest=REFERENCE_GRAPH))
+        yield
+
+
 def make_spec(n: int, **changes) -> SessionSpec:
-    fields = {"round_id": "r3.a1", "purpose": "contribution", "participants": silo_ids(n), "words": WORDS}
+    fields = {
+        "round_id": "r3.a1",
+        "purpose": "contribution",
+        "participants": silo_ids(n),
+        "words": WORDS,
+        "keys_digest": REFERENCE_GRAPH,
+    }
     return SessionSpec(**(fields | changes))
 
 

@@ -18,10 +18,14 @@ import torch
 from fedlt.methods.state import flatten, float_keys
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc, round_pb2
+from privacy.pki.roster import Roster
 from privacy.pki.signing import load_private_key, sign
+from privacy.pki.trust import MemberTrust, RevokedSerials
 from privacy.secagg.peers import ConsortiumPeers
+from privacy.secagg.policy import SessionPolicy
 from privacy.secagg.protocol import KEYS_CONTEXT
 from silo.agent import _schema_of
+from silo.releases import ReleaseLedger
 from silo.secure import SecureRound
 from silo.upload import submit_stream
 from tests.consortium_harness import PLAN, Consortium, channel, code_of, read_all, register
@@ -33,7 +37,8 @@ def test_a_secure_round_played_by_hand_refuses_tampering_and_sums_right(tmp_path
     consortium = Consortium.create(tmp_path, rounds=1, min_silos=2, silos=2, round_timeout=120.0)
     consortium.start_aggregator()
     pki = consortium.directory / "pki"
-    peers = ConsortiumPeers((pki / "ca" / "ca.pem").read_bytes())
+    roster = Roster.read(pki / "roster.json")
+    peers = ConsortiumPeers(MemberTrust((pki / "ca" / "ca.pem").read_bytes(), roster, RevokedSerials()))
     try:
         with channel(consortium, "silo-0") as ch0, channel(consortium, "silo-1") as ch1:
             stubs = [consortium_pb2_grpc.ConsortiumServiceStub(ch) for ch in (ch0, ch1)]
@@ -95,6 +100,8 @@ def test_a_secure_round_played_by_hand_refuses_tampering_and_sums_right(tmp_path
                     me=f"silo-{k}",
                     sign=lambda data, *, context, key=keys[k]: sign(key, data, context=context),
                     peers=peers,
+                    policy=SessionPolicy(min_participants=2),  # the default refuses sums of two silos
+                    ledger=ReleaseLedger(tmp_path),
                     timeout=30,
                 )
                 for k in (0, 1)

@@ -2,18 +2,20 @@ import sqlite3
 
 import pytest
 
-from aggregator.store import Store, StoreError
+from aggregator.store import AuditKey, Store, StoreError
+
+AUDIT_KEY = AuditKey(b"fedlt tests' fixed audit key ...")
 
 
 @pytest.fixture
 def store(tmp_path):
-    s = Store(tmp_path / "db.sqlite")
+    s = Store(tmp_path / "db.sqlite", audit_key=AUDIT_KEY)
     yield s
     s.close()
 
 
 def test_binding_refuses_another_consortium(tmp_path):
-    s = Store(tmp_path / "db.sqlite")
+    s = Store(tmp_path / "db.sqlite", audit_key=AUDIT_KEY)
     assert s.bind("a") is True
     assert s.bind("a") is False
     with pytest.raises(StoreError, match="other settings"):
@@ -22,7 +24,7 @@ def test_binding_refuses_another_consortium(tmp_path):
 
 
 def test_rounds_commit_in_order_and_survive_reopening(tmp_path):
-    s = Store(tmp_path / "db.sqlite")
+    s = Store(tmp_path / "db.sqlite", audit_key=AUDIT_KEY)
     s.save_initial_state("d0", b"state0")
     attempt, round_id = s.begin_attempt(1, ["silo-0", "silo-1"], "n1")
     assert attempt == 1
@@ -32,7 +34,7 @@ def test_rounds_commit_in_order_and_survive_reopening(tmp_path):
     with pytest.raises(StoreError, match="cannot commit round 3 on top of round 1"):
         s.commit_round(round_number=3, round_id="x", digest="d3", data=b"", contributors=[])
     s.close()
-    again = Store(tmp_path / "db.sqlite")
+    again = Store(tmp_path / "db.sqlite", audit_key=AUDIT_KEY)
     latest = again.latest_state()
     assert (latest.round, latest.digest, latest.data) == (1, "d1", b"state1")
     assert again.metrics_history() == [{"round": 1, "accuracy": 0.5}]

@@ -137,12 +137,32 @@ def test_with_the_tail_guard_off_every_class_is_released(k_min):
     check_sums(SecAggSum(SecAggSettings(k_min=k_min)), held=[])
 
 
-def test_the_layer_forgets_what_it_held_back_in_the_previous_round():
-    """`held_back` describes the last round only, also when that round had no census at all."""
+def check_zeroed(layer: SecAggSum, zeroed: list[int], holdings, silos=()) -> None:
+    sums = layer.aggregate(SCHEMA, contributions(holdings), silos=silos)
+    assert layer.held_back == zeroed
+    rows = sums["grad"].reshape(CLASSES, -1)
+    assert rows[zeroed].abs().sum() == 0
+    assert all(
+        rows[c].abs().sum() > 0 for c in range(CLASSES) if c not in zeroed and any(c in h for h in holdings)
+    )
+
+
+def test_the_census_is_taken_once_per_phase_and_per_class_rows_go_only_into_sums_over_its_silos():
+    """Presence summed over changing silo sets could be solved for each silo's classes, so the first round
+    of a phase fixes the census set; every later round sums over exactly it or zeroes every class."""
     layer = SecAggSum()
-    check_sums(layer, held=[2, 4])
-    check_sums(layer, held=[], holdings=[(0, 1, 2, 3, 4), (0, 1, 2, 3, 4)])
-    check_sums(layer, held=[2, 4])
+    three = ["h", "i", "j"]
+    check_zeroed(layer, [2, 4], HOLDINGS, three)
+    # the census stands for the phase: a later round over the same silos is guarded by it, not by new presence
+    check_zeroed(layer, [2, 4], [(0, 1, 2, 3, 4)] * 3, three)
+    # any other set of silos (a subset, a superset, other names) gets no per-class row at all
+    check_zeroed(layer, list(range(CLASSES)), HOLDINGS[:2], three[:2])
+    check_zeroed(layer, list(range(CLASSES)), [*HOLDINGS, (0,)], [*three, "k"])
+    assert list(layer.censuses) == [SCHEMA.phase]
+    # a resumed run carries the census over
+    resumed = SecAggSum()
+    resumed.restore(layer.saved())
+    check_zeroed(resumed, [2, 4], [(0, 1, 2, 3, 4)] * 3, three)
     classless = Schema((Field("w", (4,), 1.0),))
     layer.aggregate(classless, [classless.contribution(w=torch.ones(4)) for _ in range(3)])
     assert layer.held_back == []

@@ -24,7 +24,9 @@ class PlaintextSum(SumLayer):
             "whoever aggregates sees each silo's values; for research and tests only"
         )
 
-    def aggregate(self, schema: Schema, contributions: Sequence[Contribution]) -> Sums:
+    def aggregate(
+        self, schema: Schema, contributions: Sequence[Contribution], *, silos: Sequence[str] = ()
+    ) -> Sums:
         self.check_round(schema, contributions)
         total = torch.zeros(schema.size, dtype=torch.float64)
         for c in contributions:

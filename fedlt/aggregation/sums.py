@@ -56,8 +56,23 @@ class SumLayer(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def aggregate(self, schema: Schema, contributions: Sequence[Contribution]) -> Sums:
-        """Sum the contributions of one round, or raise; never return a partial sum."""
+    def aggregate(
+        self, schema: Schema, contributions: Sequence[Contribution], *, silos: Sequence[str] = ()
+    ) -> Sums:
+        """Sum the contributions of one round, or raise; never return a partial sum.
+
+        `silos` names the contributors, in order, for layers that keep track of who was summed (the secure
+        layer's census set); without names they are numbered.
+        """
+
+    def saved(self) -> dict:
+        """What this layer must carry across a resumed run (the secure layer's census per phase)."""
+        return {}
+
+    def restore(self, saved: dict) -> None:
+        """Take back what `saved` returned; a layer that keeps nothing refuses another layer's memory."""
+        if saved:
+            raise ContributionError(f"the {self.name!r} layer keeps no memory, but was given {sorted(saved)}")
 
     @staticmethod
     def seal(schema: Schema, vector: torch.Tensor, contributors: int) -> Sums:

@@ -4,9 +4,10 @@ from fedlt.selection.choose import SelectionBook, choose_participants, tail_firs
 from fedlt.selection.config import MASKS, STRATEGIES, SelectionConfig
 from fedlt.selection.mfsc import (
     DISCLOSURE,
+    MaskStream,
     class_mean_disclosure,
     estimate_coverage,
-    mask_generator,
+    mask_stream,
     masked_class_means,
     simulated_mask_secret,
 )
@@ -15,12 +16,13 @@ __all__ = [
     "DISCLOSURE",
     "MASKS",
     "STRATEGIES",
+    "MaskStream",
     "SelectionBook",
     "SelectionConfig",
     "choose_participants",
     "class_mean_disclosure",
     "estimate_coverage",
-    "mask_generator",
+    "mask_stream",
     "masked_class_means",
     "simulated_mask_secret",
     "tail_first",

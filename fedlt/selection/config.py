@@ -22,6 +22,9 @@ class SelectionConfig:
     separation: float = setting(
         2.0, gt=1.0, doc="mfsc: how many times apart the two modes of neighbour distances must be"
     )
+    min_samples: int = setting(
+        5, ge=1, doc="mfsc: a class a silo holds fewer samples of is disclosed as a mask, never as its mean"
+    )
 
     @property
     def discloses(self) -> bool:

@@ -19,17 +19,23 @@ Where the paper (Sec. 3.2) leaves the algorithm open, this module decides, and s
   truncated to that range. A silo holding one class uses its per-sample features instead, so masks are not
   copies of its one mean. (Random convex combinations of the real means were tried as a third mask and
   dropped: they land near real class means often enough that clustering misreads coverage.)
-- Mask randomness comes from a secret that never leaves the silo (`mask_generator`): were it derived from
-  the RoundSpec's seed, the aggregator could regenerate every mask and read coverage off exactly.
+- Mask randomness is a ChaCha20 keystream keyed by a secret that never leaves the silo (`mask_stream`):
+  were it derived from the RoundSpec's seed, or drawn from a statistical generator whose state a few outputs
+  reveal, the aggregator could regenerate every mask and read coverage off exactly.
+- A class a silo holds fewer than `min_samples` samples of is disclosed as a mask, not as its mean: the
+  aggregator chooses the encoder, and an encoder close to the identity turns a one-sample class mean into
+  that sample (silos enforce their own minimum, `policy.disclosure_min_samples`, on top of the plan's).
 """
 
 from __future__ import annotations
 
 import hmac
+import math
 from collections.abc import Mapping
 
 import numpy as np
 import torch
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
 from fedlt.data.arrays import LabeledImages
 from fedlt.methods import GlobalState, Method
@@ -40,42 +46,54 @@ from fedlt.selection.config import MASKS
 DISCLOSURE = "mfsc"
 
 
+class MaskStream:
+    """Uniform draws in [0, 1) from a ChaCha20 keystream: unpredictable and unrepeatable without the key."""
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) != 32:
+            raise ValueError(f"a mask key has 32 bytes, got {len(key)}")
+        self._keystream = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
+
+    def uniform(self, *shape: int) -> torch.Tensor:
+        words = np.frombuffer(self._keystream.update(bytes(8 * math.prod(shape))), dtype="<u8")
+        return torch.from_numpy((words >> np.uint64(11)).astype(np.float64) * 2.0**-53).reshape(shape)
+
+
 def masked_class_means(
-    z: torch.Tensor, y: torch.Tensor, num_classes: int, mask: str, gen: torch.Generator
+    z: torch.Tensor, y: torch.Tensor, num_classes: int, mask: str, stream: MaskStream, *, min_samples: int = 1
 ) -> torch.Tensor:
-    """[classes, features]: the mean feature of each class held, a `mask` point for each class not held."""
+    """[classes, features]: the mean feature of each class held by at least `min_samples` samples, a `mask`
+    point for every other class."""
     if mask not in MASKS:
         raise ValueError(f"unknown mask {mask!r}; known: {', '.join(MASKS)}")
     z = z.double()
     counts = torch.bincount(y, minlength=num_classes)
     means = torch.zeros(num_classes, z.shape[1], dtype=torch.float64)
     means.index_add_(0, y, z)
-    held = counts > 0
+    held = counts >= max(1, min_samples)
     means[held] /= counts[held].unsqueeze(1)
     missing = int((~held).sum())
     if missing:
-        means[~held] = _mask_points(z, means[held], missing, mask, gen)
+        reference = means[held] if int(held.sum()) >= 2 else z[held[y]] if held.any() else z
+        means[~held] = _mask_points(reference, missing, mask, stream)
     return means
 
 
-def _mask_points(
-    z: torch.Tensor, real: torch.Tensor, k: int, mask: str, gen: torch.Generator
-) -> torch.Tensor:
-    reference = real if len(real) >= 2 else z
+def _mask_points(reference: torch.Tensor, k: int, mask: str, stream: MaskStream) -> torch.Tensor:
     low, high = reference.min(0).values, reference.max(0).values
     if mask == "uniform":
-        return low + (high - low) * torch.rand(k, len(low), generator=gen, dtype=z.dtype)
+        return low + (high - low) * stream.uniform(k, len(low))
     mean, spread = reference.mean(0), reference.std(0, correction=0).clamp_min(1e-12)  # gaussian, truncated
     cdf_low = torch.special.ndtr((low - mean) / spread)
     cdf_high = torch.special.ndtr((high - mean) / spread)
-    u = cdf_low + (cdf_high - cdf_low) * torch.rand(k, len(low), generator=gen, dtype=z.dtype)
+    u = cdf_low + (cdf_high - cdf_low) * stream.uniform(k, len(low))
     return (mean + spread * torch.special.ndtri(u)).clamp(low, high)  # clamp: rounding at the edges
 
 
-def mask_generator(secret: bytes, round_number: int) -> torch.Generator:
+def mask_stream(secret: bytes, round_number: int) -> MaskStream:
     """The mask draws of one round: keyed by the silo's secret, the same for every attempt of the round."""
-    digest = hmac.new(secret, b"fedlt/mfsc-mask/" + round_number.to_bytes(8, "little"), "sha256").digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    key = hmac.new(secret, b"fedlt/mfsc-mask/" + round_number.to_bytes(8, "little"), "sha256").digest()
+    return MaskStream(key)
 
 
 def simulated_mask_secret(seed: int, silo_id: str) -> bytes:
@@ -84,12 +102,18 @@ def simulated_mask_secret(seed: int, silo_id: str) -> bytes:
 
 
 def class_mean_disclosure(
-    method: Method, state: GlobalState, data: LabeledImages, mask: str, gen: torch.Generator
+    method: Method,
+    state: GlobalState,
+    data: LabeledImages,
+    mask: str,
+    stream: MaskStream,
+    *,
+    min_samples: int,
 ) -> torch.Tensor:
     """What a silo discloses: its masked class means under the received global encoder."""
     z = extract_features(method.load(state.model), torch.from_numpy(data.x))
     y = torch.from_numpy(data.y)
-    return masked_class_means(z, y, method.model_spec.num_classes, mask, gen)
+    return masked_class_means(z, y, method.model_spec.num_classes, mask, stream, min_samples=min_samples)
 
 
 def estimate_coverage(disclosures: Mapping[str, torch.Tensor], separation: float) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ from fedlt.selection import (
     choose_participants,
     class_mean_disclosure,
     estimate_coverage,
-    mask_generator,
+    mask_stream,
     simulated_mask_secret,
 )
 from fedlt.sim.config import SimConfig
@@ -57,11 +57,13 @@ def run_simulation(
     method = make_method(config, federation.test.image_shape, len(federation.classes))
     layer = make_layer(config.privacy)
     out.mkdir(parents=True, exist_ok=True)
-    state, rounds, book = _resume(out, config, method) or (
+    state, rounds, book, layer_saved = _resume(out, config, method) or (
         method.init_state(seed=config.seed),
         [],
         SelectionBook(),
+        {},
     )
+    layer.restore(layer_saved)
     if rounds:
         echo(f"resuming {out} after round {state.round}")
     recorder = RunRecorder(
@@ -86,9 +88,14 @@ def run_simulation(
         )
         if trains and config.selection.discloses:  # every silo, so that all means share one encoder
             for silo_id, silo in silos.items():
-                gen = mask_generator(simulated_mask_secret(config.seed, silo_id), r)
+                stream = mask_stream(simulated_mask_secret(config.seed, silo_id), r)
                 book.disclosures[silo_id] = class_mean_disclosure(
-                    method, state, silo, config.selection.mask, gen
+                    method,
+                    state,
+                    silo,
+                    config.selection.mask,
+                    stream,
+                    min_samples=config.selection.min_samples,
                 )
         contributions = [
             method.local_round(state, silos[silo_id], SiloContext(r, silo_id, config.seed))
@@ -96,7 +103,7 @@ def run_simulation(
         ]
         if trains:
             book.record(r, picked)
-        sums = layer.aggregate(method.schema(state), contributions)
+        sums = layer.aggregate(method.schema(state), contributions, silos=picked)
         state = method.server_step(state, sums, ServerContext(r, config.seed))
         entry = recorder.evaluate(
             r,
@@ -110,7 +117,7 @@ def run_simulation(
         if config.selection.discloses:
             entry["coverage_error"] = _coverage_error(book, silos, config.selection.separation)
         recorder.append(entry)
-        _save_checkpoint(out, config, state, recorder.rounds, book)
+        _save_checkpoint(out, config, state, recorder.rounds, book, layer.saved())
         echo(round_line(entry, total))
         if on_round is not None:
             on_round(r, total, entry)
@@ -156,7 +163,7 @@ def _coverage_error(book: SelectionBook, silos: dict, separation: float) -> floa
 
 
 def _save_checkpoint(
-    out: Path, config: SimConfig, state: GlobalState, rounds: list[dict], book: SelectionBook
+    out: Path, config: SimConfig, state: GlobalState, rounds: list[dict], book: SelectionBook, layer: dict
 ) -> None:
     checkpoint = {
         "fingerprint": config.fingerprint(),
@@ -165,13 +172,14 @@ def _save_checkpoint(
         "extra": dict(state.extra),
         "rounds": rounds,
         "selection": book.as_dict(),
+        "layer": layer,
     }
     atomic_write(out / CHECKPOINT, lambda fh: torch.save(checkpoint, fh))
 
 
 def _resume(
     out: Path, config: SimConfig, method: Method
-) -> tuple[GlobalState, list[dict], SelectionBook] | None:
+) -> tuple[GlobalState, list[dict], SelectionBook, dict] | None:
     path = out / CHECKPOINT
     if not path.exists():
         return None
@@ -187,4 +195,4 @@ def _resume(
             f"{out} already holds {method.trained_rounds(state)} training rounds, more than the "
             f"{config.rounds} asked for; ask for at least as many, choose another --out, or pass --fresh"
         )
-    return state, saved["rounds"], SelectionBook.from_dict(saved["selection"])
+    return state, saved["rounds"], SelectionBook.from_dict(saved["selection"]), saved.get("layer", {})

@@ -54,14 +54,18 @@ class RegisterRequest(_message.Message):
     def __init__(self, agent_version: _Optional[str] = ..., accepted_methods: _Optional[_Iterable[str]] = ..., accepted_privacy: _Optional[_Iterable[str]] = ..., accepted_disclosures: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("silo_id", "consortium_id", "aggregator_certificate")
+    __slots__ = ("silo_id", "consortium_id", "aggregator_certificate", "roster", "crl")
     SILO_ID_FIELD_NUMBER: _ClassVar[int]
     CONSORTIUM_ID_FIELD_NUMBER: _ClassVar[int]
     AGGREGATOR_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    ROSTER_FIELD_NUMBER: _ClassVar[int]
+    CRL_FIELD_NUMBER: _ClassVar[int]
     silo_id: str
     consortium_id: str
     aggregator_certificate: bytes
-    def __init__(self, silo_id: _Optional[str] = ..., consortium_id: _Optional[str] = ..., aggregator_certificate: _Optional[bytes] = ...) -> None: ...
+    roster: bytes
+    crl: bytes
+    def __init__(self, silo_id: _Optional[str] = ..., consortium_id: _Optional[str] = ..., aggregator_certificate: _Optional[bytes] = ..., roster: _Optional[bytes] = ..., crl: _Optional[bytes] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("last_round",)

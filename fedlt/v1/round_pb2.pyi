@@ -29,7 +29,7 @@ class Schema(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ...) -> None: ...
 
 class RoundSpec(_message.Message):
-    __slots__ = ("consortium_id", "round", "attempt", "round_id", "method", "schema", "method_config", "config_sha256", "state_digest", "state_bytes", "seed", "privacy", "participants", "disclosures", "deadline_unix_ms", "secagg", "disclosers")
+    __slots__ = ("consortium_id", "round", "attempt", "round_id", "method", "schema", "method_config", "config_sha256", "state_digest", "state_bytes", "seed", "privacy", "participants", "disclosures", "deadline_unix_ms", "secagg", "disclosers", "census")
     CONSORTIUM_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class RoundSpec(_message.Message):
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     SECAGG_FIELD_NUMBER: _ClassVar[int]
     DISCLOSERS_FIELD_NUMBER: _ClassVar[int]
+    CENSUS_FIELD_NUMBER: _ClassVar[int]
     consortium_id: str
     round: int
     attempt: int
@@ -64,7 +65,16 @@ class RoundSpec(_message.Message):
     deadline_unix_ms: int
     secagg: SecAggParameters
     disclosers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, consortium_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., round_id: _Optional[str] = ..., method: _Optional[str] = ..., schema: _Optional[_Union[Schema, _Mapping]] = ..., method_config: _Optional[str] = ..., config_sha256: _Optional[str] = ..., state_digest: _Optional[str] = ..., state_bytes: _Optional[int] = ..., seed: _Optional[int] = ..., privacy: _Optional[str] = ..., participants: _Optional[_Iterable[str]] = ..., disclosures: _Optional[_Iterable[str]] = ..., deadline_unix_ms: _Optional[int] = ..., secagg: _Optional[_Union[SecAggParameters, _Mapping]] = ..., disclosers: _Optional[_Iterable[str]] = ...) -> None: ...
+    census: Census
+    def __init__(self, consortium_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., round_id: _Optional[str] = ..., method: _Optional[str] = ..., schema: _Optional[_Union[Schema, _Mapping]] = ..., method_config: _Optional[str] = ..., config_sha256: _Optional[str] = ..., state_digest: _Optional[str] = ..., state_bytes: _Optional[int] = ..., seed: _Optional[int] = ..., privacy: _Optional[str] = ..., participants: _Optional[_Iterable[str]] = ..., disclosures: _Optional[_Iterable[str]] = ..., deadline_unix_ms: _Optional[int] = ..., secagg: _Optional[_Union[SecAggParameters, _Mapping]] = ..., disclosers: _Optional[_Iterable[str]] = ..., census: _Optional[_Union[Census, _Mapping]] = ...) -> None: ...
+
+class Census(_message.Message):
+    __slots__ = ("silos", "silos_per_class")
+    SILOS_FIELD_NUMBER: _ClassVar[int]
+    SILOS_PER_CLASS_FIELD_NUMBER: _ClassVar[int]
+    silos: _containers.RepeatedScalarFieldContainer[str]
+    silos_per_class: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, silos: _Optional[_Iterable[str]] = ..., silos_per_class: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SecAggParameters(_message.Message):
     __slots__ = ("threshold", "neighbours", "k_min")

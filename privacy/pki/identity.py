@@ -94,10 +94,19 @@ def _member_of(cert: x509.Certificate, kind: str, *, cn_fallback: bool) -> str:
 
 def verify_chain(cert: x509.Certificate, ca_cert: x509.Certificate) -> None:
     """Issued by the consortium CA and valid now (consortium certificates have no intermediates)."""
+    check_issued_by(cert, ca_cert)
+    check_valid_now(cert)
+
+
+def check_issued_by(cert: x509.Certificate, ca_cert: x509.Certificate) -> None:
     try:
         cert.verify_directly_issued_by(ca_cert)
     except (ValueError, TypeError, InvalidSignature):
         raise PkiError(f"{describe(cert)} was not issued by the consortium CA {describe(ca_cert)}") from None
+
+
+def check_valid_now(cert: x509.Certificate) -> None:
+    """Validity is a question of the moment, so it is asked at every use, never cached."""
     now = datetime.now(UTC)
     if now < cert.not_valid_before_utc:
         raise PkiError(
@@ -142,21 +151,27 @@ class RevocationList:
                 self._stamp = stamp
 
     def is_revoked(self, cert: x509.Certificate) -> bool:
+        self.reload()
         return cert.serial_number in self._revoked
 
     def _parse(self, pem: bytes) -> frozenset[int]:
-        try:
-            crl = x509.load_pem_x509_crl(pem)
-        except ValueError as exc:
-            raise PkiError(f"{self.crl_path} is not a PEM CRL: {exc}") from None
-        if crl.issuer != self.ca_cert.subject:
-            raise PkiError(
-                f"{self.crl_path} was issued by {crl.issuer.rfc4514_string()}, "
-                f"not by the consortium CA {self.ca_cert.subject.rfc4514_string()}"
-            )
-        if not crl.is_signature_valid(self.ca_cert.public_key()):
-            raise PkiError(f"the signature of {self.crl_path} does not verify with the consortium CA's key")
-        return frozenset(entry.serial_number for entry in crl)
+        return revoked_serials(pem, self.ca_cert, source=str(self.crl_path))
+
+
+def revoked_serials(pem: bytes, ca_cert: x509.Certificate, *, source: str) -> frozenset[int]:
+    """The serials a CRL revokes, once its issuer and signature are checked against the consortium CA."""
+    try:
+        crl = x509.load_pem_x509_crl(pem)
+    except ValueError as exc:
+        raise PkiError(f"{source} is not a PEM CRL: {exc}") from None
+    if crl.issuer != ca_cert.subject:
+        raise PkiError(
+            f"{source} was issued by {crl.issuer.rfc4514_string()}, "
+            f"not by the consortium CA {ca_cert.subject.rfc4514_string()}"
+        )
+    if not crl.is_signature_valid(ca_cert.public_key()):
+        raise PkiError(f"the signature of {source} does not verify with the consortium CA's key")
+    return frozenset(entry.serial_number for entry in crl)
 
 
 def _extension(cert: x509.Certificate, kind: type[_Ext]) -> _Ext | None:

@@ -20,6 +20,7 @@ from privacy.pki.errors import PkiError
 from privacy.pki.identity import describe
 
 _ALGORITHM = ec.ECDSA(hashes.SHA256())
+ROUNDSPEC_CONTEXT = "fedlt/roundspec/v1"  # the aggregator signs RoundSpecs for this purpose only
 
 
 def load_private_key(path: str | os.PathLike[str]) -> ec.EllipticCurvePrivateKey:

@@ -7,32 +7,22 @@ from collections.abc import Mapping
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from privacy.pki.errors import PkiError
-from privacy.pki.identity import load_certificate, silo_id_of, verify_chain
 from privacy.pki.signing import verify, verify_key
+from privacy.pki.trust import MemberTrust
 from privacy.secagg.protocol import ProtocolViolation
 
 
 class ConsortiumPeers:
-    """A credential is the signer's certificate: issued by the consortium CA and naming the claimed silo.
+    """A credential is the signer's certificate, accepted only as `MemberTrust` accepts a silo: issued by the
+    consortium CA, valid now, not revoked, and named by the pinned roster under the claimed silo id (a CA
+    signature alone would let whoever holds the CA key invent a peer)."""
 
-    Revocation is the aggregator's to enforce (it holds the revocation list and refuses revoked callers);
-    a silo checks that a peer's keys come from a consortium member under the name the aggregator gives.
-    """
-
-    def __init__(self, ca_pem: bytes) -> None:
-        self.ca = load_certificate(ca_pem, source="the consortium CA certificate")
-        self._checked: dict[bytes, object] = {}
+    def __init__(self, trust: MemberTrust) -> None:
+        self.trust = trust
 
     def verify(self, silo: str, credential: bytes, signature: bytes, data: bytes, *, context: str) -> None:
         try:
-            cert = self._checked.get(credential)
-            if cert is None:
-                cert = load_certificate(credential, source=f"the certificate sent for {silo}")
-                verify_chain(cert, self.ca)
-                self._checked[credential] = cert
-            if silo_id_of(cert) != silo:
-                raise PkiError(f"the certificate sent for {silo} belongs to {silo_id_of(cert)}")
-            verify(cert, signature, data, context=context)
+            verify(self.trust.silo(credential, silo), signature, data, context=context)
         except PkiError as exc:
             raise ProtocolViolation(f"{silo}: {exc}") from None
 

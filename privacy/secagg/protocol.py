@@ -15,11 +15,14 @@ Every stage needs at least t survivors and every rebuilt seed needs t shares fro
 the session aborts (`TooFewSurvivors`) and no sum is formed. A message that breaks the protocol (forged,
 duplicated or replayed key, misaddressed envelope, a view that differs between silos) raises
 `ProtocolViolation` at the silo, which then stops taking part. The neighbour graph is complete by default;
-with `neighbours = k` it is SecAgg+'s Harary graph of degree k over a permutation drawn from the session
-(Bell et al., CCS 2020).
+with `neighbours = k` it is SecAgg+'s Harary graph of degree k over a permutation drawn from the keys the
+silos advertised in stage 0 (Bell et al., CCS 2020).
 
-Deviation from the paper: the graph's permutation comes from the signed RoundSpec hash, so the aggregator,
-which signs it, could grind for a graph; the consistency round still binds every silo to the same graph.
+The graph's randomness is the silos' own fresh keys, which exist only after the aggregator has fixed the
+round: re-drawing round ids no longer re-draws the graph. The aggregator can still choose which advertised
+keys to pass on (U1), and a silo colluding with it could pick its keys after seeing the others', so a silo's
+policy accepts sparse graphs only above a size it chooses (`SessionPolicy`). The consistency round signs the
+key list's digest, so every silo is bound to the same keys and graph.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import math
 import random
 import secrets
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Protocol
 
@@ -122,6 +125,7 @@ class SessionSpec:
     binding: bytes = field(default=b"", repr=False)  # what the consistency round signs: RoundSpec and state
     threshold: int = 0  # shares needed per seed; 0 = more than two thirds of a seed's holders
     neighbours: int = 0  # SecAgg+ degree (even); 0 or >= n - 1 = complete graph
+    keys_digest: bytes = field(default=b"", repr=False)  # of the stage-0 key list: seeds the sparse graph
 
     def __post_init__(self) -> None:
         n = len(self.participants)
@@ -165,7 +169,11 @@ class SessionSpec:
         ids = list(self.participants)
         if self.complete:
             return {u: frozenset(ids) - {u} for u in ids}
-        seed = hashlib.sha256(crypto.transcript("fedlt/secagg/graph/v1", self.session, self.binding)).digest()
+        if not self.keys_digest:
+            raise StageError("a sparse graph is drawn from the advertised keys, which stage 0 has not closed")
+        seed = hashlib.sha256(
+            crypto.transcript("fedlt/secagg/graph/v1", self.session, self.keys_digest)
+        ).digest()
         ring = ids[:]
         random.Random(seed).shuffle(ring)  # placement only; secrecy comes from the seeds, not the graph
         half, n = self.neighbours // 2, len(ring)
@@ -181,7 +189,17 @@ class SessionSpec:
         return self.holders(owner).index(holder) + 1
 
     def consistency_message(self, survivors: Sequence[str]) -> bytes:
-        return crypto.transcript(self.session, self.binding, *sorted(survivors))
+        return crypto.transcript(self.session, self.binding, self.keys_digest, *sorted(survivors))
+
+    def with_keys(self, keys: Sequence[AdvertisedKeys]) -> SessionSpec:
+        """This session once stage 0 is closed: its graph and consistency message depend on the key list."""
+        listed = [
+            crypto.transcript(k.silo, k.c_public, k.s_public) for k in sorted(keys, key=lambda k: k.silo)
+        ]
+        digest = hashlib.sha256(
+            crypto.transcript("fedlt/secagg/keys-list/v1", self.session, *listed)
+        ).digest()
+        return replace(self, keys_digest=digest)
 
     def key_message(self, keys: AdvertisedKeys) -> bytes:
         return crypto.transcript(self.session, keys.silo, keys.c_public, keys.s_public)
@@ -263,6 +281,7 @@ class SecAggClient:
         self._enter("shares", "masked")
         keys = self._checked_keys(advertised)
         u1 = set(keys)
+        self.spec = self.spec.with_keys(list(keys.values()))
         _check_enough(self.spec, u1, "keys")
         self._keys = keys
         holders = self.spec.holders(self.me)
@@ -501,6 +520,7 @@ class SecAggServer:
     def close_keys(self) -> list[AdvertisedKeys]:
         self._closing("keys")
         u1 = set(self._keys)
+        self.spec = self.spec.with_keys(list(self._keys.values()))
         _check_enough(self.spec, u1, "keys")
         self.u1, self.stage = tuple(sorted(u1)), "shares"
         return [self._keys[u] for u in self.u1]

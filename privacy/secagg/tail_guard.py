@@ -1,17 +1,63 @@
 """The tail guard: a per-class sum over fewer than k_min silos is one silo's data, so it is never released.
 
-Before the contribution is masked, a census sums each silo's per-class presence securely (a class is present
-when any per-class field of the silo's contribution is non-zero for it). Every silo then zeroes, in every
-per-class field, the classes that fewer than k_min silos hold, so their rows of the released sum are zero.
-The census itself reveals only how many silos hold each class, never which.
+Once per phase (the phase's first round with per-class fields), a census sums each silo's per-class presence
+securely (a class is present when any per-class field of the silo's contribution is non-zero for it) over that
+round's silos; the silos it counts are the phase's census set P. Every later round of the phase reuses it:
+**per-class fields are released only in sums over exactly P**, with the classes fewer than k_min of them hold
+zeroed; a round over any other set (partial participation, a dropout) zeroes every per-class row.
+
+Why so strict: what a silo holds does not change between rounds, so sums of presence (or of anything else
+per class that stays put) over different silo sets form a linear system the aggregator can solve for each
+silo's classes, and two censuses over sets that differ by one silo give that silo's classes outright. With
+one census per phase and per-class sums over one set only, there is nothing to intersect. The census reveals
+how many silos of P hold each class, never which.
 """
 
 from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from fedlt.aggregation import Schema
+from privacy.secagg import crypto
+from privacy.secagg.protocol import ProtocolViolation
+
+
+@dataclass(frozen=True)
+class Census:
+    """How many of the census set's silos hold each class."""
+
+    silos: tuple[str, ...]  # sorted
+    counts: tuple[int, ...]
+
+    @classmethod
+    def of(cls, silos: Sequence[str], counts: Sequence[int] | np.ndarray) -> Census:
+        return cls(tuple(sorted(silos)), tuple(int(c) for c in counts))
+
+    def digest(self) -> bytes:
+        counts = b"".join(c.to_bytes(8, "big") for c in self.counts)
+        return hashlib.sha256(crypto.transcript("fedlt/census/v1", *self.silos, counts)).digest()
+
+    def binding(self, spec_hash: bytes) -> bytes:
+        """What a contribution's consistency round signs: the RoundSpec and the census its guard used."""
+        return hashlib.sha256(spec_hash + self.digest()).digest()
+
+    def guarded(self, contributors: Sequence[str], k_min: int) -> list[int]:
+        """The classes every silo zeroes in a sum over `contributors`: all of them unless it is the census
+        set, else those some but fewer than `k_min` silos hold."""
+        if tuple(sorted(contributors)) != self.silos:
+            return list(range(len(self.counts)))
+        return held_back(np.asarray(self.counts), k_min)
+
+
+def phase_key(consortium: str, config_sha256: str, seed: int, phase: str) -> str:
+    """Names the phase whose census a silo keeps: one census per (consortium, plan, seed, phase)."""
+    named = crypto.transcript("fedlt/phase/v1", consortium, config_sha256, str(seed), phase)
+    return hashlib.sha256(named).hexdigest()
 
 
 def presence(schema: Schema, flat: torch.Tensor) -> np.ndarray:
@@ -21,6 +67,17 @@ def presence(schema: Schema, flat: torch.Tensor) -> np.ndarray:
         if f.per_class:
             present |= part.reshape(f.shape[0], -1).ne(0).any(dim=1)
     return present.numpy().astype(np.uint64)
+
+
+def check_census(counts: np.ndarray, mine: np.ndarray, counted: int) -> None:
+    """What a silo can check of a census result: its own classes are counted, no count exceeds the silos.
+
+    It cannot check more: a malicious silo may add up to `counted` minus the true count to any class (its
+    input is masked, and without zero-knowledge range proofs nobody can tell a 1 from a 3), which can lift a
+    class one honest silo holds to k_min. docs/threat-model.md states this limit; a test pins it.
+    """
+    if len(counts) != len(mine) or (counts < mine).any() or (counts > counted).any():
+        raise ProtocolViolation("the census result cannot be the sum of the silos' presence")
 
 
 def held_back(counts: np.ndarray, k_min: int) -> list[int]:

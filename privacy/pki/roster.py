@@ -1,0 +1,261 @@
+"""The consortium roster: who the members are, pinned by every silo, changed only by a quorum of silos.
+
+A certificate from the consortium CA proves only that the CA holder issued it, and the operator may hold the
+CA key. So a silo trusts a peer, the RoundSpec signer or the aggregator's TLS endpoint only if its pinned
+roster names that exact certificate (SHA-256 of its DER encoding) under that id and role. The first roster
+reaches a silo with its enrollment kit, out of band; every later version must carry valid signatures from at
+least `quorum` silo members of the version the silo holds (an operator alone cannot add a Sybil or swap a
+member's certificate). The roster body is canonical JSON, so members sign exactly what every silo parses.
+
+File format (JSON): `{"consortium", "version", "quorum", "members": [{"id", "role", "certificate"}],
+"signatures": {"<silo id>": "<base64 DER ECDSA>"}}`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from privacy.pki.errors import PkiError
+from privacy.pki.identity import check_id, load_certificate
+from privacy.pki.signing import sign, verify
+
+ROSTER_CONTEXT = "fedlt/roster/v1"
+AGGREGATOR = "aggregator"
+SILO = "silo"
+ROLES = (AGGREGATOR, SILO)
+
+
+def fingerprint(cert: x509.Certificate) -> str:
+    """SHA-256 of the certificate's DER encoding, hex: what a member's administrator reads out of band."""
+    return hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).hexdigest()
+
+
+@dataclass(frozen=True)
+class Member:
+    id: str
+    role: str
+    certificate: bytes  # PEM
+
+    @property
+    def cert(self) -> x509.Certificate:
+        return load_certificate(self.certificate, source=f"the roster's certificate of {self.id}")
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.cert)
+
+
+@dataclass(frozen=True)
+class Roster:
+    consortium: str
+    version: int
+    quorum: int  # silo signatures (by members of this version) that the next version needs
+    members: tuple[Member, ...]
+    signatures: Mapping[str, bytes] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "members", tuple(sorted(self.members, key=_order)))  # one canonical order
+        problems = []
+        if not self.consortium:
+            problems.append("it names no consortium")
+        if self.version < 1:
+            problems.append(f"version must be >= 1, got {self.version}")
+        ids = [m.id for m in self.members]
+        if len(set(ids)) != len(ids):
+            problems.append("a member id appears twice")
+        for m in self.members:
+            if m.role not in ROLES:
+                problems.append(f"{m.id}: unknown role {m.role!r} (roles: {', '.join(ROLES)})")
+            try:
+                check_id(m.role, m.id)
+                m.cert  # noqa: B018 - parses, or raises with the member's name
+            except PkiError as exc:
+                problems.append(str(exc))
+        silos = len(self.silo_ids)
+        if not 1 <= self.quorum <= max(silos, 1):
+            problems.append(f"quorum must be between 1 and the {silos} silo members, got {self.quorum}")
+        if not any(m.role == AGGREGATOR for m in self.members):
+            problems.append("it names no aggregator")
+        if problems:
+            raise PkiError("roster: " + "; ".join(problems))
+
+    @property
+    def silo_ids(self) -> tuple[str, ...]:
+        return tuple(sorted(m.id for m in self.members if m.role == SILO))
+
+    def body(self) -> bytes:
+        """The canonical bytes members sign: everything but the signatures."""
+        return json.dumps(self._body_tree(), sort_keys=True, separators=(",", ":")).encode()
+
+    def _body_tree(self) -> dict:
+        return {
+            "consortium": self.consortium,
+            "version": self.version,
+            "quorum": self.quorum,
+            "members": [
+                {"id": m.id, "role": m.role, "certificate": m.certificate.decode()} for m in self.members
+            ],
+        }
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.body()).hexdigest()
+
+    def current(self) -> Roster:
+        """A roster is its own source of rosters (`MemberTrust` also takes a file the operator replaces)."""
+        return self
+
+    def member_of(self, cert: x509.Certificate, *, role: str, member_id: str | None = None) -> Member:
+        """The member holding exactly `cert` in `role` (and named `member_id`), or PkiError."""
+        print_ = fingerprint(cert)
+        for m in self.members:
+            if m.role == role and m.fingerprint == print_ and member_id in (None, m.id):
+                return m
+        who = f"{role} {member_id!r}" if member_id else f"the {role}"
+        raise PkiError(
+            f"roster v{self.version} of {self.consortium!r} does not name this certificate "
+            f"(sha256 {print_[:16]}…) as {who}"
+        )
+
+    def signed_by(self, member: Member, key: ec.EllipticCurvePrivateKey) -> Roster:
+        """This roster with `member`'s signature added (its administrator signs after checking the body)."""
+        signature = sign(key, self.body(), context=ROSTER_CONTEXT)
+        return replace(self, signatures={**self.signatures, member.id: signature})
+
+    def check_successor(self, successor: Roster) -> None:
+        """Accept `successor` only if it is newer, of this consortium, and signed by a quorum of our silos."""
+        if successor.consortium != self.consortium:
+            raise PkiError(f"a roster of {successor.consortium!r} cannot replace one of {self.consortium!r}")
+        if successor.version <= self.version:
+            raise PkiError(f"roster v{successor.version} is not newer than the pinned v{self.version}")
+        valid = []
+        for silo_id, signature in sorted(successor.signatures.items()):
+            member = next((m for m in self.members if m.id == silo_id and m.role == SILO), None)
+            if member is None:
+                continue
+            try:
+                verify(member.cert, signature, successor.body(), context=ROSTER_CONTEXT)
+            except PkiError:
+                continue
+            valid.append(silo_id)
+        if len(valid) < self.quorum:
+            raise PkiError(
+                f"roster v{successor.version} carries {len(valid)} valid signatures of members of the pinned "
+                f"v{self.version} ({', '.join(valid) or 'none'}); it needs {self.quorum}"
+            )
+
+    def describe(self) -> str:
+        """What an administrator compares, out of band, before pinning or signing a roster."""
+        lines = [
+            f"roster v{self.version} of consortium {self.consortium!r} (body sha256 {self.digest()})",
+            f"a next version needs {self.quorum} signatures of this version's silos",
+        ]
+        lines += [
+            f"  {m.role:<10} {m.id:<24} sha256 {m.fingerprint}" for m in sorted(self.members, key=_order)
+        ]
+        signed = ", ".join(sorted(self.signatures)) or "nobody"
+        lines.append(f"signed by: {signed}")
+        return "\n".join(lines)
+
+    # --- files --------------------------------------------------------------------------------------
+
+    def to_json(self) -> bytes:
+        signatures = {k: base64.b64encode(v).decode() for k, v in sorted(self.signatures.items())}
+        return (json.dumps({**self._body_tree(), "signatures": signatures}, indent=2) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, *, source: str = "the roster") -> Roster:
+        try:
+            tree = json.loads(raw)
+            members = tuple(
+                Member(str(m["id"]), str(m["role"]), str(m["certificate"]).encode()) for m in tree["members"]
+            )
+            signatures = {str(k): base64.b64decode(v, validate=True) for k, v in tree["signatures"].items()}
+            version, quorum = tree["version"], tree["quorum"]
+            if not isinstance(version, int) or not isinstance(quorum, int) or isinstance(version, bool):
+                raise TypeError("version and quorum are integers")
+            return cls(str(tree["consortium"]), version, quorum, members, signatures)
+        except (ValueError, KeyError, TypeError, AttributeError, binascii.Error) as exc:
+            raise PkiError(f"{source} is not a fedlt roster: {exc}") from None
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> Roster:
+        try:
+            raw = Path(path).read_bytes()
+        except OSError as exc:
+            raise PkiError(f"cannot read roster {path}: {exc.strerror}") from None
+        return cls.from_json(raw, source=str(path))
+
+
+class RosterFile:
+    """The aggregator's roster file, re-read when the operator replaces it with a version the silos signed.
+
+    The aggregator offers it to every silo at registration and admits only the silos it names; each silo
+    decides for itself whether to adopt it (`Roster.check_successor`).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._stamp: tuple[int, int, int] | None = None
+        self._raw = b""
+        self._roster: Roster | None = None
+        self.current()
+
+    def current(self) -> Roster:
+        return self._load()[0]
+
+    def raw(self) -> bytes:
+        return self._load()[1]
+
+    def _load(self) -> tuple[Roster, bytes]:
+        with self._lock:
+            try:
+                st = self.path.stat()
+                stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+                if stamp != self._stamp or self._roster is None:
+                    raw = self.path.read_bytes()
+                    self._roster, self._raw = Roster.from_json(raw, source=str(self.path)), raw
+                    self._stamp = stamp
+            except OSError as exc:
+                raise PkiError(f"cannot read roster {self.path}: {exc.strerror}") from None
+            return self._roster, self._raw
+
+
+def _order(member: Member) -> tuple[int, str]:
+    return ROLES.index(member.role) if member.role in ROLES else len(ROLES), member.id
+
+
+def draft(
+    consortium: str,
+    *,
+    aggregator: bytes,
+    silos: Iterable[tuple[str, bytes]],
+    quorum: int = 0,
+    previous: Roster | None = None,
+) -> Roster:
+    """An unsigned roster; `quorum` 0 means more than two thirds of the silo members (at least one).
+
+    After `previous` the version is the next one, and the new roster must be signed by a quorum of the
+    previous one's silos before silos adopt it.
+    """
+    members = [Member(AGGREGATOR, AGGREGATOR, aggregator)]
+    members += [Member(silo_id, SILO, pem) for silo_id, pem in silos]
+    n = len(members) - 1
+    return Roster(
+        consortium,
+        previous.version + 1 if previous else 1,
+        quorum or max(1, 2 * n // 3 + 1),
+        tuple(members),
+    )

@@ -1,0 +1,230 @@
+"""A silo agent facing a lying aggregator: every RoundSpec parameter that could weaken its privacy is checked
+against its own policy and roster, with the defaults a new silo gets, and refused before any work.
+
+The aggregator's side is played with real certificates and signatures (the aggregator's key signs what a
+malicious operator would send); a stub records what the silo calls, so a refusal is seen to send nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import replace
+
+import pytest
+
+from aggregator.config import ConsortiumSection, TimeoutSection
+from aggregator.demo import write_consortium
+from fedlt.config import read_toml, render_toml
+from fedlt.errors import ConfigError
+from fedlt.v1 import consortium_pb2 as pb
+from fedlt.v1 import round_pb2
+from privacy.pki.ca import issue_silo
+from privacy.pki.errors import PkiError
+from privacy.pki.signing import ROUNDSPEC_CONTEXT, sign
+from silo.agent import Fatal, RefusedRound, SiloAgent, _fetch_state
+from silo.config import LAYERS_IMPLEMENTED, load_silo_config
+from tests.consortium_harness import PLAN, RECIPE
+
+SILOS = ["silo-0", "silo-1", "silo-2"]
+
+
+@pytest.fixture
+def kit(tmp_path):
+    """Three silos' configs as the demo writes them, with every policy setting at its default."""
+    _, configs = write_consortium(
+        tmp_path,
+        recipe=replace(RECIPE, silos=3),
+        plan=PLAN,
+        consortium=ConsortiumSection(id="test-consortium", min_silos=3),
+        timeouts=TimeoutSection(),
+    )
+    for path in configs:  # the demo's configs name their layer and method; a new silo's do not
+        tree = read_toml(path)
+        del tree["policy"]
+        path.write_text(render_toml(tree))
+    return tmp_path, configs
+
+
+def agent_of(kit) -> SiloAgent:
+    root, configs = kit
+    agent = SiloAgent(load_silo_config(configs[0]))
+    agent.silo_id = "silo-0"
+    agent.aggregator_pem = (root / "pki" / "aggregator.pem").read_bytes()
+    return agent
+
+
+def signed_spec(root, key: str = "aggregator", **changes) -> round_pb2.SignedRoundSpec:
+    plan = PLAN.to_toml()
+    fields = {
+        "consortium_id": "test-consortium",
+        "round": 1,
+        "attempt": 1,
+        "round_id": "r1.a1.x",
+        "method": PLAN.method.name,
+        "method_config": plan,
+        "config_sha256": hashlib.sha256(plan.encode()).hexdigest(),
+        "privacy": "secagg",
+        "participants": SILOS,
+        "secagg": round_pb2.SecAggParameters(k_min=2),
+    }
+    spec = round_pb2.RoundSpec(**(fields | changes))
+    blob = spec.SerializeToString()
+    return round_pb2.SignedRoundSpec(
+        spec=blob, signature=sign(root / "pki" / f"{key}.key", blob, context=ROUNDSPEC_CONTEXT)
+    )
+
+
+class RecordingStub:
+    """Answers nothing; remembers every call, so a test can see that a refused round sent nothing."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str):
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            raise AssertionError(f"the silo called {name} for a round it should have refused")
+
+        return call
+
+
+def test_the_default_policy_accepts_only_secure_aggregation(kit):
+    agent = agent_of(kit)
+    assert agent.config.policy.privacy == ("secagg",)
+    spec, _ = agent._check_spec(signed_spec(kit[0]))
+    assert spec.privacy == "secagg"
+
+
+@pytest.mark.parametrize("layer", ["ckks", "plaintext", "CKKS", ""])
+def test_a_roundspec_asking_for_a_layer_the_silo_does_not_implement_or_allow_sends_nothing(
+    kit, layer, caplog
+):
+    """The critical finding: `ckks` once made the agent upload its contribution in the clear."""
+    agent = agent_of(kit)
+    with pytest.raises(RefusedRound, match="privacy layer"):
+        agent._check_spec(signed_spec(kit[0], privacy=layer))
+    stub = RecordingStub()
+    agent._round(stub, signed_spec(kit[0], privacy=layer))
+    assert stub.calls == []
+    assert "refusing a round" in caplog.text
+
+
+def test_every_layer_a_policy_may_list_has_its_own_upload_path(kit):
+    assert set(agent_of(kit).uploads()) == set(LAYERS_IMPLEMENTED)
+
+
+def test_a_policy_cannot_name_a_layer_the_agent_does_not_implement(kit):
+    _, configs = kit
+    configs[0].write_text(configs[0].read_text() + '\n[policy]\nprivacy = ["secagg", "ckks"]\n')
+    with pytest.raises(ConfigError, match=r"policy.privacy: \['ckks'\] not implemented by this agent"):
+        load_silo_config(configs[0])
+
+
+@pytest.mark.parametrize(
+    ("changes", "refusal"),
+    [
+        ({"participants": SILOS[:2]}, "2 silos in the contribution sum, fewer than policy.min_participants"),
+        ({"secagg": round_pb2.SecAggParameters(k_min=2, threshold=2)}, "threshold 2 of 3 share holders"),
+        ({"secagg": round_pb2.SecAggParameters(k_min=1)}, "tail guard k_min 1 is below"),
+        (
+            {
+                "participants": [f"silo-{k}" for k in range(12)],
+                "secagg": round_pb2.SecAggParameters(k_min=2, neighbours=2),
+            },
+            "accepts only the complete graph",
+        ),
+        ({"consortium_id": "another"}, "it is for consortium 'another'"),
+        ({"participants": ["silo-1", "silo-2", "silo-3"]}, "not among the participants"),
+    ],
+)
+def test_weakened_secure_sums_and_misaddressed_rounds_are_refused_by_default(kit, changes, refusal):
+    with pytest.raises(RefusedRound, match=refusal):
+        agent_of(kit)._check_spec(signed_spec(kit[0], **changes))
+
+
+def test_a_malformed_plan_is_a_refused_round_not_a_stopped_agent(kit, caplog):
+    bad = "[model\nname = "
+    signed = signed_spec(kit[0], method_config=bad, config_sha256=hashlib.sha256(bad.encode()).hexdigest())
+    agent = agent_of(kit)
+    with pytest.raises(RefusedRound, match="method_config is not a plan this silo can run"):
+        agent._check_spec(signed)
+    agent._round(RecordingStub(), signed)  # logs and goes on
+    assert "refusing a round" in caplog.text
+    garbage = round_pb2.SignedRoundSpec(
+        spec=b"\xff\xff",
+        signature=sign(kit[0] / "pki" / "aggregator.key", b"\xff\xff", context=ROUNDSPEC_CONTEXT),
+    )
+    with pytest.raises(RefusedRound, match="does not parse"):
+        agent._check_spec(garbage)
+
+
+def test_only_the_rosters_aggregator_may_sign_roundspecs(kit, tmp_path):
+    """A silo's certificate, or one the CA issued for the occasion, is not the aggregator, however valid."""
+    root, _ = kit
+    agent = agent_of(kit)
+    agent.aggregator_pem = (root / "pki" / "silo-1.pem").read_bytes()
+    with pytest.raises(PkiError, match="does not name this certificate"):
+        agent._check_spec(signed_spec(root, key="silo-1"))
+    issue_silo(root / "pki" / "ca", tmp_path, silo_id="aggregator")  # CA-issued, named like the aggregator
+    agent.aggregator_pem = (tmp_path / "aggregator.pem").read_bytes()
+    with pytest.raises(PkiError, match="does not name this certificate"):
+        agent._check_spec(signed_spec(root))
+
+
+class RegisteringStub:
+    def __init__(self, reply: pb.RegisterResponse) -> None:
+        self.reply = reply
+
+    def Register(self, request, timeout=None):  # noqa: N802
+        return self.reply
+
+
+def test_registration_checks_the_tls_endpoint_and_the_signer_against_the_roster(kit):
+    root, _ = kit
+    agent = agent_of(kit)
+    aggregator = (root / "pki" / "aggregator.pem").read_bytes()
+    silo = (root / "pki" / "silo-1.pem").read_bytes()
+    good = pb.RegisterResponse(
+        silo_id="silo-0", consortium_id="test-consortium", aggregator_certificate=aggregator
+    )
+    agent._register(RegisteringStub(good), aggregator)
+    cases = {
+        "a TLS endpoint the roster does not name": (good, silo),
+        "a signer the roster does not name": (replace_reply(good, aggregator_certificate=silo), aggregator),
+        "another consortium": (replace_reply(good, consortium_id="elsewhere"), aggregator),
+    }
+    for reply, tls in cases.values():
+        with pytest.raises(Fatal, match="is not this consortium's"):
+            agent._register(RegisteringStub(reply), tls)
+
+
+def replace_reply(reply: pb.RegisterResponse, **changes) -> pb.RegisterResponse:
+    copy = pb.RegisterResponse()
+    copy.CopyFrom(reply)
+    for name, value in changes.items():
+        setattr(copy, name, value)
+    return copy
+
+
+class StreamingStub:
+    def __init__(self, parts) -> None:
+        self.parts = parts
+        self.read = 0
+
+    def FetchState(self, request, timeout=None):  # noqa: N802
+        for part in self.parts:
+            self.read += 1
+            yield part
+
+
+def test_a_state_stream_is_read_only_as_far_as_the_signed_size():
+    spec = round_pb2.RoundSpec(round_id="r", state_bytes=8)
+    endless = StreamingStub(pb.FetchStateResponse(offset=8 * i, data=bytes(8)) for i in itertools.count())
+    assert _fetch_state(endless, spec) is None
+    assert endless.read == 2  # it stopped at the first chunk beyond the signed size
+    assert _fetch_state(StreamingStub([pb.FetchStateResponse(offset=4, data=bytes(8))]), spec) is None
+    assert _fetch_state(StreamingStub([pb.FetchStateResponse(offset=0, data=bytes(4))]), spec) is None
+    assert (
+        _fetch_state(StreamingStub([pb.FetchStateResponse(offset=0, data=b"12345678")]), spec) == b"12345678"
+    )
