@@ -13,8 +13,8 @@ import logging
 import sys
 from pathlib import Path
 
-from aggregator.ca_cli import add_ca_parser, run_ca
-from aggregator.roster_cli import add_roster_parser, run_roster
+from aggregator.ca_cli import add_ca_parser, run_command
+from aggregator.roster_cli import add_roster_parser
 from fedlt.errors import FedltError
 
 
@@ -37,10 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        if args.command == "ca":
-            return run_ca(args)
-        if args.command == "roster":
-            return run_roster(args)
+        if args.command in ("ca", "roster"):
+            return run_command(args)
         if args.command == "serve":
             from aggregator.config import load_consortium_config
             from aggregator.server import serve as run_server

@@ -56,10 +56,11 @@ def add_ca_parser(subparsers: argparse._SubParsersAction) -> None:
     _command(commands, "list", _list, "every certificate the CA issued")
 
 
-def run_ca(args: argparse.Namespace) -> int:
-    """Refusals and file-system errors (a directory that cannot be written) are one line on stderr, exit 2."""
+def run_command(args: argparse.Namespace) -> int:
+    """Run a `ca` or `roster` command: refusals and file-system errors (a directory that cannot be written)
+    are one line on stderr, exit 2."""
     try:
-        return args.ca_run(args)
+        return args.run(args)
     except (FedltError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -70,7 +71,7 @@ def _command(
 ) -> argparse.ArgumentParser:
     parser = commands.add_parser(name, help=help_text, description=help_text)
     parser.add_argument("--dir", type=Path, required=True, help="the CA directory")
-    parser.set_defaults(ca_run=run)
+    parser.set_defaults(run=run)
     return parser
 
 

@@ -1,14 +1,14 @@
 """`python -m aggregator roster ...`: draft the consortium's roster for silos to pin or sign, and show one.
 
-The operator drafts; the operator cannot make a roster count. The first version goes to every silo with its
-enrollment kit (each administrator checks the fingerprints out of band before pinning it); every later
-version needs signatures from a quorum of the silos of the version they hold (`python -m silo roster sign`).
+The operator drafts; the operator cannot make a roster count. `aggregator.ca_cli.run_command` runs these too.
+The first version goes to every silo with its enrollment kit (each administrator checks the fingerprints out
+of band before pinning it); every later version needs signatures from a quorum of the silos of the version
+they hold (`python -m silo roster sign`).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from fedlt.errors import FedltError
@@ -32,18 +32,10 @@ def add_roster_parser(subparsers: argparse._SubParsersAction) -> None:
         "--quorum", type=int, default=0, help="signatures the next version needs (0: over 2/3)"
     )
     drafting.add_argument("--out", type=Path, required=True, help="where to write the draft")
-    drafting.set_defaults(roster_run=_draft)
+    drafting.set_defaults(run=_draft)
     show = commands.add_parser("show", help="print a roster's members, fingerprints and signatures")
     show.add_argument("roster", type=Path)
-    show.set_defaults(roster_run=_show)
-
-
-def run_roster(args: argparse.Namespace) -> int:
-    try:
-        return args.roster_run(args)
-    except (FedltError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    show.set_defaults(run=_show)
 
 
 def _draft(args: argparse.Namespace) -> int:

@@ -121,7 +121,8 @@ class SecureRound:
                 zeroed = census.guarded(participants, self.settings.k_min)
             if len(zeroed) < self.schema.classes:
                 self.released = frozenset(participants)
-            log.info("%s: tail guard zeroes classes %s", self.spec.round_id, zeroed)
+            if zeroed:
+                log.info("%s: tail guard zeroes classes %s", self.spec.round_id, zeroed)
             guarded = tail_guard.zero_classes(self.schema, self.contribution, zeroed)
         self._begin(stub, "contribution", participants, self.codec.encode(guarded))
 

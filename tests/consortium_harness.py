@@ -56,6 +56,20 @@ AGGREGATOR_ENV = {**ENV, "OMP_NUM_THREADS": str(SILO_THREADS)}
 AUDIT_KEY = AuditKey(b"fedlt tests' fixed audit key ...")
 
 
+def write_kit(
+    directory: Path, *, silos: int = 3, consortium_id: str = "test-consortium", plan: RoundPlan = PLAN
+) -> list[Path]:
+    """CA, roster and configs of a consortium of `silos` silos, for tests that start no process."""
+    _, configs = write_consortium(
+        directory,
+        recipe=DataConfig(**{**RECIPE.__dict__, "silos": silos}),
+        plan=plan,
+        consortium=ConsortiumSection(id=consortium_id, min_silos=silos),
+        timeouts=TimeoutSection(),
+    )
+    return configs
+
+
 @dataclass
 class Consortium:
     directory: Path

@@ -3,14 +3,14 @@ import re
 
 import pytest
 
-from aggregator.ca_cli import add_ca_parser, run_ca
+from aggregator.ca_cli import add_ca_parser, run_command
 from privacy.pki.identity import read_certificate, silo_id_of
 
 
 def ca(*argv: str) -> int:
     parser = argparse.ArgumentParser(prog="test")
     add_ca_parser(parser.add_subparsers(dest="command", required=True))
-    return run_ca(parser.parse_args(["ca", *map(str, argv)]))
+    return run_command(parser.parse_args(["ca", *map(str, argv)]))
 
 
 def listing(ca_dir, capsys) -> dict[str, list[str]]:

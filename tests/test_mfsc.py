@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from aggregator.config import ConsortiumSection, TimeoutSection, load_consortium_config
-from aggregator.demo import write_consortium
+from aggregator.config import load_consortium_config
 from aggregator.picking import BadDisclosure, RoundPicker
 from aggregator.store import Store
 from fedlt.errors import ConfigError
@@ -33,7 +32,7 @@ from fedlt.v1 import round_pb2
 from privacy.pki.signing import ROUNDSPEC_CONTEXT, sign
 from silo.agent import RefusedRound, SiloAgent
 from silo.config import load_silo_config
-from tests.consortium_harness import AUDIT_KEY, PLAN, RECIPE
+from tests.consortium_harness import AUDIT_KEY, PLAN, write_kit
 
 CLASSES, DIM = 6, 32
 
@@ -321,20 +320,9 @@ def test_a_retry_picks_around_silos_that_let_the_first_attempt_down(tmp_path):
 # --- the silo's side ---------------------------------------------------------------------------------
 
 
-def silo_configs_of_three(tmp_path, plan=PLAN) -> list:
-    _, silo_configs = write_consortium(
-        tmp_path,
-        recipe=replace(RECIPE, silos=3),
-        plan=plan,
-        consortium=ConsortiumSection(id="c", min_silos=2),
-        timeouts=TimeoutSection(),
-    )
-    return silo_configs
-
-
 def test_a_silo_refuses_a_round_asking_for_a_disclosure_its_policy_does_not_allow(tmp_path):
     plan = replace(PLAN, method=MethodChoice("dflfs", METHODS["dflfs"].Options()))
-    silo_configs = silo_configs_of_three(tmp_path, plan)
+    silo_configs = write_kit(tmp_path, consortium_id="c", plan=plan)
     agent = SiloAgent(load_silo_config(silo_configs[0]))
     agent.silo_id = "silo-0"
     agent.aggregator_pem = (tmp_path / "pki" / "aggregator.pem").read_bytes()
@@ -365,7 +353,7 @@ def test_a_silo_refuses_a_round_asking_for_a_disclosure_its_policy_does_not_allo
 
 
 def test_a_silos_mask_secret_is_its_own_kept_and_private(tmp_path):
-    silo_configs = silo_configs_of_three(tmp_path)
+    silo_configs = write_kit(tmp_path, consortium_id="c")
     first, second = (SiloAgent(load_silo_config(c)) for c in silo_configs[:2])
     secret = first._mask_secret()
     assert len(secret) == 32

@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from aggregator.__main__ import main as aggregator_main
-from aggregator.config import ConsortiumSection, TimeoutSection
-from aggregator.demo import write_consortium
 from privacy.pki.ca import issue_silo
 from privacy.pki.roster import Roster
 from silo.__main__ import main as silo_main
 from silo.trust import SiloTrust
-from tests.consortium_harness import PLAN, RECIPE
+from tests.consortium_harness import write_kit
 
 
 def test_a_member_is_added_by_a_draft_a_quorum_of_silos_signs(tmp_path, capsys):
-    _, configs = write_consortium(
-        tmp_path,
-        recipe=replace(RECIPE, silos=3),
-        plan=PLAN,
-        consortium=ConsortiumSection(id="clinics", min_silos=3),
-        timeouts=TimeoutSection(),
-    )
+    configs = write_kit(tmp_path, consortium_id="clinics")
     pki = tmp_path / "pki"
     assert silo_main(["roster", "show", "--config", str(configs[0])]) == 0
     shown = capsys.readouterr().out
@@ -52,13 +42,7 @@ def test_a_member_is_added_by_a_draft_a_quorum_of_silos_signs(tmp_path, capsys):
 
 
 def test_signing_refuses_a_draft_that_cannot_follow_the_pinned_roster(tmp_path, capsys):
-    _, configs = write_consortium(
-        tmp_path,
-        recipe=replace(RECIPE, silos=3),
-        plan=PLAN,
-        consortium=ConsortiumSection(id="clinics", min_silos=3),
-        timeouts=TimeoutSection(),
-    )
+    configs = write_kit(tmp_path, consortium_id="clinics")
     same = tmp_path / "same.json"
     same.write_bytes((tmp_path / "pki" / "roster.json").read_bytes())
     assert silo_main(["roster", "sign", "--config", str(configs[0]), str(same)]) == 2

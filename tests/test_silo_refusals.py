@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from dataclasses import replace
 
 import pytest
 
-from aggregator.config import ConsortiumSection, TimeoutSection
-from aggregator.demo import write_consortium
 from fedlt.config import read_toml, render_toml
 from fedlt.errors import ConfigError
 from fedlt.v1 import consortium_pb2 as pb
@@ -24,7 +21,7 @@ from privacy.pki.errors import PkiError
 from privacy.pki.signing import ROUNDSPEC_CONTEXT, sign
 from silo.agent import Fatal, RefusedRound, SiloAgent, _fetch_state
 from silo.config import LAYERS_IMPLEMENTED, load_silo_config
-from tests.consortium_harness import PLAN, RECIPE
+from tests.consortium_harness import PLAN, write_kit
 
 SILOS = ["silo-0", "silo-1", "silo-2"]
 
@@ -32,13 +29,7 @@ SILOS = ["silo-0", "silo-1", "silo-2"]
 @pytest.fixture
 def kit(tmp_path):
     """Three silos' configs as the demo writes them, with every policy setting at its default."""
-    _, configs = write_consortium(
-        tmp_path,
-        recipe=replace(RECIPE, silos=3),
-        plan=PLAN,
-        consortium=ConsortiumSection(id="test-consortium", min_silos=3),
-        timeouts=TimeoutSection(),
-    )
+    configs = write_kit(tmp_path)
     for path in configs:  # the demo's configs name their layer and method; a new silo's do not
         tree = read_toml(path)
         del tree["policy"]
