@@ -25,6 +25,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -148,9 +149,9 @@ def render(results: list[dict], args: argparse.Namespace, minutes: float) -> str
     command = (
         "python benchmarks/accuracy.py"
         + f" --imbalance {' '.join(f'{f:g}' for f in args.imbalance)}"
-        + f" --seeds {' '.join(map(str, args.seeds))} --methods {' '.join(args.methods)}"
+        + f" --seeds {' '.join(map(str, args.seeds))} --methods {shlex.join(args.methods)}"
         + f" --rounds {args.rounds} --workers {args.workers}"
-        + (f" --set {' '.join(args.set)}" if args.set else "")
+        + (f" --set {shlex.join(args.set)}" if args.set else "")
     )
     lines = [
         f"<!-- {args.section}:start -->",

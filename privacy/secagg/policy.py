@@ -7,7 +7,8 @@ both, so with n holders and c colluders the attack needs (n - c) + 2c ≥ 2t, th
 above 2n/3 therefore forces the aggregator to corrupt more than n/3 silos; a bare majority would need one.
 The defaults refuse anything weaker, sums over fewer than three silos (with two, the other silo's input is the
 sum minus one's own), and sparse SecAgg+ graphs, whose neighbourhoods an aggregator colluding with a silo
-could steer (see `protocol`).
+could steer (see `protocol`). The floor on consistency signatures is the threshold itself: a silo reveals
+shares only after t signatures on its own view (`SecAggClient.unmask`), so the threshold floor is that too.
 """
 
 from __future__ import annotations
