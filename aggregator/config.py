@@ -14,6 +14,9 @@ from fedlt.metrics import ShotThresholds
 from fedlt.plan import RoundPlan
 from privacy.secagg.settings import SecAggSettings
 
+# each privacy layer's own section of consortium.toml, by layer name (a field of ConsortiumConfig each)
+LAYER_SECTIONS: dict[str, type] = {"secagg": SecAggSettings}
+
 
 @dataclass(frozen=True)
 class ConsortiumSection:
@@ -76,6 +79,10 @@ class ConsortiumConfig:
     def path(self, value: str) -> Path:
         return resolve(self.base_dir, value)
 
+    def layer_settings(self) -> object | None:
+        """The chosen privacy layer's own section (None for a layer without settings)."""
+        return getattr(self, self.consortium.privacy) if self.consortium.privacy in LAYER_SECTIONS else None
+
     def fingerprint(self) -> str:
         """The settings a data directory is bound to; `rounds` may grow, listening details may change."""
         same_run = replace(self.consortium, rounds=1, exit_when_done=True)
@@ -95,28 +102,23 @@ def load_consortium_config(path: str | Path) -> ConsortiumConfig:
             ("consortium", ConsortiumSection),
             ("server", ServerSection),
             ("timeouts", TimeoutSection),
-            ("secagg", SecAggSettings),
+            *LAYER_SECTIONS.items(),
             ("evaluation", EvaluationSection),
             ("metrics", ShotThresholds),
         )
     }
     plan = parse_section(RoundPlan, plan_tree, "", problems)
-    problems += plan.problems() + sections["secagg"].problems()
-    if sections["consortium"].privacy == "secagg" and sections["consortium"].min_silos < 2:
-        problems.append(
-            "consortium.min_silos: a secure sum needs at least 2 silos (a sum of one is its input)"
-        )
+    problems += plan.problems()
     per_round = plan.selection.per_round
+    privacy = sections["consortium"].privacy
+    for name in LAYER_SECTIONS:
+        problems += sections[name].problems()
+        if name == privacy:
+            problems += sections[name].consortium_problems(sections["consortium"].min_silos, per_round)
     if 0 < per_round < sections["consortium"].min_silos:
         problems.append(
             f"selection.per_round: {per_round} silos a round cannot make consortium.min_silos "
             f"({sections['consortium'].min_silos}) contributions"
-        )
-    threshold = sections["secagg"].threshold
-    if sections["consortium"].privacy == "secagg" and 0 < per_round < threshold:
-        problems.append(
-            f"secagg.threshold: {threshold} survivors can never come from {per_round} silos a round "
-            "(selection.per_round)"
         )
     problems += [f"{key}: unknown section or setting" for key in tree]
     counts = sections["evaluation"].class_counts

@@ -22,6 +22,7 @@ from aggregator.rounds import RoundEngine
 from aggregator.service import CertificateGate, ConsortiumServicer, Identity, OperatorServicer
 from aggregator.store import AuditKey, Store
 from fedlt.aggregation import make_layer
+from fedlt.aggregation.halves import PartyKeys
 from fedlt.atomic import atomic_write_text
 from fedlt.config import as_table
 from fedlt.data.embedded import load_embedded, split_balanced_test
@@ -54,14 +55,15 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
     revocations = RevocationList.load(config.path(config.server.ca), config.path(config.server.crl))
     roster = RosterFile(config.path(config.server.roster))
     members = MemberTrust(tls["ca"], roster, revocations)
+    layer = make_layer(config.consortium.privacy, config.layer_settings())
     engine = RoundEngine(
         config=config,
         store=store,
         method=method,
-        layer=make_layer(config.consortium.privacy),
+        layer=layer,
+        side=layer.aggregator_side(PartyKeys(peers=ConsortiumPeers(members))),
         sign=lambda blob: sign(key, blob, context=ROUNDSPEC_CONTEXT),
         recorder=_recorder(config, data_dir, store),
-        peers=ConsortiumPeers(members),
         echo=echo,
     )
     identity = Identity(revocations)
@@ -101,7 +103,7 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     atomic_write_text(data_dir / LISTENING, json.dumps({"address": f"{host}:{port}", "pid": os.getpid()}))
     echo(f"aggregator {config.consortium.id!r} listening on {host}:{port} (mutual TLS); data in {data_dir}")
-    echo(f"privacy layer: {_describe_privacy(config)}")
+    echo(f"privacy layer: {layer.describe()}")
     _stop_on_signals(stop)
     driver = threading.Thread(target=engine.run, args=(stop,), name="rounds", daemon=True)
     driver.start()
@@ -174,13 +176,3 @@ def _stop_on_signals(stop: threading.Event) -> None:
         return
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-
-
-def _describe_privacy(config: ConsortiumConfig) -> str:
-    if config.consortium.privacy != "secagg":
-        return f"{config.consortium.privacy} (the aggregator sees every silo's contribution)"
-    secagg = config.secagg
-    threshold = f"{secagg.threshold} shares" if secagg.threshold else "more than two thirds"
-    graph = f"{secagg.neighbours} neighbours per silo (SecAgg+)" if secagg.neighbours else "every silo pair"
-    guard = f"tail guard k_min {secagg.k_min}" if secagg.k_min >= 2 else "tail guard off"
-    return f"secagg — the aggregator learns only sums; threshold {threshold}, masks over {graph}, {guard}"

@@ -34,20 +34,21 @@ from aggregator.rounds import (
 )
 from aggregator.store import Store, now_ms
 from fedlt.aggregation import LAYERS
+from fedlt.aggregation.halves import BadMessage, SumAborted
+from fedlt.errors import ContributionError
 from fedlt.methods import METHODS
 from fedlt.selection import DISCLOSURE
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc, operator_pb2, operator_pb2_grpc
+from fedlt.wire import PURPOSE_OF_SUM, chunks
 from privacy.pki.errors import PkiError
 from privacy.pki.identity import RevocationList, load_certificate, operator_name_of, silo_id_of
 from privacy.pki.roster import RosterFile
 from privacy.pki.trust import MemberTrust
-from privacy.secagg import wire
-from privacy.secagg.protocol import AdvertisedKeys, ProtocolViolation, StageError
+from privacy.wire import RECEIVERS, UPLOADS, received, upload_of
 
 log = logging.getLogger("aggregator.service")
 
-CHUNK = 1 << 20
 AGENT_VERSION_CHARS = 64
 # What a silo's policy may name, from the tables that define each kind; the messages list these keys.
 POLICY_CHOICES: dict[str, tuple[str, ...]] = {
@@ -100,8 +101,9 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     TooSlow: grpc.StatusCode.DEADLINE_EXCEEDED,
     Cancelled: grpc.StatusCode.CANCELLED,
     AlreadySubmitted: grpc.StatusCode.ALREADY_EXISTS,
-    StageError: grpc.StatusCode.FAILED_PRECONDITION,
-    ProtocolViolation: grpc.StatusCode.INVALID_ARGUMENT,
+    BadMessage: grpc.StatusCode.INVALID_ARGUMENT,
+    SumAborted: grpc.StatusCode.FAILED_PRECONDITION,
+    ContributionError: grpc.StatusCode.INVALID_ARGUMENT,
     BadDisclosure: grpc.StatusCode.INVALID_ARGUMENT,
 }
 
@@ -400,47 +402,40 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
     @_abort_on_refusal
     def FetchState(self, request: pb.FetchStateRequest, context: grpc.ServicerContext) -> Iterator:
         data = self.engine.state_for(self.identity.silo(context), request.round_id)
-        return (
-            pb.FetchStateResponse(offset=offset, data=data[offset : offset + CHUNK])
-            for offset in range(0, len(data), CHUNK)
-        )
+        return (pb.FetchStateResponse(offset=offset, data=part) for offset, part in chunks(data))
 
     @_abort_on_refusal
     def Submit(self, request_iterator: Iterator[pb.SubmitRequest], context: grpc.ServicerContext) -> Any:
+        """An upload of the round's open sum: its kind names the message it carries (`privacy.wire.UPLOADS`),
+        and the sum's layer half says whether it is due and how many bytes it has."""
         silo = self.identity.silo(context)
         parts = _within(request_iterator, self.submit_seconds, context)
         first = next(parts, None)
         if first is None or not first.HasField("header"):
             raise Malformed("a Submit stream starts with a header")
         header = first.header
-        kind = pb.CONTRIBUTION_KIND_MASKED if self.engine.secure else pb.CONTRIBUTION_KIND_PLAINTEXT
-        if header.kind != kind:
-            raise WrongRound(
-                f"this consortium's rounds take {pb.ContributionKind.Name(kind)} contributions, "
-                f"not {pb.ContributionKind.Name(header.kind)}"
-            )
-        purpose = _purpose(header.sum) if self.engine.secure else ""
-        expected = self.engine.expected_bytes(silo, header.round_id, purpose)
+        if header.kind not in UPLOADS:
+            raise Malformed(f"SubmitHeader.kind: {pb.ContributionKind.Name(header.kind)} carries no upload")
+        kind = UPLOADS[header.kind][0]
+        purpose = _purpose(header.sum)
+        expected = self.engine.upload_bytes(silo, header.round_id, purpose, kind)
         if header.total_bytes != expected:
             raise BadContribution(f"header announces {header.total_bytes} bytes; the schema needs {expected}")
-        chunks, received, hasher = [], 0, hashlib.sha256()
+        received, hasher = [], hashlib.sha256()
         for part in parts:
-            if not part.HasField("chunk") or received + len(part.chunk) > expected:
+            if not part.HasField("chunk") or sum(map(len, received)) + len(part.chunk) > expected:
                 raise Malformed("after the header come only chunks, adding up to total_bytes")
             if not part.chunk:
                 raise Malformed("empty chunk: every chunk after the header carries payload bytes")
-            chunks.append(part.chunk)
+            received.append(part.chunk)
             hasher.update(part.chunk)
-            received += len(part.chunk)
-        if received != expected:
-            raise BadContribution(f"received {received} of {expected} bytes")
+        payload = b"".join(received)
+        if len(payload) != expected:
+            raise BadContribution(f"received {len(payload)} of {expected} bytes")
         digest = hasher.hexdigest()
         if digest != header.sha256:
             raise BadContribution("payload does not match the SHA-256 in its header")
-        if self.engine.secure:
-            self.engine.submit_masked(silo, header.round_id, purpose, b"".join(chunks), digest)
-        else:
-            self.engine.submit(silo, header.round_id, b"".join(chunks), digest)
+        self.engine.upload(silo, header.round_id, purpose, upload_of(header.kind, payload), digest)
         return pb.SubmitResponse(round_id=header.round_id, sha256=digest, accepted_unix_ms=now_ms())
 
     @_abort_on_refusal
@@ -450,51 +445,31 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
         digest = self.engine.disclose(silo, request.round_id, request.name, shape, request.values)
         return pb.DiscloseResponse(round_id=request.round_id, sha256=digest)
 
-    @_abort_on_refusal
-    def AdvertiseKeys(self, request: pb.AdvertiseKeysRequest, context: grpc.ServicerContext) -> Any:
-        cert = self.identity.certificate(context)
-        silo = silo_id_of(cert)
-        keys = AdvertisedKeys(
-            silo,
-            request.c_public_key,
-            request.s_public_key,
-            request.signature,
-            context.auth_context()["x509_pem_cert"][0],  # the certificate TLS verified, for peers to check
-        )
-        self.engine.secagg(silo, request.round_id, _purpose(request.sum), lambda s: s.add_keys(silo, keys))
-        return pb.AdvertiseKeysResponse(round_id=request.round_id)
-
-    @_abort_on_refusal
-    def ShareKeys(self, request: pb.ShareKeysRequest, context: grpc.ServicerContext) -> Any:
-        silo = self.identity.silo(context)
-        envelopes = wire.envelopes_from_pb(request.shares)
-        self.engine.secagg(
-            silo, request.round_id, _purpose(request.sum), lambda s: s.add_envelopes(silo, envelopes)
-        )
-        return pb.ShareKeysResponse(round_id=request.round_id)
-
-    @_abort_on_refusal
-    def Consistency(self, request: pb.ConsistencyRequest, context: grpc.ServicerContext) -> Any:
-        silo = self.identity.silo(context)
-        self.engine.secagg(
-            silo, request.round_id, _purpose(request.sum), lambda s: s.add_signature(silo, request.signature)
-        )
-        return pb.ConsistencyResponse(round_id=request.round_id)
-
-    @_abort_on_refusal
-    def Unmask(self, request: pb.UnmaskRequest, context: grpc.ServicerContext) -> Any:
-        silo = self.identity.silo(context)
-        reveal = wire.reveal_from_pb(request)
-        self.engine.secagg(
-            silo, request.round_id, _purpose(request.sum), lambda s: s.add_reveal(silo, reveal)
-        )
-        return pb.UnmaskResponse(round_id=request.round_id)
-
 
 def _purpose(secure_sum: int) -> str:
-    if secure_sum not in wire.PURPOSE_OF_SUM:
-        raise Malformed("a secure-aggregation message names its sum (census or contribution)")
-    return wire.PURPOSE_OF_SUM[secure_sum]
+    if secure_sum not in PURPOSE_OF_SUM:
+        raise Malformed("a message about a round's sums names its sum (census or contribution)")
+    return PURPOSE_OF_SUM[secure_sum]
+
+
+def _stage_message(name: str, response: type) -> Callable:
+    """A layer's stage RPC (`privacy.wire.RECEIVERS`): read the request in the caller's name, hand it over."""
+
+    @_abort_on_refusal
+    def handler(self: ConsortiumServicer, request: Any, context: grpc.ServicerContext) -> Any:
+        cert = self.identity.certificate(context)
+        silo = silo_id_of(cert)
+        pem = context.auth_context()["x509_pem_cert"][0]  # the certificate TLS verified
+        message = received(name, request, silo=silo, credential=pem)
+        self.engine.deliver(silo, request.round_id, _purpose(request.sum), message)
+        return response(round_id=request.round_id)
+
+    handler.__name__ = name
+    return handler
+
+
+for _rpc in RECEIVERS:
+    setattr(ConsortiumServicer, _rpc, _stage_message(_rpc, getattr(pb, f"{_rpc}Response")))
 
 
 def _no_such_stage(name: str) -> Callable:

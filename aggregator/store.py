@@ -23,8 +23,8 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fedlt.aggregation.tail_guard import Census
 from fedlt.errors import FedltError
-from privacy.secagg.tail_guard import Census
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -270,7 +270,7 @@ class Store:
             rows = self._db.execute("SELECT round, silos FROM picks ORDER BY round").fetchall()
         return {silo: r for r, silos in rows for silo in json.loads(silos)}
 
-    # --- the census of each phase: taken once, summed over one set of silos (privacy.secagg.tail_guard) ---
+    # --- the census of each phase: taken once, over one set of silos (fedlt.aggregation.tail_guard) ---
 
     def census(self, phase: str) -> Census | None:
         with self._lock:

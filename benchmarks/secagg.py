@@ -66,19 +66,22 @@ from aggregator.config import ConsortiumSection, TimeoutSection
 from aggregator.demo import DEMO_PLAN, RECIPE, write_consortium
 from aggregator.store import AuditRecord
 from fedlt.aggregation import Schema
+from fedlt.aggregation.halves import AggregatorHalf, Released, SumSpec
 from fedlt.plan import ModelSection, RoundPlan
 from fedlt.v1 import consortium_pb2 as pb
+from fedlt.wire import submit_stream
 from privacy.pki.ca import init_ca, issue_server, issue_silo
 from privacy.pki.roster import Roster, draft
 from privacy.pki.signing import load_private_key, sign
 from privacy.pki.trust import MemberTrust, RevokedSerials
-from privacy.secagg import prg, wire
+from privacy.secagg import prg
 from privacy.secagg.codec import FixedPointCodec
+from privacy.secagg.halves import SecAggAggregatorSide, SecAggSiloSide
 from privacy.secagg.local import STAGES
 from privacy.secagg.peers import ConsortiumPeers
-from privacy.secagg.protocol import AdvertisedKeys, SecAggClient, SecAggServer, SessionSpec, Signer
+from privacy.secagg.protocol import Inbox, KeyList, Signer
 from privacy.secagg.settings import SecAggSettings
-from silo.upload import submit_stream
+from privacy.wire import RECEIVERS, received, send, step_from_pb, step_to_pb, upload_of
 from tests.consortium_harness import SILO_THREADS, Consortium
 
 DROPOUTS = {"none": "", "after_masked": "consistency", "before_masked": "masked"}  # first stage not answered
@@ -211,96 +214,85 @@ def stream_bytes(stream: Iterable[pb.SubmitRequest]) -> int:
     return sum(message.ByteSize() for message in stream)
 
 
+class Relay:
+    """A silo's stub answered as the aggregator's service answers it: each request measured, read with the
+    certificate the silo connected with, and handed to the aggregator's half."""
+
+    def __init__(
+        self, silo: str, aggregator: AggregatorHalf, credential: bytes, sizes: dict[str, int]
+    ) -> None:
+        self.silo, self.aggregator, self.credential, self.sizes = silo, aggregator, credential, sizes
+
+    def __getattr__(self, rpc: str):
+        if rpc not in RECEIVERS:
+            raise AttributeError(rpc)
+
+        def call(request, **_: object) -> None:
+            self.sizes[type(request).__name__] = request.ByteSize()
+            self.aggregator.receive(
+                self.silo, received(rpc, request, silo=self.silo, credential=self.credential)
+            )
+
+        return call
+
+    def Submit(self, stream, timeout=None) -> None:  # noqa: N802
+        first, *parts = list(stream)
+        self.sizes["Submit (masked)"] = stream_bytes([first, *parts])
+        self.aggregator.receive(self.silo, upload_of(first.header.kind, b"".join(p.chunk for p in parts)))
+
+
 def run_session(
-    spec: SessionSpec,
-    members: Members,
-    peers: Mapping[str, ConsortiumPeers],
-    inputs: Mapping[str, np.ndarray],
-    *,
-    dropped: Mapping[str, str],
+    spec: SumSpec, members: Members, inputs: Mapping[str, torch.Tensor], *, dropped: Mapping[str, str]
 ) -> SessionRun:
-    """One secure sum as a consortium runs it, with each message built and read as the silo agent and the
-    aggregator's service do; times each silo's `masked_input` and the aggregator's `close_unmask`.
+    """One secure sum as a consortium runs it: the layer's real halves, every message built and read through
+    the consortium's wire (`privacy.wire`); times each silo's masking step and the aggregator's unmasking.
 
     `dropped` maps a silo to the first stage it does not answer (one of `privacy.secagg.local.STAGES`).
     """
-    round_id, sum_ = spec.round_id, wire.SUM_OF_PURPOSE[spec.purpose]
-    clients = {u: SecAggClient(spec, u, sign=members.signer(u), peers=peers[u]) for u in spec.participants}
-    server = SecAggServer(spec, peers=peers["aggregator"])
-    up: dict[str, dict[str, int]] = {u: {} for u in spec.participants}
-    down: dict[str, dict[str, int]] = {u: {} for u in spec.participants}
-    masking: dict[str, float] = {}
-
-    def answering(stage: str, among: Iterable[str]) -> list[str]:
-        return [u for u in among if u not in dropped or STAGES.index(dropped[u]) > STAGES.index(stage)]
-
-    def send(silos: Iterable[str], name: str, **step: object) -> pb.SecAggStep:
-        message = pb.SecAggStep(round_id=round_id, sum=sum_, **step)
-        size = pb.JoinResponse(secagg_step=message).ByteSize()
-        for u in silos:
-            down[u][name] = size
-        return message
-
-    for u in answering("keys", spec.participants):
-        keys = clients[u].advertise()
-        request = pb.AdvertiseKeysRequest(
-            round_id=round_id,
-            sum=sum_,
-            c_public_key=keys.c_public,
-            s_public_key=keys.s_public,
-            signature=keys.signature,
+    # each silo verifies certificates with its own cache, as each agent process does; so does the aggregator
+    aggregator = SecAggAggregatorSide(peers=members.peers()).half(spec)
+    halves = {
+        u: SecAggSiloSide(sign=members.signer(u), peers=members.peers()).half(
+            spec, u, may_release=lambda _: None
         )
-        up[u]["AdvertiseKeysRequest"] = request.ByteSize()
-        # the aggregator attaches the certificate the silo connected with
-        credential = members.certificates[u]
-        server.add_keys(
-            u, AdvertisedKeys(u, request.c_public_key, request.s_public_key, request.signature, credential)
-        )
-    key_list = pb.KeyList(keys=[wire.keys_to_pb(k) for k in server.close_keys()])
-    advertised = [wire.keys_from_pb(k) for k in send(server.u1, "KeyList", keys=key_list).keys.keys]
-
-    for u in answering("shares", server.u1):
-        envelopes = wire.envelopes_to_pb(clients[u].share(advertised))
-        request = pb.ShareKeysRequest(round_id=round_id, sum=sum_, shares=envelopes)
-        up[u]["ShareKeysRequest"] = request.ByteSize()
-        server.add_envelopes(u, wire.envelopes_from_pb(request.shares))
-    inboxes = {
-        u: send([u], "ShareInbox", inbox=wire.inbox_to_pb(i)) for u, i in server.close_shares().items()
+        for u in spec.silos
     }
+    up: dict[str, dict[str, int]] = {u: {} for u in spec.silos}
+    down: dict[str, dict[str, int]] = {u: {} for u in spec.silos}
+    stubs = {u: Relay(u, aggregator, members.certificates[u], up[u]) for u in spec.silos}
+    masking: dict[str, float] = {}
+    certificates = 0
 
-    for u in answering("masked", server.u2):
-        inbox = wire.inbox_from_pb(inboxes[u].inbox)
-        masked, masking[u] = timed(lambda u=u, inbox=inbox: clients[u].masked_input(inbox, inputs[u]))
-        payload = np.ascontiguousarray(masked, dtype="<u8").tobytes()
-        stream = submit_stream(round_id, payload, kind=pb.CONTRIBUTION_KIND_MASKED, secure_sum=sum_)
-        up[u]["Submit (masked)"] = stream_bytes(stream)
-        server.add_masked(u, np.frombuffer(payload, dtype="<u8").astype(np.uint64, copy=False))
-    survivors = server.close_masked()
-    send(survivors, "SurvivorList", survivors=pb.SurvivorList(survivors=survivors))
+    def answers(u: str, stage: str) -> bool:
+        return u not in dropped or STAGES.index(dropped[u]) > STAGES.index(stage)
 
-    for u in answering("consistency", survivors):
-        request = pb.ConsistencyRequest(
-            round_id=round_id, sum=sum_, signature=clients[u].consistency(survivors)
-        )
-        up[u]["ConsistencyRequest"] = request.ByteSize()
-        server.add_signature(u, request.signature)
-    signed = wire.signatures_to_pb(server.close_consistency())
-    signatures = send(server.u4, "ConsistencySignatures", signatures=signed).signatures
-
-    for u in answering("unmask", server.u4):
-        request = wire.reveal_to_pb(
-            round_id, spec.purpose, clients[u].unmask(wire.signatures_from_pb(signatures))
-        )
-        up[u]["UnmaskRequest"] = request.ByteSize()
-        server.add_reveal(u, wire.reveal_from_pb(request))
-    total, unmask_s = timed(server.close_unmask)
-
-    expected = np.zeros(spec.words, dtype=np.uint64)
-    for u in survivors:
-        np.add(expected, inputs[u], out=expected)
-    if not np.array_equal(total, expected):
+    outgoing = {u: halves[u].start(inputs[u]) for u in spec.silos if answers(u, "keys")}
+    while True:
+        for u, messages in outgoing.items():
+            for message in messages:
+                send(stubs[u], spec.round_id, spec.purpose, message, timeout=0)
+        out, seconds = timed(aggregator.close)
+        if isinstance(out, Released):
+            break
+        outgoing = {}
+        for u, step in out.items():
+            message = step_to_pb(spec.round_id, spec.purpose, step)
+            down[u][type(step).__name__] = pb.JoinResponse(sum_step=message).ByteSize()
+            certificates = (
+                sum(len(k.credential) for k in step.keys) if isinstance(step, KeyList) else certificates
+            )
+            if answers(u, aggregator.stage):
+                _, decoded = step_from_pb(message)
+                outgoing[u], took = timed(lambda u=u, decoded=decoded: halves[u].step(decoded))
+                if isinstance(decoded, Inbox):
+                    masking[u] = took
+    codec = FixedPointCodec(spec.schema, max_silos=len(spec.silos))
+    expected = np.zeros(spec.schema.size, dtype=np.uint64)
+    for u in out.survivors:
+        np.add(expected, codec.encode(inputs[u]), out=expected)
+    if not torch.equal(out.total, codec.decode(expected)):
         raise RuntimeError(f"{spec.round_id}: the unmasked sum is not the sum of the survivors' inputs")
-    return SessionRun(masking, unmask_s, up, down, sum(len(k.certificate) for k in key_list.keys))
+    return SessionRun(masking, seconds, up, down, certificates)
 
 
 def session_costs(n: int, repeats: int, schema: Schema, members: Members) -> dict:
@@ -311,8 +303,6 @@ def session_costs(n: int, repeats: int, schema: Schema, members: Members) -> dic
     flats = {u: contribution(schema, seed=k) for k, u in enumerate(participants)}
     inputs = {u: codec.encode(v) for u, v in flats.items()}
     words = schema.size
-    # each silo verifies certificates with its own cache, as each agent process does; so does the aggregator
-    peers = {u: members.peers() for u in (*participants, "aggregator")}
     t = settings.session("r0", "contribution", participants, words, b"").t
     scenarios = [s for s in DROPOUTS if s == "none" or n - 1 >= t]
     drop = participants[-1]
@@ -327,15 +317,11 @@ def session_costs(n: int, repeats: int, schema: Schema, members: Members) -> dic
         apply_only.append(masks_only(seeds, inputs[participants[0]]))
         encode.append(timed(lambda: codec.encode(flats[participants[0]]))[1])
         for scenario in scenarios:
-            spec = settings.session(
-                f"r{repeat + 1}.a1.{secrets.token_hex(4)}",
-                "contribution",
-                participants,
-                words,
-                secrets.token_bytes(32),
-            )
+            round_id = f"r{repeat + 1}.a1.{secrets.token_hex(4)}"
+            binding = secrets.token_bytes(32)
+            spec = SumSpec(round_id, "contribution", participants, schema, binding, settings)
             dropped = {drop: DROPOUTS[scenario]} if DROPOUTS[scenario] else {}
-            run = run_session(spec, members, peers, inputs, dropped=dropped)
+            run = run_session(spec, members, flats, dropped=dropped)
             unmask[scenario].append(run.unmask_s)
             if scenario == "none":
                 typical = statistics.median(run.masking_s.values())
@@ -353,7 +339,9 @@ def session_costs(n: int, repeats: int, schema: Schema, members: Members) -> dic
     up, down = per_silo(sizes.up), per_silo(sizes.down)
     plaintext_payload = np.zeros(words, dtype="<f8").tobytes()
     plaintext_up = stream_bytes(
-        submit_stream("r1.a1.00000000", plaintext_payload, kind=pb.CONTRIBUTION_KIND_PLAINTEXT)
+        submit_stream(
+            "r1.a1.00000000", plaintext_payload, kind=pb.CONTRIBUTION_KIND_PLAINTEXT, purpose="contribution"
+        )
     )
     return {
         "silos": n,

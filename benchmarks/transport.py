@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.consortium_harness
 
 from fedlt.v1 import consortium_pb2 as pb
-from silo.upload import submit_stream
+from fedlt.wire import submit_stream
 from tests.consortium_harness import payload_server
 
 
@@ -51,7 +51,9 @@ def streaming(mb: int, repeats: int) -> dict:
             down.append(time.perf_counter() - started)
             assert data == payload
             started = time.perf_counter()
-            receipt = stub.Submit(submit_stream("r", payload, kind=pb.CONTRIBUTION_KIND_PLAINTEXT))
+            receipt = stub.Submit(
+                submit_stream("r", payload, kind=pb.CONTRIBUTION_KIND_PLAINTEXT, purpose="contribution")
+            )
             up.append(time.perf_counter() - started)
             assert receipt.sha256 == hashlib.sha256(payload).hexdigest()
     down, up = down[1:], up[1:]  # the first pair warms up the connection

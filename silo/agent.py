@@ -5,10 +5,11 @@ endpoint and RoundSpec signer must be the roster's aggregator, and every peer th
 For each RoundSpec the agent verifies the signature, that it is addressed to the roster's consortium and to
 this silo, that its method, privacy layer, disclosures and secure-sum parameters meet the silo's policy, that
 the plan parses and matches its hash, and that the state it streams matches the signed digest. Only then does
-it train. Each privacy layer the agent implements has its own path (`LAYERS_IMPLEMENTED`); a RoundSpec naming
-any other is refused, so no layer ever falls back to a plain upload. A finished contribution is written to
-disk before upload, so an agent restarted mid-upload sends the same bytes instead of training again. With the
-`secagg` layer the contribution leaves only masked, through the stages of `silo.secure`.
+it train. The contribution then leaves through the round's sums (`silo.participation`) over the layer the
+RoundSpec names, with this silo's side of that layer (`sides`, one per layer its policy lists, among those it
+implements); a RoundSpec naming any other layer is refused, so no layer ever falls back to a plain upload. A
+finished contribution is written to disk before upload, so an agent restarted mid-upload sends the same bytes
+instead of training again.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from collections.abc import Callable, Iterator
 import grpc
 import numpy as np
 import torch
-from google.protobuf.message import DecodeError
 
-from fedlt.aggregation import Field, Schema
+from fedlt.aggregation import make_layer
+from fedlt.aggregation.halves import PartyKeys
 from fedlt.atomic import atomic_write, atomic_write_text
 from fedlt.data.arrays import LabeledImages
 from fedlt.errors import FedltError
@@ -39,16 +40,18 @@ from fedlt.plan import RoundPlan
 from fedlt.selection import DISCLOSURE, class_mean_disclosure, mask_stream
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc, round_pb2
+from fedlt.wire import schema_from_pb
+from privacy import roundspec
 from privacy.pki.errors import PkiError
-from privacy.pki.signing import ROUNDSPEC_CONTEXT, load_private_key, sign, verify
+from privacy.pki.signing import load_private_key, sign
+from privacy.roundspec import RoundSpecError
 from privacy.secagg.peers import ConsortiumPeers
-from privacy.secagg.protocol import SecAggError
+from privacy.wire import DRILL_NAMES, UPLOADS
 from silo.config import LAYERS_IMPLEMENTED, SiloConfig
+from silo.participation import Participation
 from silo.releases import ReleaseLedger
-from silo.secure import SecureRound, settings_of
 from silo.tls_probe import server_certificate
 from silo.trust import SiloTrust
-from silo.upload import submit_stream
 
 log = logging.getLogger("silo")
 
@@ -57,10 +60,10 @@ VERSION = "fedlt-silo/0.1"
 CALL_TIMEOUT = 120.0
 
 
-# Dropout drills (operators rehearsing, and the tests): the agent freezes itself right after sending the
-# named message of a contribution sum, so a dropout can be placed at an exact protocol stage.
+# Dropout drills (operators rehearsing, and the tests): the agent freezes itself right after sending the named
+# message of a contribution sum (`privacy.wire.DRILL_NAMES`), so a dropout can be placed at an exact stage.
 DRILL = "FEDLT_DRILL_STOP_AFTER"
-SENT_BY_STEP = {"keys": "shares", "inbox": "masked", "survivors": "consistency"}
+UPLOAD_TYPES = frozenset(kind for kind, _ in UPLOADS.values())
 
 
 class RefusedRound(FedltError):
@@ -100,9 +103,14 @@ class SiloAgent:
         self.round_id = ""
         self._method: tuple[str, Method] | None = None
         self._signing_key = load_private_key(config.path(conn.key))
-        self._peers = ConsortiumPeers(self.trust.members)
-        self._policy = config.policy.session_policy()
-        self._secure: SecureRound | None = None
+        keys = PartyKeys(
+            sign=lambda data, *, context: sign(self._signing_key, data, context=context),
+            peers=ConsortiumPeers(self.trust.members),
+            policy=config.policy.session_policy(),
+        )
+        # each layer the policy accepts, as this silo uses it; a RoundSpec naming another is refused
+        self.sides = {name: make_layer(name).silo_side(keys) for name in config.policy.privacy}
+        self._taking_part: Participation | None = None
 
     # --- the long-running loop ----------------------------------------------------------------
 
@@ -172,12 +180,15 @@ class SiloAgent:
             kind = directive.WhichOneof("directive")
             if kind == "round_spec":
                 self._round(stub, directive.round_spec)
-            elif kind == "secagg_step":
-                self._secure_step(stub, directive.secagg_step)
+            elif kind == "sum_step":
+                self._sum_step(directive.sum_step)
             elif kind == "abort":
                 log.warning("aggregator aborted %s: %s", directive.abort.round_id, directive.abort.reason)
-                if self._secure is not None and self._secure.spec.round_id == directive.abort.round_id:
-                    self._secure = None
+                if (
+                    self._taking_part is not None
+                    and self._taking_part.spec.round_id == directive.abort.round_id
+                ):
+                    self._taking_part = None
             elif kind == "finished":
                 done = directive.finished
                 log.info(
@@ -248,121 +259,72 @@ class SiloAgent:
         except (RefusedRound, PkiError) as exc:
             log.error("refusing a round: %s", exc)
             return
-        if self._secure is not None and self._secure.spec.round_id == spec.round_id:
-            log.info("%s: still taking part in its secure sum after a reconnect", spec.round_id)
+        if self._taking_part is not None and self._taking_part.spec.round_id == spec.round_id:
+            log.info("%s: still taking part in its sums after a reconnect", spec.round_id)
             return
         self.round_id = spec.round_id
-        self._secure = None
+        self._taking_part = None
         trains = self.silo_id in spec.participants
         payload = (self._pending(spec.round_id) if trains else None) or self._work(stub, spec, plan, trains)
         if payload is None:
             return
-        self.uploads()[spec.privacy](stub, signed, spec, payload)
-
-    def uploads(self) -> dict[str, Callable[..., None]]:
-        """How a contribution leaves, per privacy layer: one path each, chosen by name, never a fallback."""
-        return {"secagg": self._secure_start, "plaintext": self._plaintext_upload}
-
-    def _plaintext_upload(
-        self,
-        stub: consortium_pb2_grpc.ConsortiumServiceStub,
-        signed: round_pb2.SignedRoundSpec,
-        spec: round_pb2.RoundSpec,
-        payload: bytes,
-    ) -> None:
-        """The `plaintext` layer: the contribution as it is, only ever if policy.privacy lists this layer."""
-        self.activity = pb.SILO_ACTIVITY_UPLOADING
-        try:
-            stream = submit_stream(spec.round_id, payload, kind=pb.CONTRIBUTION_KIND_PLAINTEXT)
-            receipt = stub.Submit(stream, timeout=CALL_TIMEOUT)
-        except grpc.RpcError as exc:
-            if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
-                log.warning("contribution for %s refused: %s", spec.round_id, exc.details())
-                self._clear_pending()
-                return
-            raise
-        finally:
-            self.activity = pb.SILO_ACTIVITY_IDLE
-        if receipt.sha256 != hashlib.sha256(payload).hexdigest():
-            log.error("receipt for %s names other bytes than were sent", spec.round_id)
-        self._clear_pending()
-        self._save_progress(committed=spec.round - 1, submitted=spec.round_id)
-        log.info("round %d: contribution accepted (%s)", spec.round, receipt.sha256[:16])
-
-    def _secure_start(
-        self,
-        stub: consortium_pb2_grpc.ConsortiumServiceStub,
-        signed: round_pb2.SignedRoundSpec,
-        spec: round_pb2.RoundSpec,
-        payload: bytes,
-    ) -> None:
-        """The `secagg` layer: the contribution leaves only masked, through `SecureRound`'s stages."""
         contribution = torch.from_numpy(np.frombuffer(payload, dtype="<f8").copy())
 
         def start() -> None:
-            self._secure = SecureRound(
+            self._taking_part = Participation(
                 signed,
                 spec,
-                _schema_of(spec),
                 contribution,
                 me=self.silo_id,
-                sign=lambda data, *, context: sign(self._signing_key, data, context=context),
-                peers=self._peers,
-                policy=self._policy,
+                side=self.sides[spec.privacy],
                 ledger=self.ledger,
+                stub=stub,
                 timeout=CALL_TIMEOUT,
+                on_sent=lambda purpose, message: self._sent(spec, purpose, message),
             )
-            self._secure.start(stub)
+            self._taking_part.start()
 
-        self._secure_call(spec.round_id, start)
+        self._sum_call(spec.round_id, start)
 
-    def _secure_step(self, stub: consortium_pb2_grpc.ConsortiumServiceStub, step: pb.SecAggStep) -> None:
-        secure = self._secure
-        if secure is None or secure.spec.round_id != step.round_id:
-            log.warning("ignoring a secure-aggregation step for %s, which this silo is not in", step.round_id)
+    def _sum_step(self, step: pb.SumStep) -> None:
+        taking_part = self._taking_part
+        if taking_part is None or taking_part.spec.round_id != step.round_id:
+            log.warning("ignoring a step of %s, whose sums this silo is not in", step.round_id)
             return
+        self._sum_call(step.round_id, lambda: taking_part.step(step))
+        if taking_part.done:
+            self._taking_part = None
 
-        def upload(stream: Iterator[pb.SubmitRequest]) -> None:
-            self.activity = pb.SILO_ACTIVITY_UPLOADING
-            try:
-                stub.Submit(stream, timeout=CALL_TIMEOUT)
-            finally:
-                self.activity = pb.SILO_ACTIVITY_IDLE
-            if secure.purpose == "contribution":
-                self._clear_pending()
-                self._save_progress(committed=secure.spec.round - 1, submitted=step.round_id)
-                log.info("round %d: masked contribution accepted", secure.spec.round)
-
-        self._secure_call(step.round_id, lambda: secure.step(stub, step, upload))
-        if secure.done:
-            self._secure = None
+    def _sent(self, spec: round_pb2.RoundSpec, purpose: str, message: object) -> None:
+        """After each message: the contribution's upload ends the pending file; drills may stop here."""
+        if purpose == "contribution" and type(message) in UPLOAD_TYPES:
+            self._clear_pending()
+            self._save_progress(committed=spec.round - 1, submitted=spec.round_id)
+            log.info("round %d: contribution accepted (%s)", spec.round, type(message).__name__)
         drill = os.environ.get(DRILL, "")
-        if drill and secure.purpose == "contribution" and drill == SENT_BY_STEP.get(step.WhichOneof("step")):
+        if drill and purpose == "contribution" and drill == DRILL_NAMES.get(type(message)):
             log.warning("drill: stopping after sending the %s message, as %s asks", drill, DRILL)
             os.kill(os.getpid(), signal.SIGSTOP)
 
-    def _secure_call(self, round_id: str, action: Callable[[], None]) -> None:
+    def _sum_call(self, round_id: str, action: Callable[[], None]) -> None:
         """Run one stage; a protocol violation or a refused message ends this silo's part in the round."""
         try:
             action()
         except FedltError as exc:
-            log.error("%s: leaving the secure sum: %s", round_id, exc)
-            self._secure = None
+            log.error("%s: leaving the round's sums: %s", round_id, exc)
+            self._taking_part = None
         except grpc.RpcError as exc:
             if exc.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
                 raise
-            log.warning(
-                "%s: the aggregator refused a secure-aggregation message: %s", round_id, exc.details()
-            )
-            self._secure = None
+            log.warning("%s: the aggregator refused a message: %s", round_id, exc.details())
+            self._taking_part = None
 
     def _check_spec(self, signed: round_pb2.SignedRoundSpec) -> tuple[round_pb2.RoundSpec, RoundPlan]:
         signer = self.trust.members.aggregator(self.aggregator_pem)  # still valid, not revoked, on the roster
-        verify(signer, signed.signature, signed.spec, context=ROUNDSPEC_CONTEXT)
         try:
-            spec = round_pb2.RoundSpec.FromString(signed.spec)
-        except DecodeError:
-            raise RefusedRound("a signed RoundSpec that does not parse") from None
+            spec = roundspec.open_signed(signed, signer)
+        except RoundSpecError as exc:
+            raise RefusedRound(str(exc)) from None
         policy = self.config.policy
         problems = []
         if spec.consortium_id != self.trust.roster.consortium:
@@ -375,7 +337,7 @@ class SiloAgent:
             problems.append(f"method {spec.method!r} is not allowed by policy.methods")
         if spec.privacy not in LAYERS_IMPLEMENTED:
             problems.append(f"privacy layer {spec.privacy!r} is not implemented by this agent")
-        elif spec.privacy not in policy.privacy:
+        elif spec.privacy not in self.sides:
             problems.append(f"privacy layer {spec.privacy!r} is not allowed by policy.privacy")
         extra = sorted(set(spec.disclosures) - set(policy.disclosures))
         if extra:
@@ -384,8 +346,8 @@ class SiloAgent:
             problems.append("method_config does not match config_sha256")
         if spec.state_bytes > policy.max_state_mb * 2**20:
             problems.append(f"state of {spec.state_bytes} bytes exceeds policy.max_state_mb")
-        if spec.privacy == "secagg":
-            problems += self._secure_sum_problems(spec)
+        if spec.privacy in self.sides:
+            problems += self._sum_problems(signed, spec)
         if problems:
             raise RefusedRound(f"{spec.round_id}: " + "; ".join(problems))
         try:
@@ -407,20 +369,24 @@ class SiloAgent:
             )
         return spec, plan
 
-    def _secure_sum_problems(self, spec: round_pb2.RoundSpec) -> list[str]:
-        """The signed secure-sum parameters against this silo's minimums, before any work is done."""
-        policy = self.config.policy
+    def _sum_problems(self, signed: round_pb2.SignedRoundSpec, spec: round_pb2.RoundSpec) -> list[str]:
+        """The signed parameters of the round's sums against this silo's minimums, before any work."""
+        side = self.sides[spec.privacy]
+        try:
+            sums = roundspec.sums_of(signed, spec)
+        except (FedltError, ValueError) as exc:
+            return [f"its sums are malformed: {exc}"]
         problems = []
-        if spec.secagg.k_min < policy.min_tail_guard:
+        if side.hides_inputs and sums.k_min < self.config.policy.min_tail_guard:
             problems.append(
-                f"tail guard k_min {spec.secagg.k_min} is below policy.min_tail_guard {policy.min_tail_guard}"
+                f"tail guard k_min {sums.k_min} is below policy.min_tail_guard "
+                f"{self.config.policy.min_tail_guard}"
             )
         if self.silo_id in spec.participants:
             try:
-                session = settings_of(spec).session(spec.round_id, "contribution", spec.participants, 1, b"")
-            except SecAggError as exc:
-                return [*problems, f"its secure sum is malformed: {exc}"]
-            problems += self._policy.problems(session)
+                problems += side.problems(sums.contribution_spec(sums.participants, sums.census))
+            except FedltError as exc:
+                problems.append(f"its sums are malformed: {exc}")
         return problems
 
     def _work(self, stub, spec: round_pb2.RoundSpec, plan: RoundPlan, trains: bool) -> bytes | None:
@@ -436,7 +402,7 @@ class SiloAgent:
             return None
         method = self._method_for(plan, spec.config_sha256)
         schema = method.schema(state)
-        if schema != _schema_of(spec):
+        if schema != schema_from_pb(spec.schema):
             log.error("%s: the signed schema differs from the method's own; not training", spec.round_id)
             return None
         fetched = time.perf_counter() - fetch_started
@@ -536,11 +502,3 @@ def _fetch_state(stub: consortium_pb2_grpc.ConsortiumServiceStub, spec: round_pb
         log.error("%s: the state streamed is shorter than the signed size; not training", spec.round_id)
         return None
     return bytes(data)
-
-
-def _schema_of(spec: round_pb2.RoundSpec) -> Schema:
-    fields = tuple(
-        Field(f.name, tuple(f.shape), f.bound, frac_bits=f.frac_bits, per_class=f.per_class)
-        for f in spec.schema.fields
-    )
-    return Schema(fields, phase=spec.schema.phase)

@@ -17,9 +17,9 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from fedlt.aggregation.tail_guard import Census
 from fedlt.atomic import atomic_write_text
 from privacy.secagg.protocol import ProtocolViolation
-from privacy.secagg.tail_guard import Census
 
 LEDGER = "releases.json"
 

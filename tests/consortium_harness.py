@@ -247,15 +247,14 @@ class PayloadEngine:
     def __init__(self, payload: bytes) -> None:
         self.payload = payload
         self.config = SimpleNamespace(consortium=SimpleNamespace(id="payload", privacy="plaintext"))
-        self.secure = False
 
     def state_for(self, silo_id: str, round_id: str) -> bytes:
         return self.payload
 
-    def expected_bytes(self, silo_id: str, round_id: str, purpose: str = "") -> int:
+    def upload_bytes(self, silo_id: str, round_id: str, purpose: str, kind: type) -> int:
         return len(self.payload)
 
-    def submit(self, silo_id: str, round_id: str, payload: bytes, digest: str) -> str:
+    def upload(self, silo_id: str, round_id: str, purpose: str, message: object, digest: str) -> str:
         return digest
 
 

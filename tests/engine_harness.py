@@ -1,8 +1,9 @@
-"""The real round engine and the silos' own `SecureRound`, in one process with the network left out.
+"""The real round engine and the silos' own `Participation`, in one process with the network left out.
 
-What the gRPC service would relay is handed straight to the engine (`DirectStub`); each `InProcessSilo` plays
-an agent's part on a thread: a `SecureRound` per RoundSpec, steps as directives arrive, a refusal ends its
-part in the attempt (as `silo.agent` does) and is recorded for the test to read.
+What the gRPC service would relay is handed straight to the engine (`DirectStub`, which decodes requests as
+the service does, minus certificates and streams); each `InProcessSilo` plays an agent's part on a thread: a
+`Participation` per RoundSpec, steps as directives arrive, a refusal ends its part in the attempt (as
+`silo.agent` does) and is recorded for the test to read.
 """
 
 from __future__ import annotations
@@ -17,49 +18,44 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from aggregator.rounds import RoundEngine
 from fedlt.aggregation import Schema
+from fedlt.aggregation.halves import PartyKeys
 from fedlt.errors import FedltError
 from fedlt.v1 import round_pb2
+from fedlt.wire import PURPOSE_OF_SUM, schema_from_pb
 from privacy.pki.signing import sign
-from privacy.secagg import wire
+from privacy.secagg.layer import SecAggSum
 from privacy.secagg.peers import KeyPeers
 from privacy.secagg.policy import SessionPolicy
-from privacy.secagg.protocol import AdvertisedKeys
-from silo.agent import _schema_of
+from privacy.wire import RECEIVERS, received, upload_of
+from silo.participation import Participation
 from silo.releases import ReleaseLedger
-from silo.secure import SecureRound
 
 # what a silo contributes to a round: its values for the schema's fields, from the round's number
 Values = Callable[[Schema, int], dict[str, torch.Tensor]]
 
 
 class DirectStub:
-    """The silo's calls handed straight to the engine, as the gRPC service would after reading the caller."""
+    """The silo's calls handed straight to the engine, read as the gRPC service reads them (no certificates:
+    the in-process peers check bare keys)."""
 
     def __init__(self, engine: RoundEngine, silo: str) -> None:
         self.engine, self.silo = engine, silo
 
-    def _to(self, request, action) -> None:
-        self.engine.secagg(self.silo, request.round_id, wire.PURPOSE_OF_SUM[request.sum], action)
+    def __getattr__(self, rpc: str):
+        if rpc not in RECEIVERS:
+            raise AttributeError(rpc)
 
-    def AdvertiseKeys(self, request, timeout=None) -> None:  # noqa: N802
-        keys = AdvertisedKeys(self.silo, request.c_public_key, request.s_public_key, request.signature)
-        self._to(request, lambda server: server.add_keys(self.silo, keys))
+        def call(request, **_: object) -> None:
+            message = received(rpc, request, silo=self.silo, credential=b"")
+            self.engine.deliver(self.silo, request.round_id, PURPOSE_OF_SUM[request.sum], message)
 
-    def ShareKeys(self, request, timeout=None) -> None:  # noqa: N802
-        envelopes = wire.envelopes_from_pb(request.shares)
-        self._to(request, lambda server: server.add_envelopes(self.silo, envelopes))
-
-    def Consistency(self, request, timeout=None) -> None:  # noqa: N802
-        self._to(request, lambda server: server.add_signature(self.silo, request.signature))
-
-    def Unmask(self, request, timeout=None) -> None:  # noqa: N802
-        self._to(request, lambda server: server.add_reveal(self.silo, wire.reveal_from_pb(request)))
+        return call
 
     def Submit(self, stream, timeout=None) -> None:  # noqa: N802
-        header, *chunks = list(stream)
-        payload = b"".join(part.chunk for part in chunks)
-        purpose = wire.PURPOSE_OF_SUM[header.header.sum]
-        self.engine.submit_masked(self.silo, header.header.round_id, purpose, payload, header.header.sha256)
+        first, *parts = list(stream)
+        header = first.header
+        upload = upload_of(header.kind, b"".join(part.chunk for part in parts))
+        self.engine.upload(self.silo, header.round_id, PURPOSE_OF_SUM[header.sum], upload, header.sha256)
 
 
 class InProcessSilo:
@@ -79,7 +75,7 @@ class InProcessSilo:
     def _play(self, engine: RoundEngine, peers: KeyPeers, stop: threading.Event) -> None:
         session = engine.connect(self.name)
         stub = DirectStub(engine, self.name)
-        secure: SecureRound | None = None
+        taking_part: Participation | None = None
         try:
             while not stop.is_set():
                 try:
@@ -91,38 +87,40 @@ class InProcessSilo:
                 kind = directive.WhichOneof("directive")
                 try:
                     if kind == "round_spec":
-                        secure = self._secure_round(directive.round_spec, peers)
-                        secure.start(stub)
-                    elif kind == "secagg_step" and secure is not None:
-                        secure.step(stub, directive.secagg_step, stub.Submit)
-                        if secure.done:
+                        taking_part = self._participation(directive.round_spec, peers, stub)
+                        taking_part.start()
+                    elif kind == "sum_step" and taking_part is not None:
+                        taking_part.step(directive.sum_step)
+                        if taking_part.done:
                             self.done.set()
                     elif kind == "abort":
-                        secure = None
-                except FedltError as exc:  # the agent's `_secure_call`: leave this attempt's secure sum
+                        taking_part = None
+                except FedltError as exc:  # the agent's `_sum_call`: leave this attempt's sums
                     self.refusals.append(str(exc))
-                    secure = None
+                    taking_part = None
         except Exception as exc:  # reported by the test thread
             self.errors.append(f"{self.name}: {exc!r}")
         finally:
             engine.disconnect(session)
 
-    def _secure_round(self, signed: round_pb2.SignedRoundSpec, peers: KeyPeers) -> SecureRound:
+    def _participation(
+        self, signed: round_pb2.SignedRoundSpec, peers: KeyPeers, stub: DirectStub
+    ) -> Participation:
         spec = round_pb2.RoundSpec.FromString(signed.spec)
-        schema = _schema_of(spec)
+        schema = schema_from_pb(spec.schema)
         values = schema.unflatten(torch.zeros(schema.size, dtype=torch.float64))
         values.update(self.values(schema, spec.round))
-        return SecureRound(
+        sign_as = lambda data, *, context: sign(self.key, data, context=context)  # noqa: E731
+        return Participation(
             signed,
             spec,
-            schema,
             schema.flatten(values),
             me=self.name,
-            sign=lambda data, *, context: sign(self.key, data, context=context),
-            peers=peers,
-            policy=SessionPolicy(),
+            side=SecAggSum().silo_side(PartyKeys(sign=sign_as, peers=peers, policy=SessionPolicy())),
             ledger=ReleaseLedger(self.state_dir),
+            stub=stub,
             timeout=30,
+            on_sent=lambda purpose, message: None,
         )
 
 

@@ -16,6 +16,7 @@ from aggregator.config import ConsortiumConfig, ConsortiumSection, TimeoutSectio
 from aggregator.rounds import RoundEngine
 from aggregator.store import Store
 from fedlt.aggregation import Field, Schema
+from fedlt.aggregation.halves import PartyKeys
 from fedlt.methods.fedavg import FedAvg
 from privacy.secagg.layer import SecAggSum
 from tests.consortium_harness import AUDIT_KEY, PLAN
@@ -75,9 +76,9 @@ def test_census_holds_back_classes_fewer_than_k_min_silos_hold(tmp_path):
         store=store,
         method=method,
         layer=SecAggSum(),
+        side=SecAggSum().aggregator_side(PartyKeys(peers=peers)),
         sign=lambda blob: b"not checked here",
         recorder=None,
-        peers=peers,
         echo=lambda _: None,
     )
     stop = threading.Event()

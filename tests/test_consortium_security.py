@@ -19,8 +19,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc, operator_pb2, operator_pb2_grpc, round_pb2
+from fedlt.wire import submit_stream
 from privacy.pki.ca import init_ca, issue_silo, revoke
-from silo.upload import submit_stream
 from tests.consortium_harness import Consortium, channel, code_of, payload_server, read_all, register
 
 CODE = grpc.StatusCode
@@ -136,14 +136,23 @@ def test_bad_requests_get_precise_codes_and_change_nothing(live):
         def header(round_id=spec.round_id, total=size * 8, digest=""):
             return pb.SubmitRequest(
                 header=pb.SubmitHeader(
-                    round_id=round_id, kind=pb.CONTRIBUTION_KIND_PLAINTEXT, total_bytes=total, sha256=digest
+                    round_id=round_id,
+                    kind=pb.CONTRIBUTION_KIND_PLAINTEXT,
+                    total_bytes=total,
+                    sha256=digest,
+                    sum=pb.SECURE_SUM_CONTRIBUTION,
                 )
             )
 
         cases = {
             "wrong round": (
                 lambda: submit(
-                    submit_stream("r9.a1.dead", good.tobytes(), kind=pb.CONTRIBUTION_KIND_PLAINTEXT)
+                    submit_stream(
+                        "r9.a1.dead",
+                        good.tobytes(),
+                        kind=pb.CONTRIBUTION_KIND_PLAINTEXT,
+                        purpose="contribution",
+                    )
                 ),
                 CODE.FAILED_PRECONDITION,
                 "no attempt",
@@ -160,7 +169,12 @@ def test_bad_requests_get_precise_codes_and_change_nothing(live):
             ),
             "wrong shape": (
                 lambda: submit(
-                    submit_stream(spec.round_id, good[:-1].tobytes(), kind=pb.CONTRIBUTION_KIND_PLAINTEXT)
+                    submit_stream(
+                        spec.round_id,
+                        good[:-1].tobytes(),
+                        kind=pb.CONTRIBUTION_KIND_PLAINTEXT,
+                        purpose="contribution",
+                    )
                 ),
                 CODE.INVALID_ARGUMENT,
                 "schema needs",
@@ -177,7 +191,12 @@ def test_bad_requests_get_precise_codes_and_change_nothing(live):
             ),
             "nan": (
                 lambda: submit(
-                    submit_stream(spec.round_id, nan.tobytes(), kind=pb.CONTRIBUTION_KIND_PLAINTEXT)
+                    submit_stream(
+                        spec.round_id,
+                        nan.tobytes(),
+                        kind=pb.CONTRIBUTION_KIND_PLAINTEXT,
+                        purpose="contribution",
+                    )
                 ),
                 CODE.INVALID_ARGUMENT,
                 "non-finite",
@@ -193,7 +212,7 @@ def test_bad_requests_get_precise_codes_and_change_nothing(live):
                     timeout=10,
                 ),
                 CODE.FAILED_PRECONDITION,
-                "no secure-sum stages",
+                "takes uploads, not AdvertisedKeys",
             ),
         }
         for name, (call, expected, words) in cases.items():
@@ -205,7 +224,11 @@ def test_bad_requests_get_precise_codes_and_change_nothing(live):
         assert store.latest_state().round == 0
         store.close()
 
-        receipt = submit(submit_stream(spec.round_id, good.tobytes(), kind=pb.CONTRIBUTION_KIND_PLAINTEXT))
+        receipt = submit(
+            submit_stream(
+                spec.round_id, good.tobytes(), kind=pb.CONTRIBUTION_KIND_PLAINTEXT, purpose="contribution"
+            )
+        )
         assert receipt.sha256 == hashlib.sha256(good.tobytes()).hexdigest()
     assert live.wait_aggregator(timeout=60) == 0
     store = live.store()
@@ -220,5 +243,8 @@ def test_a_200_mb_model_streams_both_ways(tmp_path):
     with payload_server(tmp_path, payload) as stub:
         data = b"".join(p.data for p in stub.FetchState(pb.FetchStateRequest(round_id="r"), timeout=120))
         assert hashlib.sha256(data).digest() == hashlib.sha256(payload).digest()
-        receipt = stub.Submit(submit_stream("r", payload, kind=pb.CONTRIBUTION_KIND_PLAINTEXT), timeout=120)
+        receipt = stub.Submit(
+            submit_stream("r", payload, kind=pb.CONTRIBUTION_KIND_PLAINTEXT, purpose="contribution"),
+            timeout=120,
+        )
     assert receipt.sha256 == hashlib.sha256(payload).hexdigest()

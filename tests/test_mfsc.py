@@ -29,6 +29,7 @@ from fedlt.selection import (
 from fedlt.sim.config import load_sim_config
 from fedlt.sim.run import CHECKPOINT, run_simulation
 from fedlt.v1 import round_pb2
+from fedlt.wire import schema_to_pb
 from privacy.pki.signing import ROUNDSPEC_CONTEXT, sign
 from silo.agent import RefusedRound, SiloAgent
 from silo.config import load_silo_config
@@ -332,6 +333,7 @@ def test_a_silo_refuses_a_round_asking_for_a_disclosure_its_policy_does_not_allo
         round=1,
         round_id="r1.a1.x",
         method="dflfs",
+        schema=schema_to_pb(plan.build_method().schema(plan.build_method().init_state(seed=0))),
         method_config=plan_toml,
         config_sha256=hashlib.sha256(plan_toml.encode()).hexdigest(),
         privacy="secagg",

@@ -10,20 +10,17 @@ import pytest
 import torch
 
 from aggregator.config import ConsortiumConfig, ConsortiumSection
-from aggregator.rounds import (
-    AlreadySubmitted,
-    BadContribution,
-    NotParticipant,
-    RoundEngine,
-    Stage,
-    WrongRound,
-)
+from aggregator.rounds import AlreadySubmitted, NotParticipant, RoundEngine, Stage, WrongRound
 from aggregator.store import Store
+from fedlt.aggregation.halves import PartyKeys, SumAborted
 from fedlt.aggregation.plaintext import PlaintextSum
 from fedlt.data.embedded import load_embedded, split_balanced_test
+from fedlt.errors import ContributionError
 from fedlt.methods.state import GlobalState, pack_state
 from fedlt.metrics import ShotThresholds
 from fedlt.recorder import RunRecorder
+from fedlt.wire import upload_of
+from privacy.secagg.protocol import MaskedInput
 from tests.consortium_harness import AUDIT_KEY, PLAN
 
 
@@ -41,6 +38,7 @@ def engine(tmp_path):
         store=store,
         method=PLAN.build_method(),
         layer=PlaintextSum(),
+        side=PlaintextSum().aggregator_side(PartyKeys()),
         sign=lambda blob: b"signature",
         recorder=None,
         echo=lines.append,
@@ -57,22 +55,29 @@ def payload(engine: RoundEngine, n: float) -> tuple[bytes, str]:
     return data, hashlib.sha256(data).hexdigest()
 
 
+def submit(engine: RoundEngine, silo: str, round_id: str, data: bytes, digest: str) -> str:
+    """What the service does with a plaintext Submit stream whose size and SHA-256 it checked."""
+    return engine.upload(silo, round_id, "contribution", upload_of(data), digest)
+
+
 def test_submissions_are_checked_against_the_attempt(engine):
     for silo in ("a", "b"):
         engine.connect(silo)
     attempt = engine._start_attempt(["a", "b"])
     data, digest = payload(engine, 3.0)
-    assert engine.submit("a", attempt.round_id, data, digest) == digest
-    assert engine.submit("a", attempt.round_id, data, digest) == digest  # an identical resend is idempotent
+    assert submit(engine, "a", attempt.round_id, data, digest) == digest
+    assert submit(engine, "a", attempt.round_id, data, digest) == digest  # an identical resend is idempotent
     other, other_digest = payload(engine, 4.0)
-    with pytest.raises(AlreadySubmitted):
-        engine.submit("a", attempt.round_id, other, other_digest)
+    with pytest.raises(SumAborted, match="already uploaded other values"):
+        submit(engine, "a", attempt.round_id, other, other_digest)
     with pytest.raises(NotParticipant):
-        engine.submit("c", attempt.round_id, data, digest)
+        submit(engine, "c", attempt.round_id, data, digest)
     with pytest.raises(WrongRound):
-        engine.submit("b", "r1.a9.other", data, digest)
-    with pytest.raises(BadContribution, match="schema needs"):
-        engine.submit("b", attempt.round_id, data[:-8], digest)
+        submit(engine, "b", "r1.a9.other", data, digest)
+    with pytest.raises(ContributionError, match="schema needs"):
+        submit(engine, "b", attempt.round_id, data[:-8], digest)
+    with pytest.raises(SumAborted, match="takes plaintext uploads"):
+        engine.upload_bytes("b", attempt.round_id, "contribution", MaskedInput)
     status = engine.status()
     assert status["submitted"] == ["a"]
     assert status["participants"] == ["a", "b"]
@@ -87,10 +92,10 @@ def test_submissions_are_checked_against_the_attempt(engine):
 
 
 def test_a_participants_reconnect_gets_the_round_again(engine):
-    engine.connect("a")
+    session = engine.connect("a")
     engine.connect("b")
     attempt = engine._start_attempt(["a", "b"])
-    first = engine._sessions["a"].directives.get_nowait()
+    first = session.directives.get_nowait()
     assert first.round_spec == attempt.signed
     again = engine.connect("a")
     assert again.directives.get_nowait().round_spec == attempt.signed
@@ -111,7 +116,7 @@ def test_unusable_sums_abort_the_attempt_instead_of_stopping_the_aggregator(engi
             attempt = engine.attempt
             for silo in ("a", "b"):
                 data, digest = payload(engine, 0.0)
-                engine.submit(silo, attempt.round_id, data, digest)
+                submit(engine, silo, attempt.round_id, data, digest)
             while engine.attempt is attempt:
                 deadline.wait(0.05)
         statuses = engine.store._db.execute("SELECT status FROM attempts ORDER BY attempt").fetchall()
@@ -153,11 +158,12 @@ def test_a_round_committed_without_metrics_is_evaluated_at_start_up(tmp_path):
         store=store,
         method=method,
         layer=PlaintextSum(),
+        side=PlaintextSum().aggregator_side(PartyKeys()),
         sign=lambda b: b"",
         recorder=recorder,
         echo=lines.append,
     )
-    engine._evaluator.shutdown(wait=True)
+    engine.evaluator.shutdown()
     assert [m["round"] for m in store.metrics_history()] == [1]
     assert lines[0].startswith("round    1/2")
     store.close()
@@ -186,7 +192,7 @@ def test_disclosures_are_taken_only_from_silos_an_attempt_asks(engine):
     with pytest.raises(NotParticipant):
         engine.disclose("c", attempt.round_id, "mfsc", shape, values)
     with pytest.raises(NotParticipant):
-        engine.submit("b", attempt.round_id, *payload(engine, 1.0))  # disclosing is not training
+        submit(engine, "b", attempt.round_id, *payload(engine, 1.0))  # disclosing is not training
 
 
 def test_a_disclosure_counts_only_once_its_round_commits(engine):
@@ -198,7 +204,7 @@ def test_a_disclosure_counts_only_once_its_round_commits(engine):
     first = np.random.default_rng(0).random(shape).astype("<f8").tobytes()
     attempt = engine._start_attempt(["a", "b"], disclosers=["a", "b"])
     engine.disclose("b", attempt.round_id, "mfsc", shape, first)
-    engine.submit("a", attempt.round_id, *payload(engine, 1.0))
+    submit(engine, "a", attempt.round_id, *payload(engine, 1.0))
     engine._abort(attempt, "a deadline passed")
     assert engine.picker.book.disclosures == {}
     assert engine.store.disclosures("mfsc") == {}
@@ -206,9 +212,9 @@ def test_a_disclosure_counts_only_once_its_round_commits(engine):
     retry = engine._start_attempt(["a", "b"], disclosers=["a", "b"])
     engine.disclose("b", retry.round_id, "mfsc", shape, first)
     for silo in ("a", "b"):
-        engine.submit(silo, retry.round_id, *payload(engine, 1.0))
-    engine._commit(retry, *engine._plain_sum(retry, threading.Event()))
-    engine._evaluator.shutdown(wait=True)
+        submit(engine, silo, retry.round_id, *payload(engine, 1.0))
+    engine._commit(retry, *engine._sums(retry, threading.Event()))
+    engine.evaluator.shutdown()
     kept = engine.picker.book.disclosures["b"].flatten()
     assert torch.equal(kept, torch.from_numpy(np.frombuffer(first).copy()))
     assert engine.store.disclosures("mfsc") == {"b": first}

@@ -1,6 +1,6 @@
 """A secure round against a live aggregator, with the test playing both silos over real mutual TLS.
 
-The silos run the agent's own `SecureRound`; before and during it the test sends what a faulty or hostile
+The silos run the agent's own `Participation`; before and during it the test sends what a faulty or hostile
 silo might (forged keys, a masked input out of turn, a second set of keys), and checks each refusal's status
 code and that the round still commits the right sum.
 """
@@ -15,19 +15,20 @@ import grpc
 import numpy as np
 import torch
 
+from fedlt.aggregation.halves import PartyKeys
 from fedlt.methods.state import flatten, float_keys
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc, round_pb2
+from fedlt.wire import schema_from_pb, submit_stream
 from privacy.pki.roster import Roster
 from privacy.pki.signing import load_private_key, sign
 from privacy.pki.trust import MemberTrust, RevokedSerials
+from privacy.secagg.layer import SecAggSum
 from privacy.secagg.peers import ConsortiumPeers
 from privacy.secagg.policy import SessionPolicy
 from privacy.secagg.protocol import KEYS_CONTEXT
-from silo.agent import _schema_of
+from silo.participation import Participation
 from silo.releases import ReleaseLedger
-from silo.secure import SecureRound
-from silo.upload import submit_stream
 from tests.consortium_harness import PLAN, Consortium, channel, code_of, read_all, register
 
 CODE = grpc.StatusCode
@@ -69,7 +70,7 @@ def test_a_secure_round_played_by_hand_refuses_tampering_and_sums_right(tmp_path
             # a masked input before the masked stage, and a census that this round does not run
             size = sum(int(np.prod(f.shape)) for f in spec.schema.fields)
             early = submit_stream(
-                round_id, bytes(8 * size), kind=pb.CONTRIBUTION_KIND_MASKED, secure_sum=secure_sum
+                round_id, bytes(8 * size), kind=pb.CONTRIBUTION_KIND_MASKED, purpose="contribution"
             )
             code, details = code_of(lambda: stubs[0].Submit(early, timeout=10))
             assert code == CODE.FAILED_PRECONDITION
@@ -77,11 +78,13 @@ def test_a_secure_round_played_by_hand_refuses_tampering_and_sums_right(tmp_path
             census = pb.AdvertiseKeysRequest(round_id=round_id, sum=pb.SECURE_SUM_CENSUS)
             code, _ = code_of(lambda: stubs[0].AdvertiseKeys(census, timeout=10))
             assert code == CODE.FAILED_PRECONDITION
-            plaintext = submit_stream(round_id, bytes(8 * size), kind=pb.CONTRIBUTION_KIND_PLAINTEXT)
+            plaintext = submit_stream(
+                round_id, bytes(8 * size), kind=pb.CONTRIBUTION_KIND_PLAINTEXT, purpose="contribution"
+            )
             code, _ = code_of(lambda: stubs[0].Submit(plaintext, timeout=10))
             assert code == CODE.FAILED_PRECONDITION
 
-            schema = _schema_of(spec)
+            schema = schema_from_pb(spec.schema)
             generator = torch.Generator().manual_seed(0)
             contributions = []
             for _ in (0, 1):
@@ -92,22 +95,27 @@ def test_a_secure_round_played_by_hand_refuses_tampering_and_sums_right(tmp_path
                 values["n"] = torch.tensor(5.0, dtype=torch.float64)
                 contributions.append(schema.flatten(values))
             rounds = [
-                SecureRound(
+                Participation(
                     signed[k],
                     spec,
-                    schema,
                     contributions[k],
                     me=f"silo-{k}",
-                    sign=lambda data, *, context, key=keys[k]: sign(key, data, context=context),
-                    peers=peers,
-                    policy=SessionPolicy(min_participants=2),  # the default refuses sums of two silos
+                    side=SecAggSum().silo_side(
+                        PartyKeys(
+                            sign=lambda data, *, context, key=keys[k]: sign(key, data, context=context),
+                            peers=peers,
+                            policy=SessionPolicy(min_participants=2),  # the default refuses sums of two
+                        )
+                    ),
                     ledger=ReleaseLedger(tmp_path),
+                    stub=stubs[k],
                     timeout=30,
+                    on_sent=lambda purpose, message: None,
                 )
                 for k in (0, 1)
             ]
             for k in (0, 1):
-                rounds[k].start(stubs[k])
+                rounds[k].start()
             # a second, different set of keys from the same silo
             again = pb.AdvertiseKeysRequest(
                 round_id=round_id, sum=secure_sum, c_public_key=os.urandom(32), s_public_key=os.urandom(32)
@@ -118,8 +126,7 @@ def test_a_secure_round_played_by_hand_refuses_tampering_and_sums_right(tmp_path
             while not all(r.done for r in rounds):
                 for k in (0, 1):
                     if not rounds[k].done:
-                        step = inboxes[k].get(timeout=60).secagg_step
-                        rounds[k].step(stubs[k], step, upload=lambda s, k=k: stubs[k].Submit(s, timeout=30))
+                        rounds[k].step(inboxes[k].get(timeout=60).sum_step)
         assert consortium.wait_aggregator(timeout=120) == 0
         initial, final = PLAN.build_method().init_state(seed=0), consortium.final_state()
         keys_ = float_keys(initial.model)

@@ -162,7 +162,7 @@ class RecordingEngine(PayloadEngine):
         super().__init__(payload)
         self.accepted: list[str] = []
 
-    def submit(self, silo_id: str, round_id: str, payload: bytes, digest: str) -> str:
+    def upload(self, silo_id: str, round_id: str, purpose: str, message: object, digest: str) -> str:
         self.accepted.append(digest)
         return digest
 
@@ -191,7 +191,7 @@ def _tls_server(
         server.stop(0)
 
 
-PAYLOAD = bytes(range(10))
+PAYLOAD = bytes(range(16))  # two float64 values
 
 
 @contextmanager
@@ -229,6 +229,7 @@ def _plaintext_header() -> pb.SubmitRequest:
             kind=pb.CONTRIBUTION_KIND_PLAINTEXT,
             total_bytes=len(PAYLOAD),
             sha256=hashlib.sha256(PAYLOAD).hexdigest(),
+            sum=pb.SECURE_SUM_CONTRIBUTION,
         )
     )
 

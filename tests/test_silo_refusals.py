@@ -12,10 +12,13 @@ import itertools
 
 import pytest
 
+from fedlt.aggregation import LAYERS, make_layer
+from fedlt.aggregation.halves import PartyKeys, SiloSide
 from fedlt.config import read_toml, render_toml
 from fedlt.errors import ConfigError
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import round_pb2
+from fedlt.wire import schema_to_pb
 from privacy.pki.ca import issue_silo
 from privacy.pki.errors import PkiError
 from privacy.pki.signing import ROUNDSPEC_CONTEXT, sign
@@ -45,6 +48,9 @@ def agent_of(kit) -> SiloAgent:
     return agent
 
 
+SCHEMA = PLAN.build_method().schema(PLAN.build_method().init_state(seed=0))
+
+
 def signed_spec(root, key: str = "aggregator", **changes) -> round_pb2.SignedRoundSpec:
     plan = PLAN.to_toml()
     fields = {
@@ -54,6 +60,7 @@ def signed_spec(root, key: str = "aggregator", **changes) -> round_pb2.SignedRou
         "round_id": "r1.a1.x",
         "method": PLAN.method.name,
         "method_config": plan,
+        "schema": schema_to_pb(SCHEMA),
         "config_sha256": hashlib.sha256(plan.encode()).hexdigest(),
         "privacy": "secagg",
         "participants": SILOS,
@@ -101,8 +108,12 @@ def test_a_roundspec_asking_for_a_layer_the_silo_does_not_implement_or_allow_sen
     assert "refusing a round" in caplog.text
 
 
-def test_every_layer_a_policy_may_list_has_its_own_upload_path(kit):
-    assert set(agent_of(kit).uploads()) == set(LAYERS_IMPLEMENTED)
+def test_every_layer_a_policy_may_list_has_its_own_side_and_only_those_it_lists(kit):
+    agent = agent_of(kit)
+    assert set(agent.sides) == {"secagg"}  # the default policy: the plaintext layer is not even built
+    assert set(LAYERS_IMPLEMENTED) <= set(LAYERS)
+    sides = {name: make_layer(name).silo_side(PartyKeys()) for name in LAYERS_IMPLEMENTED}
+    assert all(isinstance(side, SiloSide) for side in sides.values())
 
 
 def test_a_policy_cannot_name_a_layer_the_agent_does_not_implement(kit):

@@ -3,7 +3,7 @@
 A silo's contribution depends only on the round, so every attempt carries the same vector. The attack: run
 round r over {a, b, c}, learn the sum, abort instead of committing, and run it again over {a, b, c, v}; the
 difference is v's contribution, with no colluder at all. It is mounted here with the real round engine and
-the silos' own `SecureRound`, first against silos that forget what they signed (it works), then against
+the silos' own `Participation`, first against silos that forget what they signed (it works), then against
 silos that keep their ledger (it does not).
 """
 
@@ -15,17 +15,17 @@ import pytest
 import torch
 
 from aggregator.config import ConsortiumConfig, ConsortiumSection, TimeoutSection
-from aggregator.rounds import RoundEngine, RoundFailed
+from aggregator.rounds import RoundEngine
 from aggregator.store import Store
-from fedlt.aggregation import Field, Schema, Sums
+from fedlt.aggregation import Field, Schema, Sums, tail_guard
+from fedlt.aggregation.halves import PartyKeys, SumAborted
+from fedlt.aggregation.tail_guard import Census, CensusError
 from fedlt.v1 import round_pb2
-from privacy.secagg import tail_guard
+from fedlt.wire import schema_to_pb
 from privacy.secagg.layer import SecAggSum
 from privacy.secagg.policy import SessionPolicy
-from privacy.secagg.protocol import ProtocolViolation
-from privacy.secagg.tail_guard import Census
+from silo.participation import Participation
 from silo.releases import LEDGER, ReleaseLedger, RepeatedRelease
-from silo.secure import SecureRound
 from tests.consortium_harness import AUDIT_KEY, PLAN
 from tests.engine_harness import InProcessSilo, peers_of
 
@@ -80,9 +80,9 @@ class Subtraction:
             store=self.store,
             method=PLAN.build_method(),
             layer=SecAggSum(),
+            side=SecAggSum().aggregator_side(PartyKeys(peers=self.peers)),
             sign=lambda blob: b"not checked here",
             recorder=None,
-            peers=self.peers,
             echo=lambda _: None,
         )
         self.sums: list[tuple[Sums, list[str]]] = []
@@ -99,7 +99,7 @@ class Subtraction:
             if self.forgetful:
                 for silo in FIRST:
                     (self.silos[silo].state_dir / LEDGER).unlink()
-            raise RoundFailed("aborted on purpose, after the sum")
+            raise SumAborted("aborted on purpose, after the sum")
         self._commit(attempt, sums, contributors)
 
     def run(self) -> None:
@@ -160,9 +160,8 @@ def test_silos_refuse_to_sign_a_second_survivor_set_for_the_round_so_no_second_s
 CENSUS_SCHEMA = Schema((Field("n", (), 100.0, frac_bits=0), Field("rows", (3, 2), 10.0, per_class=True)))
 
 
-def census_round(tmp_path, census: Census, *, holds: list[int]) -> SecureRound:
-    """This silo's SecureRound for a RoundSpec that names the phase's census (per-class rows: `holds`)."""
-    schema = CENSUS_SCHEMA
+def census_round(tmp_path, census: Census, *, holds: list[int]) -> Participation:
+    """This silo's part in a round whose RoundSpec names the phase's census (per-class rows: `holds`)."""
     rows = torch.zeros(3, 2, dtype=torch.float64)
     rows[holds] = 1.0
     spec = round_pb2.RoundSpec(
@@ -170,21 +169,22 @@ def census_round(tmp_path, census: Census, *, holds: list[int]) -> SecureRound:
         round=2,
         round_id="r2.a1.x",
         config_sha256="plan",
+        schema=schema_to_pb(CENSUS_SCHEMA),
+        privacy="secagg",
         participants=list(census.silos),
         secagg=round_pb2.SecAggParameters(k_min=2),
         census=round_pb2.Census(silos=census.silos, silos_per_class=census.counts),
     )
-    return SecureRound(
+    return Participation(
         round_pb2.SignedRoundSpec(spec=spec.SerializeToString()),
         spec,
-        schema,
-        schema.flatten({"n": torch.tensor(1.0, dtype=torch.float64), "rows": rows}),
+        CENSUS_SCHEMA.flatten({"n": torch.tensor(1.0, dtype=torch.float64), "rows": rows}),
         me="a",
-        sign=lambda data, *, context: b"",
-        peers=None,
-        policy=SessionPolicy(),
+        side=SecAggSum().silo_side(PartyKeys(policy=SessionPolicy())),
         ledger=ReleaseLedger(tmp_path),
+        stub=None,
         timeout=1,
+        on_sent=lambda purpose, message: None,
     )
 
 
@@ -195,11 +195,11 @@ def test_a_silo_that_missed_its_census_result_takes_only_a_census_of_the_set_it_
     census = Census.of(signed, [3, 1, 2])
     phase = tail_guard.phase_key("c", "plan", 0, CENSUS_SCHEMA.phase)
     ReleaseLedger(tmp_path).pin_survivors(f"census/{phase}", signed, "census of this phase")
-    with pytest.raises(ProtocolViolation, match="cannot be the sum"):  # it does not count this silo's class 1
+    with pytest.raises(CensusError, match="cannot be the sum"):  # it does not count this silo's class 1
         census_round(tmp_path, Census.of(signed, [3, 0, 2]), holds=[0, 1, 2])
-    with pytest.raises(ProtocolViolation, match="differs from the census this silo took part in"):
+    with pytest.raises(CensusError, match="differs from the census this silo took part in"):
         census_round(tmp_path, Census.of(["a", "b", "d"], [3, 1, 2]), holds=[0, 2])
     census_round(tmp_path, census, holds=[0, 2])
     assert ReleaseLedger(tmp_path).census(phase) == census
-    with pytest.raises(ProtocolViolation, match="differs"):  # once kept, only that census
+    with pytest.raises(CensusError, match="differs"):  # once kept, only that census
         census_round(tmp_path, Census.of(signed, [3, 2, 2]), holds=[0, 2])

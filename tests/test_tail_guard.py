@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedlt.aggregation import Contribution, Field, Schema, make_layer
-from privacy.secagg import tail_guard
+from fedlt.aggregation import Contribution, Field, Schema, make_layer, tail_guard
 from privacy.secagg.layer import SecAggSum
 from privacy.secagg.settings import SecAggSettings
 
@@ -113,7 +112,7 @@ def check_sums(layer: SecAggSum, held: list[int], holdings: list[tuple[int, ...]
     given = contributions(holdings)
     sums = layer.aggregate(SCHEMA, given)
     plain = make_layer("plaintext").aggregate(SCHEMA, given)
-    assert layer.held_back == held
+    assert layer.zeroed == held
     assert sums.contributors == len(holdings)
     released = [c for c in range(CLASSES) if c not in held]
     for f in SCHEMA.fields:
@@ -139,7 +138,7 @@ def test_with_the_tail_guard_off_every_class_is_released(k_min):
 
 def check_zeroed(layer: SecAggSum, zeroed: list[int], holdings, silos=()) -> None:
     sums = layer.aggregate(SCHEMA, contributions(holdings), silos=silos)
-    assert layer.held_back == zeroed
+    assert layer.zeroed == zeroed
     rows = sums["grad"].reshape(CLASSES, -1)
     assert rows[zeroed].abs().sum() == 0
     assert all(
@@ -165,7 +164,7 @@ def test_the_census_is_taken_once_per_phase_and_per_class_rows_go_only_into_sums
     check_zeroed(resumed, [2, 4], [(0, 1, 2, 3, 4)] * 3, three)
     classless = Schema((Field("w", (4,), 1.0),))
     layer.aggregate(classless, [classless.contribution(w=torch.ones(4)) for _ in range(3)])
-    assert layer.held_back == []
+    assert layer.zeroed == []
 
 
 def test_per_class_fields_must_share_one_class_axis():

@@ -18,11 +18,13 @@ LAYERS: dict[str, str] = {
 }
 
 
-def make_layer(name: str) -> SumLayer:
+def make_layer(name: str, settings: object | None = None) -> SumLayer:
+    """The layer `name` from the table, with its own settings section (its defaults when None)."""
     if name not in LAYERS:
         raise ConfigError("privacy", [f"unknown privacy layer {name!r}; allowed: {', '.join(LAYERS)}"])
     module, _, attr = LAYERS[name].partition(":")
-    return getattr(importlib.import_module(module), attr)()
+    cls = getattr(importlib.import_module(module), attr)
+    return cls() if settings is None else cls(settings)
 
 
 __all__ = ["LAYERS", "Contribution", "Field", "Schema", "SumLayer", "Sums", "make_layer"]

@@ -7,13 +7,17 @@ type it is given.
 
 from __future__ import annotations
 
+import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from typing import ClassVar
 
 import torch
 
+from fedlt.aggregation.halves import AggregatorSide, PartyKeys, Released, SiloSide
+from fedlt.aggregation.round_sums import AggregatorRound, RoundSums, SiloRound
 from fedlt.aggregation.schema import Contribution, Schema
+from fedlt.aggregation.tail_guard import Census
 from fedlt.errors import ContributionError
 
 _SEAL = object()
@@ -49,30 +53,71 @@ class Sums(Mapping[str, torch.Tensor]):
 class SumLayer(ABC):
     """A privacy layer: turns the silos' contributions into their sum and nothing more.
 
-    `plaintext` adds them in the clear (research and tests only); `secagg` and `ckks` implement the same
-    interface so the simulator and the consortium run every method unchanged over any of them.
+    Each layer is a pair of halves (`halves`): the simulator runs them here, in one process, through the
+    same round driver as the consortium (`round_sums`), so a seeded run gives the same numbers in both.
+    `plaintext` adds in the clear (research and tests only); `secagg` and `ckks` hide each silo's input.
     """
 
     name: ClassVar[str]
+    k_min: int = 0  # the tail guard: per-class rows of classes fewer silos hold are zeroed; below 2, off
+    settings: object = None  # the layer's own parameters, which every sum of a round carries
+
+    def __init__(self) -> None:
+        self.censuses: dict[str, Census] = {}  # the simulator's census per phase (a consortium keeps its own)
+        self.zeroed: list[int] = []  # the classes the last round's guard zeroed
 
     @abstractmethod
+    def describe(self) -> str:
+        """One line for the operator: what the aggregator learns with this layer and these settings."""
+
+    @abstractmethod
+    def silo_side(self, keys: PartyKeys) -> SiloSide:
+        """This layer as a consortium silo uses it, with the silo's keys and policy."""
+
+    @abstractmethod
+    def aggregator_side(self, keys: PartyKeys) -> AggregatorSide:
+        """This layer as the consortium's aggregator uses it."""
+
+    @abstractmethod
+    def in_process(self, silos: Sequence[str]) -> tuple[Mapping[str, SiloSide], AggregatorSide]:
+        """Both sides for silos that all live in this process (keys made here, for this run only)."""
+
     def aggregate(
         self, schema: Schema, contributions: Sequence[Contribution], *, silos: Sequence[str] = ()
     ) -> Sums:
         """Sum the contributions of one round, or raise; never return a partial sum.
 
-        `silos` names the contributors, in order, for layers that keep track of who was summed (the secure
-        layer's census set); without names they are numbered.
+        `silos` names the contributors, in order; without names they are numbered. Every silo answers every
+        stage: the simulator has no dropouts (tests drive the halves themselves for those).
         """
+        self.check_round(schema, contributions)
+        names = list(silos) or [f"silo-{i:04d}" for i in range(len(contributions))]
+        sums = RoundSums(
+            round_id=secrets.token_hex(8),
+            participants=tuple(sorted(names)),
+            schema=schema,
+            k_min=self.k_min,
+            census=self.censuses.get(schema.phase),
+            settings=self.settings,
+        )
+        silo_sides, aggregator_side = self.in_process(names)
+        aggregator = AggregatorRound(aggregator_side, sums)
+        vectors = dict(zip(names, (c.flat() for c in contributions), strict=True))
+        rounds = {u: SiloRound(silo_sides[u], sums, v, me=u) for u, v in vectors.items()}
+        released = run_round(aggregator, rounds)
+        if aggregator.census_taken is not None:
+            self.censuses[schema.phase] = aggregator.census_taken
+        self.zeroed = aggregator.zeroed
+        total = released.total if released.total is not None else rounds[released.survivors[0]].result
+        return self.seal(schema, total, len(released.survivors))
 
     def saved(self) -> dict:
-        """What this layer must carry across a resumed run (the secure layer's census per phase)."""
-        return {}
+        """What a resumed simulation must carry over: the census of each phase."""
+        return {p: {"silos": list(c.silos), "counts": list(c.counts)} for p, c in self.censuses.items()}
 
     def restore(self, saved: dict) -> None:
-        """Take back what `saved` returned; a layer that keeps nothing refuses another layer's memory."""
-        if saved:
-            raise ContributionError(f"the {self.name!r} layer keeps no memory, but was given {sorted(saved)}")
+        """Take back what `saved` returned."""
+        self.censuses = {phase: Census.of(c["silos"], c["counts"]) for phase, c in saved.items()}
 
     @staticmethod
     def seal(schema: Schema, vector: torch.Tensor, contributors: int) -> Sums:
@@ -85,3 +130,15 @@ class SumLayer(ABC):
         stray = [i for i, c in enumerate(contributions) if c.schema != schema]
         if stray:
             raise ContributionError(f"contributions {stray} were built for another schema or phase")
+
+
+def run_round(aggregator: AggregatorRound, silos: Mapping[str, SiloRound]) -> Released:
+    """A round's sums with every message delivered at once: the simulator's in-process transport."""
+    inbox = [(u, purpose, m) for u, r in silos.items() for purpose, m in r.start()]
+    while True:
+        for silo, purpose, message in inbox:
+            aggregator.receive(silo, purpose, message)
+        out = aggregator.close()
+        if isinstance(out, Released):
+            return out
+        inbox = [(u, p, m) for u, purpose, step in out for p, m in silos[u].step(purpose, step)]

@@ -74,18 +74,18 @@ class JoinRequest(_message.Message):
     def __init__(self, last_round: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("round_spec", "abort", "finished", "secagg_step")
+    __slots__ = ("round_spec", "abort", "finished", "sum_step")
     ROUND_SPEC_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
-    SECAGG_STEP_FIELD_NUMBER: _ClassVar[int]
+    SUM_STEP_FIELD_NUMBER: _ClassVar[int]
     round_spec: _round_pb2.SignedRoundSpec
     abort: Abort
     finished: Finished
-    secagg_step: SecAggStep
-    def __init__(self, round_spec: _Optional[_Union[_round_pb2.SignedRoundSpec, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., secagg_step: _Optional[_Union[SecAggStep, _Mapping]] = ...) -> None: ...
+    sum_step: SumStep
+    def __init__(self, round_spec: _Optional[_Union[_round_pb2.SignedRoundSpec, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., sum_step: _Optional[_Union[SumStep, _Mapping]] = ...) -> None: ...
 
-class SecAggStep(_message.Message):
+class SumStep(_message.Message):
     __slots__ = ("round_id", "sum", "keys", "inbox", "survivors", "signatures", "census")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     SUM_FIELD_NUMBER: _ClassVar[int]

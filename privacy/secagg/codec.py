@@ -15,12 +15,12 @@ import numpy as np
 import torch
 
 from fedlt.aggregation import Schema
-from fedlt.errors import FedltError
+from fedlt.aggregation.halves import SettingsRefused
 
 INT64_LIMIT = 2**63
 
 
-class OverflowRisk(FedltError):
+class OverflowRisk(SettingsRefused):
     """A round whose sums could leave int64 at these bounds, silo count and precision."""
 
 

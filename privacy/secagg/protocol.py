@@ -38,6 +38,7 @@ from typing import Protocol
 
 import numpy as np
 
+from fedlt.aggregation.halves import BadMessage, SumAborted, WrongStage
 from fedlt.errors import FedltError
 from privacy.secagg import crypto, shamir
 from privacy.secagg.prg import apply_masks
@@ -48,7 +49,7 @@ SHARE_BYTES = 66  # an element of the 521-bit Shamir field
 PURPOSES = ("census", "contribution")
 
 
-class SecAggError(FedltError):
+class SecAggError(SumAborted):
     """The secure sum cannot be completed."""
 
 
@@ -56,11 +57,11 @@ class TooFewSurvivors(SecAggError):
     """Fewer than the threshold of silos are left: the session aborts and releases no sum."""
 
 
-class ProtocolViolation(SecAggError):
+class ProtocolViolation(SecAggError, BadMessage):
     """A message that breaks the protocol; the silo that sees it stops taking part in the session."""
 
 
-class StageError(SecAggError):
+class StageError(SecAggError, WrongStage):
     """A message for a stage that is not the current one, or from a silo not expected to send it."""
 
 
@@ -99,6 +100,48 @@ class Reveal:
 
     self_mask: Mapping[str, bytes]
     mask_key: Mapping[str, bytes]
+
+
+@dataclass(frozen=True)
+class Shares:
+    """Stage 1 from a silo: its envelopes, one to each holder of its seeds."""
+
+    envelopes: tuple[Envelope, ...]
+
+
+@dataclass(frozen=True)
+class MaskedInput:
+    """Stage 2 from a silo: its masked fixed-point vector (uint64 words)."""
+
+    words: np.ndarray = field(repr=False)
+
+
+@dataclass(frozen=True)
+class ConsistencySignature:
+    """Stage 3 from a silo: its signature over the session, the binding, the key list and U3."""
+
+    signature: bytes
+
+
+@dataclass(frozen=True)
+class KeyList:
+    """After stage 0, to every silo of U1: everyone's signed keys."""
+
+    keys: tuple[AdvertisedKeys, ...]
+
+
+@dataclass(frozen=True)
+class SurvivorList:
+    """After stage 2, to every silo of U3: whose masked inputs arrived."""
+
+    survivors: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Signatures:
+    """After stage 3, to every silo of U4: every consistency signature, by signer."""
+
+    by_silo: Mapping[str, bytes]
 
 
 class Signer(Protocol):
@@ -361,13 +404,20 @@ class SecAggClient:
         apply_masks(masked, [(self._b, False), *pairs])
         return masked
 
-    def consistency(self, survivors: Sequence[str]) -> bytes:
-        """Sign what this silo was shown: the round it runs, the state it trained on, who is still in."""
+    def consistency(
+        self, survivors: Sequence[str], *, release: Callable[[tuple[str, ...]], None] = lambda _: None
+    ) -> bytes:
+        """Sign what this silo was shown: the round it runs, the state it trained on, who is still in.
+
+        `release` is asked, once the survivor list is known to be plausible and before the signature is made,
+        whether this silo may release its input in a sum over those survivors; it raises to refuse.
+        """
         self._enter("consistency", "unmask")
         u3 = set(survivors)
         if len(u3) != len(survivors) or not u3 <= self._u2 or self.me not in u3:
             raise ProtocolViolation("the masked-input survivors are not a subset of the earlier survivors")
         _check_enough(self.spec, u3, "masked input")
+        release(tuple(sorted(u3)))
         self._u3 = tuple(sorted(u3))
         return self._sign(self.spec.consistency_message(self._u3), context=CONSISTENCY_CONTEXT)
 

@@ -21,6 +21,26 @@ class SecAggSettings:
     def problems(self) -> list[str]:
         return [f"secagg.neighbours: must be even, got {self.neighbours}"] if self.neighbours % 2 else []
 
+    def consortium_problems(self, min_silos: int, per_round: int) -> list[str]:
+        """What these settings cannot do with the consortium's round sizes."""
+        found = []
+        if min_silos < 2:
+            found.append(
+                "consortium.min_silos: a secure sum needs at least 2 silos (a sum of one is its input)"
+            )
+        if 0 < per_round < self.threshold:
+            found.append(
+                f"secagg.threshold: {self.threshold} survivors can never come from {per_round} silos a round "
+                "(selection.per_round)"
+            )
+        return found
+
+    def describe(self) -> str:
+        threshold = f"{self.threshold} shares" if self.threshold else "more than two thirds"
+        graph = f"{self.neighbours} neighbours per silo (SecAgg+)" if self.neighbours else "every silo pair"
+        guard = f"tail guard k_min {self.k_min}" if self.k_min >= 2 else "tail guard off"
+        return f"secagg — the aggregator learns only sums; threshold {threshold}, masks over {graph}, {guard}"
+
     def session(
         self,
         round_id: str,

@@ -1,14 +1,29 @@
-"""Protocol messages to and from their Protobuf form (fedlt/v1), for the silo agent and the aggregator."""
+"""The `secagg` layer's messages to and from their Protobuf form (fedlt/v1), for silo agent and aggregator.
+
+A silo's messages each go out through their own RPC (`SENDERS`); the aggregator's stage outputs travel as
+`SumStep`s (`STEP_ENCODERS`, `STEP_DECODERS`). A masked upload is uint64 little-endian words.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+
+import numpy as np
 
 from fedlt.v1 import consortium_pb2 as pb
-from privacy.secagg.protocol import AdvertisedKeys, Envelope, Inbox, Reveal
-
-SUM_OF_PURPOSE = {"census": pb.SECURE_SUM_CENSUS, "contribution": pb.SECURE_SUM_CONTRIBUTION}
-PURPOSE_OF_SUM = {v: k for k, v in SUM_OF_PURPOSE.items()}
+from fedlt.wire import SUM_OF_PURPOSE, submit_stream, words
+from privacy.secagg.protocol import (
+    AdvertisedKeys,
+    ConsistencySignature,
+    Envelope,
+    Inbox,
+    KeyList,
+    MaskedInput,
+    Reveal,
+    Shares,
+    Signatures,
+    SurvivorList,
+)
 
 
 def keys_to_pb(keys: AdvertisedKeys) -> pb.AdvertisedKeys:
@@ -72,3 +87,95 @@ def reveal_from_pb(request: pb.UnmaskRequest) -> Reveal:
         {s.owner: s.share for s in request.self_mask_shares},
         {s.owner: s.share for s in request.mask_key_shares},
     )
+
+
+def masked_payload(masked: MaskedInput) -> bytes:
+    return np.ascontiguousarray(masked.words, dtype="<u8").tobytes()
+
+
+def masked_of(payload: bytes) -> MaskedInput:
+    return MaskedInput(words(payload, "<u8").astype(np.uint64, copy=False))
+
+
+# --- the aggregator's stage outputs, as the fields of a SumStep ---------------------------------------------
+
+STEP_ENCODERS: dict[type, Callable[[object], dict[str, object]]] = {
+    KeyList: lambda step: {"keys": pb.KeyList(keys=[keys_to_pb(k) for k in step.keys])},
+    Inbox: lambda step: {"inbox": inbox_to_pb(step)},
+    SurvivorList: lambda step: {"survivors": pb.SurvivorList(survivors=step.survivors)},
+    Signatures: lambda step: {"signatures": signatures_to_pb(step.by_silo)},
+}
+
+STEP_DECODERS: dict[str, Callable[[pb.SumStep], object]] = {
+    "keys": lambda step: KeyList(tuple(keys_from_pb(k) for k in step.keys.keys)),
+    "inbox": lambda step: inbox_from_pb(step.inbox),
+    "survivors": lambda step: SurvivorList(tuple(step.survivors.survivors)),
+    "signatures": lambda step: Signatures(signatures_from_pb(step.signatures)),
+}
+
+
+# --- a silo's messages, each through its RPC ----------------------------------------------------------------
+
+Send = Callable[[object, str, str, object, float], object]  # (stub, round_id, purpose, message, timeout)
+
+
+def _advertise(stub, round_id: str, purpose: str, keys: AdvertisedKeys, timeout: float) -> object:
+    request = pb.AdvertiseKeysRequest(
+        round_id=round_id,
+        sum=SUM_OF_PURPOSE[purpose],
+        c_public_key=keys.c_public,
+        s_public_key=keys.s_public,
+        signature=keys.signature,
+    )
+    return stub.AdvertiseKeys(request, timeout=timeout)
+
+
+def _share(stub, round_id: str, purpose: str, shares: Shares, timeout: float) -> object:
+    request = pb.ShareKeysRequest(
+        round_id=round_id, sum=SUM_OF_PURPOSE[purpose], shares=envelopes_to_pb(shares.envelopes)
+    )
+    return stub.ShareKeys(request, timeout=timeout)
+
+
+def _submit_masked(stub, round_id: str, purpose: str, masked: MaskedInput, timeout: float) -> object:
+    stream = submit_stream(
+        round_id, masked_payload(masked), kind=pb.CONTRIBUTION_KIND_MASKED, purpose=purpose
+    )
+    return stub.Submit(stream, timeout=timeout)
+
+
+def _sign_view(stub, round_id: str, purpose: str, signed: ConsistencySignature, timeout: float) -> object:
+    request = pb.ConsistencyRequest(
+        round_id=round_id, sum=SUM_OF_PURPOSE[purpose], signature=signed.signature
+    )
+    return stub.Consistency(request, timeout=timeout)
+
+
+def _unmask(stub, round_id: str, purpose: str, reveal: Reveal, timeout: float) -> object:
+    return stub.Unmask(reveal_to_pb(round_id, purpose, reveal), timeout=timeout)
+
+
+SENDERS: dict[type, Send] = {
+    AdvertisedKeys: _advertise,
+    Shares: _share,
+    MaskedInput: _submit_masked,
+    ConsistencySignature: _sign_view,
+    Reveal: _unmask,
+}
+
+
+# the aggregator's reading of each RPC's request: (request, the caller's silo id, its certificate PEM)
+def _advertised(request: pb.AdvertiseKeysRequest, silo: str, certificate: bytes) -> AdvertisedKeys:
+    """The keys in the caller's name, with the certificate TLS verified attached for its peers to check."""
+    return AdvertisedKeys(silo, request.c_public_key, request.s_public_key, request.signature, certificate)
+
+
+RECEIVERS: dict[str, Callable[[object, str, bytes], object]] = {
+    "AdvertiseKeys": _advertised,
+    "ShareKeys": lambda request, *_: Shares(envelopes_from_pb(request.shares)),
+    "Consistency": lambda request, *_: ConsistencySignature(request.signature),
+    "Unmask": lambda request, *_: reveal_from_pb(request),
+}
+
+# what operators call the messages in dropout drills (FEDLT_DRILL_STOP_AFTER)
+DRILL_NAMES: dict[type, str] = {Shares: "shares", MaskedInput: "masked", ConsistencySignature: "consistency"}

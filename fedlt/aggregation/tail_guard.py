@@ -1,4 +1,5 @@
-"""The tail guard: a per-class sum over fewer than k_min silos is one silo's data, so it is never released.
+"""The census and the tail guard: a per-class sum over fewer than k_min silos is one silo's data, so it is
+never released. Layer-independent: the census is a sum too, carried by whichever privacy layer runs the round.
 
 Once per phase (the phase's first round with per-class fields), a census sums each silo's per-class presence
 securely (a class is present when any per-class field of the silo's contribution is non-zero for it) over that
@@ -16,15 +17,19 @@ how many silos of P hold each class, never which.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from fedlt.aggregation import Schema
-from privacy.secagg import crypto
-from privacy.secagg.protocol import ProtocolViolation
+from fedlt.aggregation.schema import Schema
+from fedlt.errors import FedltError
+
+
+class CensusError(FedltError):
+    """A census result no honest set of silos could have produced; the silo that sees it leaves the round."""
 
 
 @dataclass(frozen=True)
@@ -39,8 +44,7 @@ class Census:
         return cls(tuple(sorted(silos)), tuple(int(c) for c in counts))
 
     def digest(self) -> bytes:
-        counts = b"".join(c.to_bytes(8, "big") for c in self.counts)
-        return hashlib.sha256(crypto.transcript("fedlt/census/v1", *self.silos, counts)).digest()
+        return _digest("fedlt/census/v1", list(self.silos), list(self.counts))
 
     def binding(self, spec_hash: bytes) -> bytes:
         """What a contribution's consistency round signs: the RoundSpec and the census its guard used."""
@@ -56,8 +60,7 @@ class Census:
 
 def phase_key(consortium: str, config_sha256: str, seed: int, phase: str) -> str:
     """Names the phase whose census a silo keeps: one census per (consortium, plan, seed, phase)."""
-    named = crypto.transcript("fedlt/phase/v1", consortium, config_sha256, str(seed), phase)
-    return hashlib.sha256(named).hexdigest()
+    return _digest("fedlt/phase/v1", consortium, config_sha256, seed, phase).hex()
 
 
 def presence(schema: Schema, flat: torch.Tensor) -> np.ndarray:
@@ -77,7 +80,7 @@ def check_census(counts: np.ndarray, mine: np.ndarray, counted: int) -> None:
     class one honest silo holds to k_min. docs/threat-model.md states this limit; a test pins it.
     """
     if len(counts) != len(mine) or (counts < mine).any() or (counts > counted).any():
-        raise ProtocolViolation("the census result cannot be the sum of the silos' presence")
+        raise CensusError("the census result cannot be the sum of the silos' presence")
 
 
 def held_back(counts: np.ndarray, k_min: int) -> list[int]:
@@ -94,3 +97,8 @@ def zero_classes(schema: Schema, flat: torch.Tensor, classes: list[int]) -> torc
         if f.per_class:
             part.view(f.shape[0], -1)[classes] = 0
     return out
+
+
+def _digest(*parts: object) -> bytes:
+    """SHA-256 of an unambiguous encoding of `parts` (canonical JSON: strings cannot run into each other)."""
+    return hashlib.sha256(json.dumps(parts, separators=(",", ":")).encode()).digest()

@@ -1,0 +1,65 @@
+"""Evaluating committed states on the operator's own evaluation set, and printing one line per round.
+
+Evaluation is reporting, not part of a round: with `evaluation.background` it runs beside the next round on a
+thread of its own, with a method instance of its own. Without an evaluation set a round is only announced.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent import futures
+
+from aggregator.store import Store
+from fedlt.methods import GlobalState, Method
+from fedlt.recorder import RunRecorder, round_line
+
+log = logging.getLogger("aggregator")
+
+
+class Evaluator:
+    def __init__(
+        self,
+        *,
+        recorder: RunRecorder | None,
+        method: Method | None,
+        store: Store,
+        background: bool,
+        echo: Callable[[str], None],
+        total_rounds: Callable[[], int],
+    ) -> None:
+        self.recorder, self.method, self.store = recorder, method, store
+        self.background, self.echo, self.total_rounds = background, echo, total_rounds
+        self._pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluation")
+
+    def catch_up(self, state: GlobalState) -> None:
+        """After a restart: evaluate the last committed state if the history stops short of it."""
+        if self.recorder is not None and state.round > 0 and state.round > len(self.recorder.rounds):
+            self._pool.submit(self._report, state, None, None)
+
+    def committed(self, state: GlobalState, contributors: list[str], seconds: float) -> None:
+        if self.recorder is None:
+            self.echo(f"round {state.round:>4}/{self.total_rounds()} committed, {len(contributors)} silos")
+        elif self.background:
+            self._pool.submit(self._report, state, contributors, seconds)
+        else:
+            self._report(state, contributors, seconds)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _report(self, state: GlobalState, contributors: list[str] | None, seconds: float | None) -> None:
+        try:
+            entry = self.recorder.evaluate(
+                state.round,
+                self.method.eval_model(state),
+                contributors=contributors,
+                state_digest=state.digest(),
+            )
+            entry["seconds"] = seconds
+            self.store.save_metrics(state.round, entry)
+            self.recorder.append(entry)
+            silos = f"  [{len(contributors)} silos]" if contributors else ""
+            self.echo(round_line(entry, self.total_rounds()) + silos)
+        except Exception:
+            log.exception("evaluating round %d failed; training goes on", state.round)

@@ -1,0 +1,90 @@
+"""The silos connected right now: one open Join stream each, its directive queue, its last heartbeat.
+
+The round engine waits on the condition it shares with this registry, so a connect, a disconnect or a message
+wakes it. The directives themselves (RoundSpec, a sum's step, abort, finished) are made here, in their
+Protobuf form, so the engine deals in rounds and sums, not in messages.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from aggregator.store import now_ms
+from fedlt.v1 import consortium_pb2 as pb
+from fedlt.v1 import round_pb2
+from privacy.wire import step_to_pb
+
+
+@dataclass
+class Session:
+    """One open Join stream; a reconnecting silo replaces its older session."""
+
+    silo_id: str
+    directives: queue.Queue = field(default_factory=queue.Queue)
+    activity: str = "idle"
+    last_seen_ms: int = field(default_factory=now_ms)
+    closed: bool = False
+
+
+class Sessions:
+    def __init__(self, lock: threading.Condition) -> None:
+        self._lock = lock
+        self._open: dict[str, Session] = {}
+
+    def open(self, silo_id: str) -> Session:
+        """A new session for `silo_id`, ending the one it replaces (call with the lock held)."""
+        old = self._open.get(silo_id)
+        if old is not None:
+            old.closed = True
+            old.directives.put(None)
+        session = self._open[silo_id] = Session(silo_id)
+        self._lock.notify_all()
+        return session
+
+    def close(self, session: Session) -> None:
+        with self._lock:
+            session.closed = True
+            if self._open.get(session.silo_id) is session:
+                del self._open[session.silo_id]
+            self._lock.notify_all()
+
+    def heartbeat(self, silo_id: str, activity: str) -> None:
+        with self._lock:
+            session = self._open.get(silo_id)
+            if session is not None:
+                session.activity = activity
+                session.last_seen_ms = now_ms()
+
+    def connected(self) -> set[str]:
+        return set(self._open)
+
+    def round_spec(self, silos: Iterable[str], signed: round_pb2.SignedRoundSpec) -> None:
+        self._send(silos, pb.JoinResponse(round_spec=signed))
+
+    def step(self, silo: str, round_id: str, purpose: str, step: object) -> None:
+        """One stage output of a sum (any layer's; `privacy.wire` knows its Protobuf form)."""
+        self._send([silo], pb.JoinResponse(sum_step=step_to_pb(round_id, purpose, step)))
+
+    def abort(self, silos: Iterable[str], round_id: str, reason: str) -> None:
+        self._send(silos, pb.JoinResponse(abort=pb.Abort(round_id=round_id, reason=reason)))
+
+    def finished(self, silos: Iterable[str], rounds: int, state_digest: str) -> None:
+        self._send(silos, pb.JoinResponse(finished=pb.Finished(rounds=rounds, state_digest=state_digest)))
+
+    def _send(self, silos: Iterable[str], directive: pb.JoinResponse) -> None:
+        """Queue `directive` for each of `silos` that is connected (the others get it when they rejoin)."""
+        with self._lock:
+            for silo in silos:
+                if silo in self._open:
+                    self._open[silo].directives.put(directive)
+
+    def describe(self, silo_id: str, last_seen_ms: int) -> dict:
+        session = self._open.get(silo_id)
+        return {
+            "connected": session is not None,
+            "last_seen_unix_ms": session.last_seen_ms if session else last_seen_ms,
+            "activity": session.activity if session else "offline",
+        }

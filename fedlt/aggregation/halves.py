@@ -1,0 +1,173 @@
+"""A privacy layer's two halves, driven stage by stage with the transport left out.
+
+One **sum** of one round (the census, or the contribution) is a `SumSpec`: which silos, what is summed (a
+schema), and what every party binds its messages to. Each silo runs a `SiloHalf`: it turns its vector into the
+messages it sends and checks what it receives. The aggregator runs an `AggregatorHalf`: it takes one message
+per expected silo and stage, and each `close` ends a stage, returning what goes to each silo next, or
+`Released` when the sum is done. Messages are the layer's own Python objects; a transport carries them (in one
+process for the simulator, gRPC with the layer's wire module in the consortium), as Google's FCP keeps
+protocol state apart from transport. Which half a layer makes, and with which keys, is the layer's business
+(`SiloSide`, `AggregatorSide`); the round driver (`round_sums`) and the round engine never look at a layer's
+name.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from fedlt.aggregation.schema import Field, Schema
+from fedlt.errors import FedltError
+
+PURPOSES = ("census", "contribution")
+
+
+class SumAborted(FedltError):
+    """The sum cannot be completed (too few silos left, a broken message); no partial sum is ever released."""
+
+
+class SettingsRefused(FedltError):
+    """Settings under which no attempt can succeed (a fixed-point range that could overflow): retrying the
+    round cannot help, the operator must change them."""
+
+
+class BadMessage(SumAborted):
+    """A message that breaks the layer's protocol: forged, malformed, misaddressed, inconsistent."""
+
+
+class WrongStage(SumAborted):
+    """A message for a stage that is not the current one, or from a silo not expected to send it."""
+
+
+@dataclass(frozen=True)
+class SumSpec:
+    """One sum of one round, as every party derives it from the signed RoundSpec."""
+
+    round_id: str
+    purpose: str
+    silos: tuple[str, ...]  # who may take part, sorted
+    schema: Schema  # what is summed, flattened in field order
+    binding: bytes = field(default=b"", repr=False)  # what the parties bind their messages to
+    settings: object = None  # the layer's parameters for this round, as signed (secagg: threshold, graph)
+
+    def __post_init__(self) -> None:
+        if self.purpose not in PURPOSES:
+            raise SumAborted(f"unknown purpose {self.purpose!r}; known: {', '.join(PURPOSES)}")
+        if tuple(sorted(set(self.silos))) != self.silos:
+            raise SumAborted("a sum's silos are distinct and sorted")
+
+
+def census_schema(classes: int) -> Schema:
+    """The census sums one 0/1 presence flag per class and silo: exact integers in every layer."""
+    return Schema((Field("present", (classes,), 1.0, "1 for each class the silo holds", frac_bits=0),))
+
+
+@dataclass(frozen=True)
+class Released:
+    """The end of a sum: who was summed, and the sum if the aggregator may see it (None if only silos do)."""
+
+    survivors: tuple[str, ...]
+    total: torch.Tensor | None
+
+
+class SiloHalf(ABC):
+    """One silo's part in one sum. `start` and `step` return the messages to send, in order."""
+
+    @abstractmethod
+    def start(self, vector: torch.Tensor) -> list[object]:
+        """Begin with this silo's float64 vector (flattened in the spec's schema)."""
+
+    @abstractmethod
+    def step(self, step: object) -> list[object]:
+        """Act on one of the aggregator's stage outputs; raise (a FedltError) to leave the sum."""
+
+    @property
+    @abstractmethod
+    def done(self) -> bool:
+        """Whether this silo has nothing more to send or receive in this sum."""
+
+    @property
+    @abstractmethod
+    def counted(self) -> tuple[str, ...]:
+        """The silos whose inputs this sum counts, once this silo knows them (empty before)."""
+
+    @property
+    def result(self) -> torch.Tensor | None:
+        """The sum, for layers that release it to the silos rather than the aggregator."""
+        return None
+
+
+class AggregatorHalf(ABC):
+    """The aggregator's part in one sum: one message per expected silo and stage, then `close`."""
+
+    spec: SumSpec
+
+    @property
+    @abstractmethod
+    def stage(self) -> str: ...
+
+    @property
+    @abstractmethod
+    def expected(self) -> tuple[str, ...]:
+        """Who may send a message at the current stage."""
+
+    @property
+    @abstractmethod
+    def answered(self) -> set[str]:
+        """Who has sent their message for the current stage."""
+
+    @abstractmethod
+    def receive(self, silo: str, message: object) -> None:
+        """One silo's message (its identity from the transport, never from the message); refuse what does
+        not belong to this stage with a FedltError."""
+
+    @abstractmethod
+    def close(self) -> Mapping[str, object] | Released:
+        """End the stage with whoever answered: each silo's next step, or the end of the sum."""
+
+    @property
+    def counted(self) -> tuple[str, ...] | None:
+        """The silos whose inputs the sum will count, once that is settled (None before)."""
+        return None
+
+    @abstractmethod
+    def upload_bytes(self, silo: str, kind: type) -> int:
+        """Bytes a silo's upload of message type `kind` takes now (the transport checks a streamed upload
+        against it before reading it); raise if no such upload is due."""
+
+
+@dataclass(frozen=True)
+class PartyKeys:
+    """What a consortium party brings to any layer's side: how it signs, how it checks other members'
+    signatures, and (a silo) its policy for sessions; a layer takes what it needs."""
+
+    sign: Callable[..., bytes] | None = None
+    peers: object = None
+    policy: object = None
+
+
+class SiloSide(ABC):
+    """A layer as one silo uses it: its keys and checks, ready to make the silo's half of any sum.
+
+    `may_release(silos)` is asked by the half where its input becomes releasable as part of a sum over `silos`
+    (secagg: before signing the consistency round); it raises to refuse.
+    """
+
+    hides_inputs: bool = True  # False only where the aggregator sees every input anyway (plaintext)
+
+    @abstractmethod
+    def half(self, spec: SumSpec, me: str, *, may_release: Callable[[tuple[str, ...]], None]) -> SiloHalf: ...
+
+    def problems(self, spec: SumSpec) -> list[str]:
+        """What in this sum's signed parameters this silo's policy refuses (checked before any work)."""
+        return []
+
+
+class AggregatorSide(ABC):
+    """A layer as the aggregator uses it."""
+
+    @abstractmethod
+    def half(self, spec: SumSpec) -> AggregatorHalf: ...

@@ -1,0 +1,252 @@
+"""A round's sums over any privacy layer, both sides: the phase's census when one is due, the tail guard, then
+the contribution. Written once, used by the simulator (in one process) and the consortium (over gRPC).
+
+Per phase with per-class fields and the tail guard on (`k_min` ≥ 2), the first round's sums start with a
+census of its silos (`tail_guard`): the silos it counts are the phase's census set. Every silo then zeroes, in
+every per-class field, the classes fewer than k_min of them hold, and every per-class row at all unless the
+round's silos are exactly the census set. If per-class rows went out, a silo releases its contribution only
+for the whole census set (`SiloRound.may_release`, which each layer's silo half asks at its point of release).
+
+Messages travel as (purpose, message) pairs: `purpose` names the sum, "census" or "contribution".
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from fedlt.aggregation import tail_guard
+from fedlt.aggregation.halves import (
+    AggregatorHalf,
+    AggregatorSide,
+    Released,
+    SiloHalf,
+    SiloSide,
+    SumAborted,
+    SumSpec,
+    census_schema,
+)
+from fedlt.aggregation.schema import Schema
+from fedlt.aggregation.tail_guard import Census
+
+log = logging.getLogger(__name__)
+
+Outgoing = list[tuple[str, object]]  # (purpose, message)
+
+
+@dataclass(frozen=True)
+class CensusResult:
+    """After the census: how many of the counted silos hold each class (None when only silos can read it)."""
+
+    counts: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class RoundSums:
+    """What both sides of a round's sums agree on, all of it from the signed RoundSpec."""
+
+    round_id: str
+    participants: tuple[str, ...]  # sorted
+    schema: Schema
+    k_min: int
+    census: Census | None  # the phase's census, when an earlier round took it
+    binding: bytes = field(default=b"", repr=False)  # the RoundSpec's hash
+    settings: object = None  # the layer's parameters, as signed
+
+    @property
+    def guarded(self) -> bool:
+        return bool(self.schema.classes) and self.k_min >= 2
+
+    @property
+    def census_due(self) -> bool:
+        return self.guarded and self.census is None
+
+    def census_spec(self) -> SumSpec:
+        return SumSpec(
+            self.round_id, "census", self.participants, census_schema(self.schema.classes), self.binding
+        )
+
+    def contribution_spec(self, silos: Sequence[str], census: Census | None) -> SumSpec:
+        """The contribution binds the census its guard used too, so every silo guards with the same one."""
+        binding = census.binding(self.binding) if self.guarded and census is not None else self.binding
+        return SumSpec(
+            self.round_id, "contribution", tuple(sorted(silos)), self.schema, binding, self.settings
+        )
+
+
+# --- a silo -------------------------------------------------------------------------------------------------
+
+
+class SiloRound:
+    """One silo's sums of one round. `on_census` keeps a census this silo took part in; `on_release(purpose,
+    survivors)` is asked last before this silo's input becomes releasable (a consortium silo's ledger)."""
+
+    def __init__(
+        self,
+        side: SiloSide,
+        sums: RoundSums,
+        contribution: torch.Tensor,
+        *,
+        me: str,
+        on_census: Callable[[Census], None] = lambda _: None,
+        on_release: Callable[[str, tuple[str, ...]], None] = lambda *_: None,
+    ) -> None:
+        self.side, self.sums, self.me = side, sums, me
+        self.contribution = contribution
+        self.on_census, self.on_release = on_census, on_release
+        self.census = sums.census
+        self.purpose = ""
+        self.half: SiloHalf | None = None
+        self.whole: frozenset[str] = frozenset()  # per-class rows went out: release only for exactly these
+
+    @property
+    def done(self) -> bool:
+        return self.purpose == "contribution" and self.half is not None and self.half.done
+
+    @property
+    def result(self) -> torch.Tensor | None:
+        return self.half.result if self.done else None
+
+    def start(self) -> Outgoing:
+        if self.sums.census_due:
+            presence = torch.from_numpy(
+                tail_guard.presence(self.sums.schema, self.contribution).astype(np.float64)
+            )
+            return self._begin(self.sums.census_spec(), presence)
+        return self._begin_contribution(self.sums.participants)
+
+    def step(self, purpose: str, step: object) -> Outgoing:
+        if isinstance(step, CensusResult):
+            if self.purpose != "census" or self.half is None:
+                raise SumAborted("a census result arrived, but this silo took no census")
+            return self._after_census(step)
+        if purpose != self.purpose or self.half is None:
+            raise SumAborted(f"a {purpose} step arrived during the {self.purpose or 'no'} sum")
+        return [(purpose, m) for m in self.half.step(step)]
+
+    def may_release(self, survivors: tuple[str, ...]) -> None:
+        """Asked by the layer's silo half where its input becomes releasable: per-class rows leave only in a
+        sum over the whole census set, and the silo's own hook has the last word."""
+        if self.purpose == "contribution" and self.whole and set(survivors) != self.whole:
+            raise SumAborted(
+                "per-class rows are summed only over the whole census set, and some of it left: "
+                f"{', '.join(sorted(self.whole - set(survivors)))}"
+            )
+        self.on_release(self.purpose, survivors)
+
+    def _begin(self, spec: SumSpec, vector: torch.Tensor) -> Outgoing:
+        self.purpose = spec.purpose
+        self.half = self.side.half(spec, self.me, may_release=self.may_release)
+        return [(spec.purpose, m) for m in self.half.start(vector)]
+
+    def _begin_contribution(self, silos: Sequence[str]) -> Outgoing:
+        vector = self.contribution
+        if self.sums.guarded:
+            census = self.census
+            if census is None or self.me not in census.silos:
+                zeroed = list(range(self.sums.schema.classes))
+            else:
+                zeroed = census.guarded(silos, self.sums.k_min)
+            if len(zeroed) < self.sums.schema.classes:
+                self.whole = frozenset(silos)
+            if zeroed:
+                log.info("%s: tail guard zeroes classes %s", self.sums.round_id, zeroed)
+            vector = tail_guard.zero_classes(self.sums.schema, vector, zeroed)
+        return self._begin(self.sums.contribution_spec(silos, self.census), vector)
+
+    def _after_census(self, result: CensusResult) -> Outgoing:
+        """Check and keep the phase's census, then start the contribution among the silos it counted."""
+        survivors = self.half.counted
+        counts = (
+            np.rint(self.half.result.numpy()).astype(np.uint64) if result.counts is None else result.counts
+        )
+        counts = np.asarray(counts, dtype=np.uint64)
+        tail_guard.check_census(
+            counts, tail_guard.presence(self.sums.schema, self.contribution), len(survivors)
+        )
+        self.census = Census.of(survivors, counts)
+        self.on_census(self.census)
+        log.info(
+            "%s: census of %d silos taken for this phase; classes held by fewer than %d: %s",
+            self.sums.round_id,
+            len(survivors),
+            self.sums.k_min,
+            tail_guard.held_back(counts, self.sums.k_min),
+        )
+        return self._begin_contribution(survivors)
+
+
+# --- the aggregator -----------------------------------------------------------------------------------------
+
+
+class AggregatorRound:
+    """The aggregator's part in a round's sums; `min_contributors` is the consortium's floor for a round."""
+
+    def __init__(self, side: AggregatorSide, sums: RoundSums, *, min_contributors: int = 1) -> None:
+        self.side, self.sums = side, sums
+        self.min_contributors = min_contributors
+        self.census = sums.census
+        self.census_taken: Census | None = None  # a census this round took, for the caller to keep
+        self.zeroed: list[int] = []
+        self.whole: tuple[str, ...] = ()
+        first = sums.census_spec() if sums.census_due else self._contribution_spec(sums.participants)
+        self.half: AggregatorHalf = side.half(first)
+
+    @property
+    def purpose(self) -> str:
+        return self.half.spec.purpose
+
+    @property
+    def first(self) -> bool:
+        """Whether the open sum is the round's first (its first stage waits for training)."""
+        return self.purpose == "census" or not self.sums.census_due
+
+    def receive(self, silo: str, purpose: str, message: object) -> None:
+        self._check_purpose(purpose)
+        self.half.receive(silo, message)
+
+    def upload_bytes(self, silo: str, purpose: str, kind: type) -> int:
+        self._check_purpose(purpose)
+        return self.half.upload_bytes(silo, kind)
+
+    def _check_purpose(self, purpose: str) -> None:
+        if purpose != self.purpose:
+            raise SumAborted(f"{self.sums.round_id} is running its {self.purpose} sum, not the {purpose} one")
+
+    def close(self) -> list[tuple[str, str, object]] | Released:
+        """End the open sum's stage: (silo, purpose, step) to send, or the released contribution sum."""
+        out = self.half.close()
+        if isinstance(out, Released):
+            return self._released(out)
+        counted = self.half.counted
+        if self.whole and counted is not None and counted != self.whole:
+            gone = ", ".join(sorted(set(self.whole) - set(counted)))
+            raise SumAborted(
+                f"{gone} left a sum of per-class rows, which silos release only to the whole census"
+            )
+        return [(silo, self.purpose, step) for silo, step in out.items()]
+
+    def _released(self, released: Released) -> list[tuple[str, str, object]] | Released:
+        if self.purpose == "contribution":
+            if len(released.survivors) < self.min_contributors:
+                raise SumAborted(f"{len(released.survivors)} contributions, fewer than the round needs")
+            return released
+        counts = (
+            None if released.total is None else tuple(int(c) for c in torch.round(released.total).tolist())
+        )
+        if counts is not None:
+            self.census_taken = self.census = Census.of(released.survivors, counts)
+        silos = list(released.survivors)
+        self.half = self.side.half(self._contribution_spec(silos, self.census))
+        return [(silo, "census", CensusResult(counts)) for silo in silos]
+
+    def _contribution_spec(self, silos: Sequence[str], census: Census | None = None) -> SumSpec:
+        census = census or self.census
+        if self.sums.guarded and census is not None:
+            self.whole = census.silos if tuple(sorted(silos)) == census.silos else ()
+            self.zeroed = census.guarded(silos, self.sums.k_min)
+        return self.sums.contribution_spec(silos, census)

@@ -1,0 +1,97 @@
+"""What every layer's messages share on the wire (fedlt/v1 Protobuf), written once for silo and aggregator.
+
+Schemas, censuses and which sum a message belongs to travel the same way whatever the privacy layer; large
+payloads move in `CHUNK`-sized parts, a Submit stream as a header (round, kind, size, SHA-256) and chunks. The
+plaintext layer's upload is float64 little-endian in schema order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from fedlt.aggregation.plaintext import Upload
+from fedlt.aggregation.round_sums import CensusResult
+from fedlt.aggregation.schema import Field, Schema
+from fedlt.aggregation.tail_guard import Census
+from fedlt.errors import ContributionError
+from fedlt.v1 import consortium_pb2 as pb
+from fedlt.v1 import round_pb2
+
+CHUNK = 1 << 20  # bytes per streamed part, both ways
+
+SUM_OF_PURPOSE = {"census": pb.SECURE_SUM_CENSUS, "contribution": pb.SECURE_SUM_CONTRIBUTION}
+PURPOSE_OF_SUM = {v: k for k, v in SUM_OF_PURPOSE.items()}
+
+
+def schema_to_pb(schema: Schema) -> round_pb2.Schema:
+    fields = [
+        round_pb2.FieldSpec(
+            name=f.name, shape=f.shape, bound=f.bound, frac_bits=f.frac_bits, per_class=f.per_class
+        )
+        for f in schema.fields
+    ]
+    return round_pb2.Schema(phase=schema.phase, fields=fields)
+
+
+def schema_from_pb(schema: round_pb2.Schema) -> Schema:
+    fields = tuple(
+        Field(f.name, tuple(f.shape), f.bound, frac_bits=f.frac_bits, per_class=f.per_class)
+        for f in schema.fields
+    )
+    return Schema(fields, phase=schema.phase)
+
+
+def census_to_pb(census: Census) -> round_pb2.Census:
+    return round_pb2.Census(silos=census.silos, silos_per_class=census.counts)
+
+
+def census_from_pb(spec: round_pb2.RoundSpec) -> Census | None:
+    return Census.of(spec.census.silos, spec.census.silos_per_class) if spec.HasField("census") else None
+
+
+def census_result_to_pb(result: CensusResult) -> pb.CensusResult:
+    return pb.CensusResult(silos_per_class=result.counts or ())
+
+
+def census_result_from_pb(result: pb.CensusResult) -> CensusResult:
+    return CensusResult(tuple(result.silos_per_class) or None)
+
+
+def chunks(data: bytes) -> Iterator[tuple[int, bytes]]:
+    """(offset, part) for a payload streamed in `CHUNK`s."""
+    for offset in range(0, len(data), CHUNK):
+        yield offset, data[offset : offset + CHUNK]
+
+
+def submit_stream(
+    round_id: str, payload: bytes, *, kind: int, purpose: str = ""
+) -> Iterator[pb.SubmitRequest]:
+    header = pb.SubmitHeader(
+        round_id=round_id,
+        kind=kind,
+        total_bytes=len(payload),
+        sha256=hashlib.sha256(payload).hexdigest(),
+        sum=SUM_OF_PURPOSE.get(purpose, pb.SECURE_SUM_UNSPECIFIED),
+    )
+    yield pb.SubmitRequest(header=header)
+    for _, part in chunks(payload):
+        yield pb.SubmitRequest(chunk=part)
+
+
+def upload_payload(upload: Upload) -> bytes:
+    return np.ascontiguousarray(upload.vector.numpy(), dtype="<f8").tobytes()
+
+
+def upload_of(payload: bytes) -> Upload:
+    return Upload(torch.from_numpy(words(payload, "<f8").copy()))
+
+
+def words(payload: bytes, dtype: str) -> np.ndarray:
+    """A payload read as 8-byte little-endian words; a payload of another length is refused, not cut."""
+    if len(payload) % 8:
+        raise ContributionError(f"an upload of {len(payload)} bytes is not a whole number of 8-byte values")
+    return np.frombuffer(payload, dtype=dtype)

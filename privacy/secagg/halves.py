@@ -1,0 +1,175 @@
+"""The `secagg` layer's two halves: `protocol`'s client and server behind the layer interface
+(`fedlt.aggregation.halves`), with the fixed-point codec and, at the silo, the silo's policy.
+
+A silo half advertises keys on `start`, then answers each stage's output with its next message; before its
+consistency signature it asks `may_release` (the round driver's whole-census check and the silo's ledger). The
+aggregator half routes each message to the server's stage and turns each `close_*` into what goes to every
+silo next; the last one releases the decoded sum of U3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from fedlt.aggregation.halves import AggregatorHalf, AggregatorSide, Released, SiloHalf, SiloSide, SumSpec
+from privacy.secagg.codec import FixedPointCodec
+from privacy.secagg.policy import SessionPolicy
+from privacy.secagg.protocol import (
+    AdvertisedKeys,
+    ConsistencySignature,
+    Inbox,
+    KeyList,
+    MaskedInput,
+    Peers,
+    ProtocolViolation,
+    Reveal,
+    SecAggClient,
+    SecAggServer,
+    SessionSpec,
+    Shares,
+    Signatures,
+    Signer,
+    StageError,
+    SurvivorList,
+)
+from privacy.secagg.settings import SecAggSettings
+
+
+def session_of(spec: SumSpec) -> SessionSpec:
+    """The protocol session of a sum: the round's signed secagg settings ride in `spec.settings`."""
+    settings = spec.settings if isinstance(spec.settings, SecAggSettings) else SecAggSettings()
+    return settings.session(spec.round_id, spec.purpose, spec.silos, spec.schema.size, spec.binding)
+
+
+class SecAggSiloHalf(SiloHalf):
+    def __init__(
+        self,
+        spec: SumSpec,
+        me: str,
+        *,
+        sign: Signer,
+        peers: Peers,
+        policy: SessionPolicy | None,
+        may_release: Callable[[tuple[str, ...]], None],
+    ) -> None:
+        session = session_of(spec)
+        if policy is not None:
+            policy.check(session)
+        self.codec = FixedPointCodec(spec.schema, max_silos=len(spec.silos))  # refuses an overflow risk
+        self.client = SecAggClient(session, me, sign=sign, peers=peers)
+        self._may_release = may_release
+        self._words = None
+        self._done = False
+
+    def start(self, vector: torch.Tensor) -> list[object]:
+        self._words = self.codec.encode(vector)
+        return [self.client.advertise()]
+
+    def step(self, step: object) -> list[object]:
+        if isinstance(step, KeyList):
+            return [Shares(tuple(self.client.share(list(step.keys))))]
+        if isinstance(step, Inbox):
+            return [MaskedInput(self.client.masked_input(step, self._words))]
+        if isinstance(step, SurvivorList):
+            signature = self.client.consistency(step.survivors, release=self._may_release)
+            return [ConsistencySignature(signature)]
+        if isinstance(step, Signatures):
+            reveal = self.client.unmask(step.by_silo)
+            self._done = True
+            return [reveal]
+        raise ProtocolViolation(f"{type(step).__name__} is no secure-aggregation step")
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    @property
+    def counted(self) -> tuple[str, ...]:
+        return self.client.survivors
+
+
+class SecAggAggregatorHalf(AggregatorHalf):
+    def __init__(self, spec: SumSpec, *, peers: Peers) -> None:
+        self.spec = spec
+        self.server = SecAggServer(session_of(spec), peers=peers)
+        self.codec = FixedPointCodec(spec.schema, max_silos=len(spec.silos))
+
+    @property
+    def stage(self) -> str:
+        return self.server.stage
+
+    @property
+    def expected(self) -> tuple[str, ...]:
+        return self.server.expected
+
+    @property
+    def answered(self) -> set[str]:
+        return self.server.answered
+
+    @property
+    def counted(self) -> tuple[str, ...] | None:
+        return self.server.u3 or None
+
+    def receive(self, silo: str, message: object) -> None:
+        server = self.server
+        if isinstance(message, AdvertisedKeys):
+            server.add_keys(silo, message)
+        elif isinstance(message, Shares):
+            server.add_envelopes(silo, message.envelopes)
+        elif isinstance(message, MaskedInput):
+            server.add_masked(silo, message.words)
+        elif isinstance(message, ConsistencySignature):
+            server.add_signature(silo, message.signature)
+        elif isinstance(message, Reveal):
+            server.add_reveal(silo, message)
+        else:
+            raise StageError(f"a {type(message).__name__} is no secure-aggregation message")
+
+    def close(self) -> Mapping[str, object] | Released:
+        server = self.server
+        stage = server.stage
+        if stage == "keys":
+            keys = KeyList(tuple(server.close_keys()))
+            return dict.fromkeys(server.u1, keys)
+        if stage == "shares":
+            return dict(server.close_shares())
+        if stage == "masked":
+            survivors = SurvivorList(server.close_masked())
+            return dict.fromkeys(survivors.survivors, survivors)
+        if stage == "consistency":
+            signatures = Signatures(server.close_consistency())
+            return dict.fromkeys(server.u4, signatures)
+        total = server.close_unmask()
+        return Released(server.u3, self.codec.decode(total))
+
+    def upload_bytes(self, silo: str, kind: type) -> int:
+        if kind is not MaskedInput:
+            raise StageError(f"a secure sum takes masked inputs, not a {kind.__name__}")
+        if self.server.stage != "masked":
+            raise StageError(f"the {self.spec.purpose} sum is at {self.stage!r}, not 'masked'")
+        return self.spec.schema.size * 8
+
+
+class SecAggSiloSide(SiloSide):
+    """A silo's keys (its certificate key signs, `peers` checks others) and, in a consortium, its policy."""
+
+    def __init__(self, *, sign: Signer, peers: Peers, policy: SessionPolicy | None = None) -> None:
+        self.sign, self.peers, self.policy = sign, peers, policy
+
+    def half(self, spec: SumSpec, me: str, *, may_release: Callable[[tuple[str, ...]], None]) -> SiloHalf:
+        return SecAggSiloHalf(
+            spec, me, sign=self.sign, peers=self.peers, policy=self.policy, may_release=may_release
+        )
+
+    def problems(self, spec: SumSpec) -> list[str]:
+        return [] if self.policy is None else self.policy.problems(session_of(spec))
+
+
+class SecAggAggregatorSide(AggregatorSide):
+    def __init__(self, *, peers: Peers) -> None:
+        self.peers = peers
+
+    def half(self, spec: SumSpec) -> AggregatorHalf:
+        return SecAggAggregatorHalf(spec, peers=self.peers)

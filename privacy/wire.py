@@ -1,0 +1,86 @@
+"""Every implemented layer's messages on the consortium's wire, looked up by message type, not layer name.
+
+The silo agent sends whatever its layer half produced (`send`) and reads each `SumStep` back into the step its
+half expects (`step_from_pb`); the aggregator turns each stage output into a `SumStep` (`step_to_pb`) and a
+Submit stream's kind into the upload it carries (`UPLOADS`). A new layer adds its entries to these tables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fedlt.aggregation.plaintext import Upload
+from fedlt.aggregation.round_sums import CensusResult
+from fedlt.v1 import consortium_pb2 as pb
+from fedlt.wire import (
+    PURPOSE_OF_SUM,
+    SUM_OF_PURPOSE,
+    census_result_from_pb,
+    census_result_to_pb,
+    submit_stream,
+    upload_of,
+    upload_payload,
+)
+from privacy.secagg import wire as secagg
+from privacy.secagg.protocol import MaskedInput
+
+
+def _submit_upload(stub, round_id: str, purpose: str, upload: Upload, timeout: float) -> object:
+    stream = submit_stream(
+        round_id, upload_payload(upload), kind=pb.CONTRIBUTION_KIND_PLAINTEXT, purpose=purpose
+    )
+    return stub.Submit(stream, timeout=timeout)
+
+
+SENDERS: dict[type, secagg.Send] = {Upload: _submit_upload, **secagg.SENDERS}
+STEP_ENCODERS: dict[type, Callable[[object], dict[str, object]]] = {
+    CensusResult: lambda result: {"census": census_result_to_pb(result)},
+    **secagg.STEP_ENCODERS,
+}
+STEP_DECODERS: dict[str, Callable[[pb.SumStep], object]] = {
+    "census": lambda step: census_result_from_pb(step.census),
+    **secagg.STEP_DECODERS,
+}
+# a Submit stream's kind: the upload message it carries, and how to read it from the payload
+UPLOADS: dict[int, tuple[type, Callable[[bytes], object]]] = {
+    pb.CONTRIBUTION_KIND_PLAINTEXT: (Upload, upload_of),
+    pb.CONTRIBUTION_KIND_MASKED: (MaskedInput, secagg.masked_of),
+}
+RECEIVERS: dict[str, Callable[[object, str, bytes], object]] = dict(secagg.RECEIVERS)
+DRILL_NAMES: dict[type, str] = dict(secagg.DRILL_NAMES)
+
+
+class WireError(ValueError):
+    """A message or step of a type no implemented layer carries."""
+
+
+def send(stub, round_id: str, purpose: str, message: object, *, timeout: float) -> object:
+    sender = SENDERS.get(type(message))
+    if sender is None:
+        raise WireError(f"no RPC carries a {type(message).__name__}")
+    return sender(stub, round_id, purpose, message, timeout)
+
+
+def received(rpc: str, request: object, *, silo: str, credential: bytes) -> object:
+    """The message a layer's RPC request carries; `silo` and `credential` come from the transport."""
+    return RECEIVERS[rpc](request, silo, credential)
+
+
+def upload_of(kind: int, payload: bytes) -> object:
+    """The upload a Submit stream of `kind` carries."""
+    return UPLOADS[kind][1](payload)
+
+
+def step_to_pb(round_id: str, purpose: str, step: object) -> pb.SumStep:
+    encoder = STEP_ENCODERS.get(type(step))
+    if encoder is None:
+        raise WireError(f"no SumStep carries a {type(step).__name__}")
+    return pb.SumStep(round_id=round_id, sum=SUM_OF_PURPOSE[purpose], **encoder(step))
+
+
+def step_from_pb(step: pb.SumStep) -> tuple[str, object]:
+    """(purpose, step); an empty or unknown step, or one naming no sum, is a WireError."""
+    kind = step.WhichOneof("step")
+    if kind not in STEP_DECODERS or step.sum not in PURPOSE_OF_SUM:
+        raise WireError(f"a SumStep with step {kind!r} for sum {step.sum}")
+    return PURPOSE_OF_SUM[step.sum], STEP_DECODERS[kind](step)
