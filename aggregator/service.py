@@ -418,9 +418,10 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
             raise Malformed(f"SubmitHeader.kind: {pb.ContributionKind.Name(header.kind)} carries no upload")
         kind = UPLOADS[header.kind][0]
         purpose = _purpose(header.sum)
-        expected = self.engine.upload_bytes(silo, header.round_id, purpose, kind)
-        if header.total_bytes != expected:
-            raise BadContribution(f"header announces {header.total_bytes} bytes; the schema needs {expected}")
+        limit = self.engine.upload_bytes(silo, header.round_id, purpose, kind)
+        if header.total_bytes > limit:
+            raise BadContribution(f"header announces {header.total_bytes} bytes; the schema needs {limit}")
+        expected = header.total_bytes
         received, hasher = [], hashlib.sha256()
         for part in parts:
             if not part.HasField("chunk") or sum(map(len, received)) + len(part.chunk) > expected:

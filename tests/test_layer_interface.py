@@ -15,6 +15,7 @@ from fedlt.aggregation.halves import PartyKeys, Released, SumAborted, SumSpec
 from fedlt.aggregation.round_sums import AggregatorRound, RoundSums, SiloRound
 from fedlt.aggregation.sums import run_round
 from fedlt.errors import FedltError
+from privacy.ckks.keys import SecretContext
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = Schema(
@@ -86,9 +87,17 @@ def test_every_layer_s_silo_half_refuses_a_step_it_does_not_know(layer):
 
 
 def test_every_layer_makes_both_consortium_sides_from_party_keys(layer):
+    """A silo brings its secret context to CKKS, the aggregator the public one; without, a clear refusal."""
     assert layer.describe()
-    layer.aggregator_side(PartyKeys())
-    layer.silo_side(PartyKeys())
+    secret = SecretContext.new()
+    silo_keys, aggregator_keys = PartyKeys(secret=secret), PartyKeys(secret=secret.public)
+    layer.aggregator_side(aggregator_keys)
+    layer.silo_side(silo_keys)
+    if layer.name == "ckks":
+        with pytest.raises(ValueError, match="secret context"):
+            layer.silo_side(PartyKeys())
+        with pytest.raises(ValueError, match="public context"):
+            layer.aggregator_side(silo_keys)
 
 
 # --- nothing above the layers looks at a layer's name ----------------------------------------------------

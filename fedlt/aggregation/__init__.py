@@ -15,6 +15,7 @@ from fedlt.errors import ConfigError
 LAYERS: dict[str, str] = {
     "plaintext": "fedlt.aggregation.plaintext:PlaintextSum",
     "secagg": "privacy.secagg.layer:SecAggSum",
+    "ckks": "privacy.ckks.layer:CkksSum",
 }
 
 

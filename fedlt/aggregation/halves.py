@@ -135,8 +135,13 @@ class AggregatorHalf(ABC):
 
     @abstractmethod
     def upload_bytes(self, silo: str, kind: type) -> int:
-        """Bytes a silo's upload of message type `kind` takes now (the transport checks a streamed upload
-        against it before reading it); raise if no such upload is due."""
+        """The most bytes a silo's upload of message type `kind` may take now (the transport refuses a larger
+        announced size before reading a byte; the half checks the exact size it needs); raise if no such
+        upload is due."""
+
+    def download(self, silo: str) -> bytes:
+        """What a silo fetches at this stage (a CKKS sum); most layers have nothing to fetch."""
+        raise WrongStage(f"the {self.stage!r} stage of this sum has nothing to download")
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,9 @@ class PartyKeys:
     sign: Callable[..., bytes] | None = None
     peers: object = None
     policy: object = None
+    secret: object = (
+        None  # a layer's key material: the ckks context (secret at a silo, public at the aggregator)
+    )
 
 
 class SiloSide(ABC):

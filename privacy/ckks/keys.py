@@ -1,0 +1,180 @@
+"""The consortium's CKKS key: parameters, the secret context silos keep, the public one the aggregator uses.
+
+Parameters, for sums only (no multiplications, rotations or rescaling): polynomial degree N = 8192 (4,096
+slots a ciphertext) and a coefficient modulus of two 60-bit primes, one for the data and one special prime.
+120 bits is well under the 218 bits the HomomorphicEncryption.org standard allows at N = 8192 for 128-bit
+classical security (SEAL enforces that table). A longer chain buys depth that additions never use, and every
+extra prime adds 8 bytes per slot to every ciphertext. Encryption is symmetric: only silos, which hold the
+secret key, encrypt, so the public context needs no public key (it is a few bytes) and a fresh ciphertext
+carries less noise. No Galois or relinearisation keys are made.
+
+Values are encoded at a scale chosen per sum from the schema (`scale_bits`): the summed values must stay
+below the 60-bit data prime, so the scale leaves room for n silos times the largest field bound. A sum whose
+room would leave fewer than `MIN_SCALE_BITS` is refused, like an overflowing fixed-point range.
+
+Secrets are their own type: `SecretContext` is the only one that can encrypt or decrypt, and it serializes
+with its secret key only through `secret_bytes`, for sealing to another silo (`ceremony`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+
+import numpy as np
+import tenseal as ts
+
+from fedlt.aggregation import Schema
+from fedlt.aggregation.halves import SettingsRefused
+
+POLY_MODULUS_DEGREE = 8192
+SLOTS = POLY_MODULUS_DEGREE // 2
+COEFF_MOD_BIT_SIZES = (60, 60)
+DATA_BITS = 60
+MAX_SCALE_BITS = 40
+MIN_SCALE_BITS = 20
+
+
+class CkksKeyError(ValueError):
+    """Bytes that are not a context of the kind expected, or a ciphertext this context cannot read."""
+
+
+class CkksOverflowRisk(SettingsRefused):
+    """The schema's bounds times the silos leave too little room for a useful scale."""
+
+
+def scale_bits(schema: Schema, silos: int) -> int:
+    """Scale bits for summing `silos` vectors of `schema`: room for n times the largest bound, a bit spare."""
+    room = DATA_BITS - 2 - math.ceil(math.log2(silos * max(f.bound for f in schema.fields)))
+    bits = min(MAX_SCALE_BITS, room)
+    if bits < MIN_SCALE_BITS:
+        raise CkksOverflowRisk(
+            f"a CKKS sum of {silos} silos with field bounds up to {max(f.bound for f in schema.fields):g} "
+            f"leaves a scale of 2^{bits}, below 2^{MIN_SCALE_BITS}: lower the bounds or the silos"
+        )
+    return bits
+
+
+def ciphertext_limit(values: int) -> int:
+    """The most bytes a serialized ciphertext of `values` values takes (4,096 a chunk, two polynomials of N
+    64-bit coefficients each, and a little framing): what an upload may announce."""
+    chunks = math.ceil(values / SLOTS)
+    return chunks * (2 * POLY_MODULUS_DEGREE * 8 + 1024) + 4096
+
+
+class PublicContext:
+    """What the aggregator holds: it can add ciphertexts, never encrypt or decrypt."""
+
+    def __init__(self, context: ts.Context) -> None:
+        if context.is_private():
+            raise CkksKeyError("a public context holds no secret key")
+        self._context = context
+        self.serialized = context.serialize(
+            save_secret_key=False, save_galois_keys=False, save_relin_keys=False
+        )
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> PublicContext:
+        try:
+            return cls(ts.context_from(raw))
+        except (ValueError, RuntimeError, TypeError) as exc:
+            raise CkksKeyError(f"not a public CKKS context: {exc}") from None
+
+    def add(self, ciphertexts: list[bytes]) -> bytes:
+        total = self.read(ciphertexts[0])
+        for blob in ciphertexts[1:]:
+            total = total.plus(self.read(blob))
+        return total.serialize()
+
+    def read(self, blob: bytes) -> Ciphertext:
+        return Ciphertext.parse(self._context, blob)
+
+
+class SecretContext:
+    """What each silo keeps in its state directory: encrypts its uploads, decrypts the consortium's sums."""
+
+    def __init__(self, context: ts.Context) -> None:
+        if not context.is_private():
+            raise CkksKeyError("a secret context holds the secret key")
+        self._context = context
+        self.public = PublicContext(ts.context_from(context.serialize(save_secret_key=False)))
+        # names the key, not the parameters (a symmetric public context is the same for every key): the key
+        # holder announces it, every silo checks the key it holds against the RoundSpec's
+        self.context_id = hashlib.sha256(b"fedlt/ckks/key-id/v1" + self.secret_bytes()).hexdigest()
+
+    @classmethod
+    def new(cls) -> SecretContext:
+        context = ts.context(
+            ts.SCHEME_TYPE.CKKS,
+            POLY_MODULUS_DEGREE,
+            coeff_mod_bit_sizes=list(COEFF_MOD_BIT_SIZES),
+            encryption_type=ts.ENCRYPTION_TYPE.SYMMETRIC,
+        )
+        return cls(context)
+
+    @classmethod
+    def from_secret_bytes(cls, raw: bytes) -> SecretContext:
+        try:
+            return cls(ts.context_from(raw))
+        except (ValueError, RuntimeError, TypeError) as exc:
+            raise CkksKeyError(f"not a secret CKKS context: {exc}") from None
+
+    def secret_bytes(self) -> bytes:
+        """The context with its secret key: only ever sealed to another silo or written to a 0600 file."""
+        return self._context.serialize(save_secret_key=True, save_galois_keys=False, save_relin_keys=False)
+
+    def encrypt(self, values: np.ndarray, *, scale_bits: int) -> bytes:
+        values = np.asarray(values, dtype=np.float64)
+        chunks = [
+            ts.ckks_vector(self._context, values[i : i + SLOTS], scale=2.0**scale_bits)
+            for i in range(0, len(values), SLOTS)
+        ]
+        return Ciphertext(chunks).serialize()
+
+    def decrypt(self, blob: bytes, size: int) -> np.ndarray:
+        ciphertext = Ciphertext.parse(self._context, blob)
+        if ciphertext.size() != size:
+            raise CkksKeyError(f"a ciphertext of {ciphertext.size()} values, where {size} were summed")
+        return np.concatenate([np.asarray(c.decrypt(), dtype=np.float64) for c in ciphertext.chunks])
+
+
+class Ciphertext:
+    """A vector as CKKS ciphertexts of at most `SLOTS` values each, framed for the wire: b"FCK1", the count,
+    then each ciphertext with its length. (One TenSEAL vector spanning several ciphertexts works too, but
+    prints a warning to stdout at every encryption.)"""
+
+    MAGIC = b"FCK1"
+
+    def __init__(self, chunks: list[ts.CKKSVector]) -> None:
+        self.chunks = chunks
+
+    def size(self) -> int:
+        return sum(c.size() for c in self.chunks)
+
+    def plus(self, other: Ciphertext) -> Ciphertext:
+        if [c.size() for c in self.chunks] != [c.size() for c in other.chunks]:
+            raise CkksKeyError("ciphertexts of different shapes cannot be added")
+        return Ciphertext([a + b for a, b in zip(self.chunks, other.chunks, strict=True)])
+
+    def serialize(self) -> bytes:
+        parts = [c.serialize() for c in self.chunks]
+        framed = b"".join(struct.pack("<I", len(p)) + p for p in parts)
+        return self.MAGIC + struct.pack("<I", len(parts)) + framed
+
+    @classmethod
+    def parse(cls, context: ts.Context, blob: bytes) -> Ciphertext:
+        try:
+            if blob[:4] != cls.MAGIC:
+                raise ValueError("no ciphertext header")
+            (count,) = struct.unpack_from("<I", blob, 4)
+            offset, chunks = 8, []
+            for _ in range(count):
+                (length,) = struct.unpack_from("<I", blob, offset)
+                chunks.append(ts.ckks_vector_from(context, blob[offset + 4 : offset + 4 + length]))
+                offset += 4 + length
+            if offset != len(blob) or not chunks:
+                raise ValueError("trailing or missing bytes")
+        except (ValueError, RuntimeError, TypeError, struct.error) as exc:
+            raise CkksKeyError(f"not a ciphertext of this context: {exc}") from None
+        return cls(chunks)

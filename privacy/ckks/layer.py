@@ -1,0 +1,41 @@
+"""The `ckks` privacy layer: its settings, and both halves for silos that live in one process.
+
+In the simulator one secret context is made for the run and shared by every silo, as the key ceremony shares
+it in a consortium (`ceremony`); the aggregator's side holds the public context only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from fedlt.aggregation import SumLayer
+from fedlt.aggregation.halves import AggregatorSide, PartyKeys, SiloSide
+from privacy.ckks.halves import CkksAggregatorSide, CkksSiloSide
+from privacy.ckks.keys import PublicContext, SecretContext
+from privacy.ckks.settings import CkksSettings
+
+
+class CkksSum(SumLayer):
+    name = "ckks"
+
+    def __init__(self, settings: CkksSettings | None = None) -> None:
+        super().__init__()
+        self.settings = settings or CkksSettings()
+        self.k_min = self.settings.k_min
+
+    def describe(self) -> str:
+        return self.settings.describe()
+
+    def silo_side(self, keys: PartyKeys) -> SiloSide:
+        if not isinstance(keys.secret, SecretContext):
+            raise ValueError("a silo takes part in CKKS sums only with the consortium's secret context")
+        return CkksSiloSide(keys.secret)
+
+    def aggregator_side(self, keys: PartyKeys) -> AggregatorSide:
+        if not isinstance(keys.secret, PublicContext):
+            raise ValueError("the aggregator adds CKKS ciphertexts with the public context")
+        return CkksAggregatorSide(keys.secret)
+
+    def in_process(self, silos: Sequence[str]) -> tuple[Mapping[str, SiloSide], AggregatorSide]:
+        secret = SecretContext.new()
+        return dict.fromkeys(silos, CkksSiloSide(secret)), CkksAggregatorSide(secret.public)

@@ -1,0 +1,146 @@
+"""The `ckks` layer: parameters, the two key types, sums within the stated precision, and what the aggregator
+can and cannot do with what it holds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tenseal as ts
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedlt.aggregation import Field, Schema
+from fedlt.aggregation.halves import BadMessage, Released, SumSpec, WrongStage
+from privacy.ckks.halves import CkksAggregatorHalf, CkksSiloHalf, EncryptedSum, EncryptedUpload, on_grid
+from privacy.ckks.keys import (
+    COEFF_MOD_BIT_SIZES,
+    POLY_MODULUS_DEGREE,
+    Ciphertext,
+    CkksKeyError,
+    CkksOverflowRisk,
+    PublicContext,
+    SecretContext,
+    ciphertext_limit,
+    scale_bits,
+)
+
+SCHEMA = Schema((Field("delta", (5000,), 50.0, frac_bits=20), Field("n", (), 1000.0, frac_bits=0)))
+SILOS = ("a", "b", "c")
+SECRET = SecretContext.new()
+
+
+def test_the_parameters_are_the_standards_128_bit_ones_and_hold_no_rotation_or_relinearisation_keys():
+    """SEAL's table for 128-bit classical security at N = 8192 allows 218 bits of coefficient modulus."""
+    assert POLY_MODULUS_DEGREE == 8192
+    assert sum(COEFF_MOD_BIT_SIZES) <= 218
+    public = ts.context_from(SECRET.public.serialized)
+    assert not public.is_private()
+    assert not public.has_galois_keys()
+    assert not public.has_relin_keys()
+    assert len(SECRET.public.serialized) < 1024  # symmetric encryption: no public key to ship
+
+
+def test_the_public_context_adds_but_cannot_decrypt_or_encrypt():
+    blob = SECRET.encrypt(np.ones(10), scale_bits=30)
+    total = SECRET.public.add([blob, blob])
+    public = ts.context_from(SECRET.public.serialized)
+    with pytest.raises(ValueError, match="secret"):
+        Ciphertext.parse(public, total).chunks[0].decrypt()
+    with pytest.raises(ValueError, match=r"doesn.t support encryption"):
+        ts.ckks_vector(public, [1.0], scale=2.0**30)
+    assert np.allclose(SECRET.decrypt(total, 10), 2.0, atol=1e-5)
+
+
+def test_the_secret_context_survives_its_bytes_and_a_public_one_is_refused_as_secret():
+    again = SecretContext.from_secret_bytes(SECRET.secret_bytes())
+    assert again.context_id == SECRET.context_id
+    blob = SECRET.encrypt(np.arange(4.0), scale_bits=30)
+    assert np.allclose(again.decrypt(blob, 4), np.arange(4.0), atol=1e-5)
+    with pytest.raises(CkksKeyError, match="secret"):
+        SecretContext.from_secret_bytes(SECRET.public.serialized)
+    with pytest.raises(CkksKeyError):
+        PublicContext.from_bytes(b"not a context")
+    other = SecretContext.new()
+    assert other.context_id != SECRET.context_id
+    garbled = other.decrypt(SECRET.public.add([blob, blob]), 4)  # another consortium's key reads noise
+    assert np.abs(garbled - 2 * np.arange(4.0)).min() > 1e3
+
+
+def run_sum(vectors: dict[str, torch.Tensor], spec: SumSpec) -> tuple[Released, dict[str, CkksSiloHalf]]:
+    aggregator = CkksAggregatorHalf(spec, SECRET.public)
+    silos = {u: CkksSiloHalf(spec, SECRET, lambda survivors: None) for u in vectors}
+    for u, v in vectors.items():
+        (upload,) = silos[u].start(v)
+        aggregator.receive(u, upload)
+    steps = aggregator.close()
+    for u, step in steps.items():
+        assert silos[u].step(step) == []
+    return aggregator.close(), silos
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(2, 5))
+@settings(max_examples=10, deadline=None)
+def test_silos_decrypt_the_sum_within_the_stated_precision_and_all_alike(seed, n):
+    rng = np.random.default_rng(seed)
+    silos = tuple(f"s{i}" for i in range(n))
+    spec = SumSpec("r1", "contribution", silos, SCHEMA, b"", None)
+    vectors = {
+        u: torch.from_numpy(np.append(rng.uniform(-50, 50, 5000), rng.integers(1, 1000))) for u in silos
+    }
+    released, halves = run_sum(vectors, spec)
+    assert released == Released(silos, None)  # the aggregator releases no plaintext
+    truth = sum(vectors.values())
+    results = [h.result for h in halves.values()]
+    assert all(torch.equal(r, results[0]) for r in results)  # bit for bit, at every silo
+    # CKKS noise at this scale is far below the grid; the grid's rounding is the stated precision
+    grid = on_grid(spec, truth.numpy())
+    assert (results[0] - truth).abs()[:-1].max() <= 2.0**-20
+    assert (results[0] - grid).abs().max() <= 2.0**-20
+    assert results[0][-1] == truth[-1]  # an integer field (frac_bits 0) comes back exact
+
+
+def test_a_scale_that_leaves_no_room_is_refused_like_an_overflow():
+    assert scale_bits(SCHEMA, 10) == 40
+    huge = Schema((Field("outer", (4,), 1e12),))
+    with pytest.raises(CkksOverflowRisk, match="below 2\\^20"):
+        scale_bits(huge, 30)
+
+
+def test_the_aggregator_refuses_what_does_not_belong_to_its_sum():
+    spec = SumSpec("r1", "contribution", SILOS, SCHEMA, b"", None)
+    half = CkksAggregatorHalf(spec, SECRET.public)
+    good = SECRET.encrypt(np.zeros(SCHEMA.size), scale_bits=30)
+    with pytest.raises(WrongStage):
+        half.receive("z", EncryptedUpload(good))  # not a silo of this sum
+    with pytest.raises(WrongStage):
+        half.receive("a", object())
+    with pytest.raises(BadMessage, match="not a ciphertext"):
+        half.receive("a", EncryptedUpload(b"garbage"))
+    with pytest.raises(BadMessage, match="values; the schema has"):
+        half.receive("a", EncryptedUpload(SECRET.encrypt(np.zeros(7), scale_bits=30)))
+    half.receive("a", EncryptedUpload(good))
+    half.receive("a", EncryptedUpload(good))  # an identical resend
+    with pytest.raises(BadMessage, match="another ciphertext"):
+        half.receive("a", EncryptedUpload(SECRET.encrypt(np.ones(SCHEMA.size), scale_bits=30)))
+    assert half.upload_bytes("b", EncryptedUpload) == ciphertext_limit(SCHEMA.size) >= len(good)
+    with pytest.raises(WrongStage):
+        half.download("a")  # nothing summed yet
+    steps = half.close()
+    assert set(steps) == {"a"}
+    assert half.download("a") == steps["a"].blob
+    with pytest.raises(WrongStage):
+        half.upload_bytes("b", EncryptedUpload)  # uploads have closed
+
+
+def test_a_silo_decrypts_only_a_sum_its_round_may_release_and_only_over_its_silos():
+    spec = SumSpec("r1", "contribution", SILOS, SCHEMA, b"", None)
+    blob = SECRET.encrypt(np.zeros(SCHEMA.size), scale_bits=30)
+
+    def refuse(survivors):
+        raise BadMessage(f"not over {survivors}")
+
+    with pytest.raises(BadMessage, match="not over"):
+        CkksSiloHalf(spec, SECRET, refuse).step(EncryptedSum(blob, ("a", "b")))
+    with pytest.raises(BadMessage, match="outside this sum"):
+        CkksSiloHalf(spec, SECRET, lambda s: None).step(EncryptedSum(blob, ("a", "z")))
