@@ -6,13 +6,13 @@ import hashlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from fedlt.aggregation import LAYERS
 from fedlt.config import as_toml, parse_section, read_toml, resolve, setting
 from fedlt.data.embedded import EMBEDDED
 from fedlt.errors import ConfigError
 from fedlt.metrics import ShotThresholds
 from fedlt.plan import RoundPlan
 from privacy.secagg.settings import SecAggSettings
+from privacy.wire import CONSORTIUM_LAYERS
 
 # each privacy layer's own section of consortium.toml, by layer name (a field of ConsortiumConfig each)
 LAYER_SECTIONS: dict[str, type] = {"secagg": SecAggSettings}
@@ -23,7 +23,9 @@ class ConsortiumSection:
     id: str = setting("fedlt-consortium", doc="name silos check in every RoundSpec")
     rounds: int = setting(20, ge=1)
     seed: int = setting(0, ge=0)
-    privacy: str = setting("secagg", choices=tuple(LAYERS), doc="plaintext is for research and tests only")
+    privacy: str = setting(
+        "secagg", choices=CONSORTIUM_LAYERS, doc="plaintext is for research and tests only"
+    )
     min_silos: int = setting(2, ge=1, doc="a round needs this many contributions, else it is retried")
     exit_when_done: bool = setting(True, doc="stop serving once the last round is committed")
 

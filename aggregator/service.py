@@ -33,7 +33,6 @@ from aggregator.rounds import (
     WrongRound,
 )
 from aggregator.store import Store, now_ms
-from fedlt.aggregation import LAYERS
 from fedlt.aggregation.halves import BadMessage, SumAborted
 from fedlt.errors import ContributionError
 from fedlt.methods import METHODS
@@ -45,7 +44,7 @@ from privacy.pki.errors import PkiError
 from privacy.pki.identity import RevocationList, load_certificate, operator_name_of, silo_id_of
 from privacy.pki.roster import RosterFile
 from privacy.pki.trust import MemberTrust
-from privacy.wire import RECEIVERS, UPLOADS, received, upload_of
+from privacy.wire import CONSORTIUM_LAYERS, RECEIVERS, UPLOADS, received, upload_of
 
 log = logging.getLogger("aggregator.service")
 
@@ -53,7 +52,7 @@ AGENT_VERSION_CHARS = 64
 # What a silo's policy may name, from the tables that define each kind; the messages list these keys.
 POLICY_CHOICES: dict[str, tuple[str, ...]] = {
     "accepted_methods": tuple(METHODS),
-    "accepted_privacy": tuple(LAYERS),
+    "accepted_privacy": CONSORTIUM_LAYERS,
     "accepted_disclosures": (DISCLOSURE,),
 }
 

@@ -50,6 +50,10 @@ RECEIVERS: dict[str, Callable[[object, str, bytes], object]] = dict(secagg.RECEI
 DRILL_NAMES: dict[type, str] = dict(secagg.DRILL_NAMES)
 
 
+# The layers whose every message these tables carry: what a consortium may run and a silo may accept.
+CONSORTIUM_LAYERS = ("plaintext", "secagg")
+
+
 class WireError(ValueError):
     """A message or step of a type no implemented layer carries."""
 

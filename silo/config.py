@@ -13,6 +13,7 @@ from fedlt.data.files import load_dataset
 from fedlt.errors import ConfigError
 from fedlt.methods import METHODS
 from privacy.secagg.policy import SessionPolicy
+from privacy.wire import CONSORTIUM_LAYERS
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class DataSection:
 
 
 # The privacy layers this agent implements; a RoundSpec naming any other is refused, whatever the policy says.
-LAYERS_IMPLEMENTED = ("secagg", "plaintext")
+LAYERS_IMPLEMENTED = CONSORTIUM_LAYERS
 
 
 @dataclass(frozen=True)
