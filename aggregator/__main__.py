@@ -16,6 +16,7 @@ from pathlib import Path
 from aggregator.ca_cli import add_ca_parser, run_command
 from aggregator.roster_cli import add_roster_parser
 from fedlt.errors import FedltError
+from privacy.wire import CONSORTIUM_LAYERS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--dir", type=Path, default=Path("runs/consortium-demo"))
     demo.add_argument("--silos", type=int, default=4)
     demo.add_argument("--rounds", type=int, default=30)
+    demo.add_argument(
+        "--privacy",
+        default="secagg",
+        choices=CONSORTIUM_LAYERS,
+        help="ckks: the aggregator adds ciphertexts and never sees the model (silo-0 makes the key)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -50,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             return show_status(args.config, cert=args.cert, key=args.key)
         from aggregator.demo import run_demo
 
-        return run_demo(args.dir, silos=args.silos, rounds=args.rounds)
+        return run_demo(args.dir, silos=args.silos, rounds=args.rounds, privacy=args.privacy)
     except FedltError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -11,11 +11,12 @@ from fedlt.data.embedded import EMBEDDED
 from fedlt.errors import ConfigError
 from fedlt.metrics import ShotThresholds
 from fedlt.plan import RoundPlan
+from privacy.ckks.settings import CkksSettings
 from privacy.secagg.settings import SecAggSettings
 from privacy.wire import CONSORTIUM_LAYERS
 
 # each privacy layer's own section of consortium.toml, by layer name (a field of ConsortiumConfig each)
-LAYER_SECTIONS: dict[str, type] = {"secagg": SecAggSettings}
+LAYER_SECTIONS: dict[str, type] = {"secagg": SecAggSettings, "ckks": CkksSettings}
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class ConsortiumConfig:
     timeouts: TimeoutSection = field(default_factory=TimeoutSection)
     plan: RoundPlan = field(default_factory=RoundPlan)
     secagg: SecAggSettings = field(default_factory=SecAggSettings)
+    ckks: CkksSettings = field(default_factory=CkksSettings)
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)
     metrics: ShotThresholds = field(default_factory=ShotThresholds)
     base_dir: Path = Path()
@@ -89,7 +91,8 @@ class ConsortiumConfig:
         """The settings a data directory is bound to; `rounds` may grow, listening details may change."""
         same_run = replace(self.consortium, rounds=1, exit_when_done=True)
         plan = replace(self.plan, rounds=1)
-        text = as_toml(same_run) + plan.to_toml() + as_toml(self.secagg) + as_toml(self.evaluation)
+        layers = "".join(as_toml(getattr(self, name)) for name in LAYER_SECTIONS)
+        text = as_toml(same_run) + plan.to_toml() + layers + as_toml(self.evaluation)
         return hashlib.sha256(text.encode()).hexdigest()
 
 

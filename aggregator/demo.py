@@ -25,6 +25,7 @@ from fedlt.errors import FedltError
 from fedlt.methods import TrainConfig
 from fedlt.plan import ModelSection, RoundPlan
 from fedlt.selection import DISCLOSURE
+from privacy.ckks.settings import CkksSettings
 from privacy.pki.ca import init_ca, issue_operator, issue_server, issue_silo
 from privacy.pki.roster import draft
 
@@ -48,6 +49,7 @@ def write_consortium(
     consortium: ConsortiumSection,
     timeouts: TimeoutSection,
     silo_threads: int = 0,
+    layer_settings: object | None = None,
 ) -> tuple[Path, list[Path]]:
     """CA, certificates, the roster and config files for a consortium on this machine, one silo per shard.
 
@@ -79,6 +81,8 @@ def write_consortium(
         **{k: v for k, v in as_table(plan).items() if k != "rounds"},  # rounds: [consortium] says
         "evaluation": as_table(evaluation),
     }
+    if layer_settings is not None:  # the chosen layer's own section
+        tree[consortium.privacy] = as_table(layer_settings)
     path = directory / "consortium.toml"
     path.write_text(f"# A consortium on this machine, written by aggregator.demo.\n{render_toml(tree)}")
     silo_configs = []
@@ -101,6 +105,8 @@ def write_consortium(
                 "disclosures": [DISCLOSURE] if plan.selection.discloses else [],
             },
             "compute": {"threads": silo_threads},
+            # where only silos hold the model (ckks), each evaluates its share of the recipe's test split
+            "evaluation": {"part": k, "parts": recipe.silos},
         }
         silo_path = directory / f"silo-{k}.toml"
         silo_path.write_text(f"# Silo {k}: shard {k} of the embedded recipe.\n{render_toml(silo)}")
@@ -141,7 +147,12 @@ def stop_all(processes: list[subprocess.Popen], grace: float = 10.0) -> None:
             p.wait()
 
 
-def run_demo(directory: Path, *, silos: int, rounds: int) -> int:
+def demo_layer_settings(privacy: str) -> object | None:
+    """The demo's section for a layer that needs one: ckks names its key holder, the first silo."""
+    return CkksSettings(key_holder="silo-0") if privacy == "ckks" else None
+
+
+def run_demo(directory: Path, *, silos: int, rounds: int, privacy: str = "secagg") -> int:
     if directory.exists():
         shutil.rmtree(directory)
     directory.mkdir(parents=True)
@@ -151,7 +162,8 @@ def run_demo(directory: Path, *, silos: int, rounds: int) -> int:
         directory,
         recipe=recipe,
         plan=DEMO_PLAN,
-        consortium=ConsortiumSection(id="fedlt-demo", rounds=rounds, min_silos=silos),
+        consortium=ConsortiumSection(id="fedlt-demo", rounds=rounds, min_silos=silos, privacy=privacy),
+        layer_settings=demo_layer_settings(privacy),
         timeouts=TimeoutSection(gather=5.0, round=120.0),
         # the silos share this machine's cores; on machines of their own they would use all of theirs
         silo_threads=max(1, (os.cpu_count() or 1) // silos),

@@ -45,6 +45,24 @@ class Evaluator:
         else:
             self._report(state, contributors, seconds)
 
+    def announce(self, round_number: int, contributors: list[str], seconds: float) -> None:
+        """A round whose evaluation only silos can compute: announced now, its accuracy when they report."""
+        self.echo(
+            f"round {round_number:>4}/{self.total_rounds()} committed, {len(contributors)} silos "
+            f"({seconds:.1f} s)"
+        )
+
+    def counted(
+        self, round_number: int, correct: list[int], total: list[int], contributors: list[str], seconds: float
+    ) -> None:
+        """The silos' summed evaluation counts of a committed round, as one of them decrypted them."""
+        if self.recorder is None:
+            return
+        entry = self.recorder.counted(
+            round_number, correct, total, contributors=contributors, seconds=seconds
+        )
+        self._record(entry, contributors)
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
 
@@ -57,9 +75,12 @@ class Evaluator:
                 state_digest=state.digest(),
             )
             entry["seconds"] = seconds
-            self.store.save_metrics(state.round, entry)
-            self.recorder.append(entry)
-            silos = f"  [{len(contributors)} silos]" if contributors else ""
-            self.echo(round_line(entry, self.total_rounds()) + silos)
+            self._record(entry, contributors)
         except Exception:
             log.exception("evaluating round %d failed; training goes on", state.round)
+
+    def _record(self, entry: dict, contributors: list[str] | None) -> None:
+        self.store.save_metrics(entry["round"], entry)
+        self.recorder.append(entry)
+        silos = f"  [{len(contributors)} silos]" if contributors else ""
+        self.echo(round_line(entry, self.total_rounds()) + silos)

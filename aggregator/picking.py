@@ -21,7 +21,7 @@ import torch
 
 from aggregator.store import Store
 from fedlt.errors import FedltError
-from fedlt.methods import GlobalState, Method
+from fedlt.methods import Method
 from fedlt.selection import DISCLOSURE, SelectionBook, SelectionConfig, choose_participants
 
 log = logging.getLogger("aggregator")
@@ -42,12 +42,12 @@ class RoundPicker:
         self.book = SelectionBook(saved, store.last_picked())
 
     def pick(
-        self, state: GlobalState, round_number: int, connected: list[str], avoid: Collection[str] = ()
+        self, trains: bool, round_number: int, connected: list[str], avoid: Collection[str] = ()
     ) -> tuple[list[str], list[str]]:
         """(participants, disclosers) of the coming round. `avoid`: silos that let an earlier attempt of
         this round down; a retry picks around them when enough others are connected, or it would pick the
         same silos, and fail the same way, forever."""
-        if not self.method.trains(state):
+        if not trains:
             return connected, []
         selection, disclosers = self.selection, []
         if selection.discloses:

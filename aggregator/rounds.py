@@ -7,11 +7,15 @@ messages, under one lock.
 
 Stages of an attempt: GATHERING (waiting for at least `min_silos` connected silos), COLLECTING (RoundSpec out,
 then the round's sums stage by stage: `fedlt.aggregation.round_sums.AggregatorRound` over the configured
-layer's aggregator half, census and tail guard included), then the server step and the commit. Each stage of a
-sum ends when every silo expected has answered, the rest have disconnected, or its deadline passes (the
-round's first stage waits for training, until the round's deadline; later ones `timeouts.stage`). A sum that
-cannot complete aborts the attempt, and the round is tried again; a round is never committed on a partial set
-below the minimum. Which layer carries the sums is the layer's business: nothing here looks at its name.
+layer's aggregator half, census and tail guard included), then the server step and the commit. Where the layer
+lets only silos read the contribution sum (ckks), the silos run the server step themselves and report the
+sealed state, its digest and what the next round needs (`held_state`); the round commits only if every report
+agrees, and their evaluation counts go through one more sum of the layer, whose total a silo reports back.
+Each stage of a sum ends when every silo expected has answered, the rest have disconnected, or its deadline
+passes (the round's first stage waits for training, until the round's deadline; later ones `timeouts.stage`).
+A sum that cannot complete aborts the attempt, and the round is tried again; a round is never committed on a
+partial set below the minimum. Which layer carries the sums is the layer's business: nothing here looks at its
+name.
 """
 
 from __future__ import annotations
@@ -21,22 +25,30 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TypeVar
 
 from aggregator.config import ConsortiumConfig
 from aggregator.evaluation import Evaluator
+from aggregator.held_state import HeldState, StateReport
 from aggregator.picking import RoundPicker
 from aggregator.sessions import Session, Sessions
 from aggregator.store import Store, StoreError, now_ms
 from fedlt.aggregation import Schema, SumLayer, Sums, tail_guard
-from fedlt.aggregation.halves import AggregatorSide, Released, SettingsRefused, SumAborted
+from fedlt.aggregation.halves import (
+    AggregatorHalf,
+    AggregatorSide,
+    Released,
+    SettingsRefused,
+    SumAborted,
+    SumSpec,
+    evaluation_schema,
+)
 from fedlt.aggregation.round_sums import AggregatorRound
 from fedlt.errors import FedltError
-from fedlt.methods import GlobalState, Method, ServerContext
-from fedlt.methods.state import pack_state, unpack_state
+from fedlt.methods import Method, ServerContext
 from fedlt.recorder import RunRecorder
 from fedlt.selection import DISCLOSURE
 from fedlt.v1 import round_pb2
@@ -87,9 +99,23 @@ class Attempt:
     started: float = field(default_factory=time.perf_counter)
     disclosers: list[str] = field(default_factory=list)  # asked for the MFSC disclosure
     disclosed: dict[str, bytes] = field(default_factory=dict)  # silo -> its disclosure, kept if committed
+    contributors: tuple[str, ...] = ()  # whom the contribution sum counted
+    reports: dict[str, StateReport] = field(default_factory=dict)  # where silos step the model
 
     def invites(self, silo_id: str) -> bool:
         return silo_id in self.participants or silo_id in self.disclosers
+
+
+@dataclass(frozen=True)
+class PendingEvaluation:
+    """A committed round's sum of the silos' evaluation counts, waiting for a silo to report its total."""
+
+    round: int
+    round_id: str
+    half: AggregatorHalf
+    contributors: list[str]
+    seconds: float
+    reported: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)  # silo -> its decryption
 
 
 class RoundEngine:
@@ -122,8 +148,8 @@ class RoundEngine:
         self.attempt: Attempt | None = None
         self.failure: Exception | None = None
         self.stage = Stage.GATHERING
-        self.state = self._load_state()
-        self._state_bytes = pack_state(self.state)
+        self.held = self._load_state()
+        self._evaluation: PendingEvaluation | None = None
         self.picker = RoundPicker(config.plan.selection, config.consortium.seed, store, method)
         self.evaluator = Evaluator(
             recorder=recorder,
@@ -134,7 +160,8 @@ class RoundEngine:
             echo=echo,
             total_rounds=lambda: self.total_rounds,
         )
-        self.evaluator.catch_up(self.state)
+        if self.held.model is not None:
+            self.evaluator.catch_up(self.held.model)
 
     @property
     def recorder(self) -> RunRecorder | None:
@@ -142,25 +169,26 @@ class RoundEngine:
 
     # --- start-up ---------------------------------------------------------------------------------
 
-    def _load_state(self) -> GlobalState:
+    def _load_state(self) -> HeldState:
         self.store.bind(self.config.fingerprint())
         latest = self.store.latest_state()
         if latest is None:
-            state = self.method.init_state(seed=self.config.consortium.seed)
-            self.store.save_initial_state(state.digest(), pack_state(state))
-            return state
-        state = unpack_state(latest.data, latest.round)
-        if state.digest() != latest.digest:
-            raise StoreError(f"stored state of round {latest.round} does not match its digest")
+            held = HeldState.plain(self.method.init_state(seed=self.config.consortium.seed), self.method)
+            self.store.save_initial_state(held.digest, held.stored())
+            return held
+        try:
+            held = HeldState.from_stored(latest.data, latest.round, latest.digest, self.method)
+        except ValueError as exc:
+            raise StoreError(str(exc)) from None
         abandoned = self.store.abandon_open_attempts("aggregator restarted")
         if abandoned:
             log.warning("abandoned attempts left open by a restart: %s", ", ".join(abandoned))
-        return state
+        return held
 
     @property
     def total_rounds(self) -> int:
         """Committed rounds plus those the method still needs (training rounds, then any closing phase)."""
-        return self.state.round + self.method.remaining_rounds(self.state)
+        return self.held.round + self.held.remaining
 
     # --- called by the service --------------------------------------------------------------------
 
@@ -168,7 +196,7 @@ class RoundEngine:
         with self._lock:
             session = self.sessions.open(silo_id)
             if self.stage == Stage.FINISHED:
-                self.sessions.finished([silo_id], self.state.round, self.state.digest())
+                self.sessions.finished([silo_id], self.held.round, self.held.digest)
             elif self.attempt is not None and self.attempt.invites(silo_id):
                 self.sessions.round_spec([silo_id], self.attempt.signed)
             return session
@@ -223,6 +251,54 @@ class RoundEngine:
             self.store.record_contribution(round_id, silo_id, digest)
         return digest
 
+    def download(self, silo_id: str, round_id: str, purpose: str) -> bytes:
+        """What a silo fetches of an open sum (a CKKS sum), or of the last committed round's evaluations."""
+        with self._lock:
+            pending = self._evaluation
+            if purpose == "evaluation" and pending is not None and pending.round_id == round_id:
+                return pending.half.download(silo_id)
+            return self._invited(silo_id, round_id).sums.download(silo_id, purpose)
+
+    def report_state(self, silo_id: str, round_id: str, report: StateReport) -> None:
+        """Keep the state a silo computed from the sum it decrypted (layers where only silos read sums)."""
+        with self._lock:
+            attempt = self._invited(silo_id, round_id)
+            if silo_id not in attempt.contributors:
+                raise NotParticipant(f"{silo_id} is not among the silos the sum of {round_id} counted")
+            kept = attempt.reports.get(silo_id)
+            if kept is not None and not kept.same_state(report):
+                raise AlreadySubmitted(f"{silo_id} already reported another state for {round_id}")
+            attempt.reports.setdefault(silo_id, report)
+            self._lock.notify_all()
+        log.debug("round %d: %s reports state %s", attempt.round, silo_id, report.digest[:16])
+
+    def evaluation_reported(
+        self, silo_id: str, round_number: int, correct: list[int], total: list[int]
+    ) -> None:
+        """A silo's decryption of the evaluation sum it was sent: the operator's only view of accuracy."""
+        classes = self.method.model_spec.num_classes
+        if (
+            len(correct) != classes
+            or len(total) != classes
+            or any(c > t for c, t in zip(correct, total, strict=True))
+        ):
+            raise BadContribution(
+                f"evaluation counts are {classes} correct and {classes} total, correct ≤ total"
+            )
+        with self._lock:
+            pending = self._evaluation
+            if pending is None or pending.round != round_number or silo_id not in pending.half.spec.silos:
+                raise WrongRound(f"no evaluation of round {round_number} is waiting for {silo_id}")
+            first = not pending.reported
+            if not first and next(iter(pending.reported.values())) != (correct, total):
+                log.warning(
+                    "round %d: %s decrypted other evaluation counts than the first", round_number, silo_id
+                )
+            pending.reported.setdefault(silo_id, (correct, total))
+            self._lock.notify_all()
+        if first:
+            self.evaluator.counted(round_number, correct, total, pending.contributors, pending.seconds)
+
     def _invited(self, silo_id: str, round_id: str, *, disclosing: bool = False) -> Attempt:
         """The attempt in flight, if it invites `silo_id` (to train, or also only to disclose)."""
         attempt = self.attempt
@@ -238,13 +314,13 @@ class RoundEngine:
             attempt = self.attempt
             sums = attempt.sums if attempt else None
             return {
-                "committed_rounds": self.state.round,
+                "committed_rounds": self.held.round,
                 "stage": f"{self.stage}: {sums.purpose} sum, {sums.half.stage}" if sums else str(self.stage),
                 "round_id": attempt.round_id if attempt else "",
                 "deadline_ms": attempt.deadline_ms if attempt else 0,
                 "participants": list(attempt.participants) if attempt else [],
                 "submitted": sorted(sums.half.answered) if sums else [],
-                "state_digest": self.state.digest(),
+                "state_digest": self.held.digest,
                 "silos": [
                     {
                         "silo_id": s,
@@ -269,28 +345,34 @@ class RoundEngine:
             self.evaluator.shutdown()
 
     def _run(self, stop: threading.Event) -> None:
-        while self.state.round < self.total_rounds and not stop.is_set():
+        while self.held.round < self.total_rounds and not stop.is_set():
             connected = self._gather(stop)
             if connected is None:
                 break
-            picked = self.picker.pick(self.state, self.state.round + 1, connected, avoid=self._let_down)
+            round_number = self.held.round + 1
+            picked = self.picker.pick(self.held.trains, round_number, connected, avoid=self._let_down)
             attempt = self._start_attempt(*picked)
             try:
                 summed = self._sums(attempt, stop)
-                if summed is None:
+                if summed is not None:
+                    self._await_disclosures(attempt, stop)
+                    held = self._next_state(attempt, summed, stop)
+                if summed is None or held is None:
                     self._abort(attempt, "aggregator stopping")
                     break
-                self._await_disclosures(attempt, stop)
-                self._commit(attempt, *summed)
+                self._commit(attempt, held)
             except SettingsRefused as exc:
                 self._abort(attempt, str(exc))
                 raise  # the same round would overflow again: the operator must change the settings
             except FedltError as exc:
                 self._abort(attempt, f"the round failed: {exc}")
         with self._lock:
-            if self.state.round >= self.total_rounds:
+            # the last round's evaluation, where silos compute it, before they are told the run is over
+            until = time.monotonic() + self.config.timeouts.stage
+            self._wait(stop, self._evaluations_in, until=until)
+            if self.held.round >= self.total_rounds:
                 self.stage = Stage.FINISHED
-                self.sessions.finished(self.sessions.connected(), self.state.round, self.state.digest())
+                self.sessions.finished(self.sessions.connected(), self.held.round, self.held.digest)
             self.attempt = None
             self._lock.notify_all()
 
@@ -304,16 +386,31 @@ class RoundEngine:
         with self._lock:
             self.stage = Stage.GATHERING
             while not stop.is_set():
-                if not self._wait(stop, lambda: len(self.sessions.connected()) >= minimum):
+                if not self._wait(stop, lambda: len(self._ready()) >= minimum):
                     return None
                 until = time.monotonic() + self.config.timeouts.gather
-                self._wait(stop, self._everyone_connected, until=until)
-                if len(self.sessions.connected()) >= minimum:
-                    return sorted(self.sessions.connected())
+                self._wait(stop, self._everyone_ready, until=until)
+                if len(self._ready()) >= minimum:
+                    return self._ready()
             return None
 
-    def _everyone_connected(self) -> bool:
-        return self.state.round > 0 and set(self.store.silos()) <= self.sessions.connected()
+    def _evaluations_in(self) -> bool:
+        """Every silo sent the last evaluation sum has reported its decryption, or is gone."""
+        pending = self._evaluation
+        if pending is None:
+            return True
+        return self._all_in(pending.half.spec.silos, pending.reported)
+
+    def _all_in(self, expected: Collection[str], answered: Collection[str]) -> bool:
+        """Every silo expected has answered, or is no longer connected (no one waits for the gone)."""
+        return not (set(expected) - set(answered)) & self.sessions.connected()
+
+    def _ready(self) -> list[str]:
+        """Connected silos the layer can take (ckks: those the key holder has sealed the key to)."""
+        return sorted(s for s in self.sessions.connected() if self.side.eligible(s))
+
+    def _everyone_ready(self) -> bool:
+        return self.held.round > 0 and set(self.store.silos()) <= set(self._ready())
 
     def _await_disclosures(self, attempt: Attempt, stop: threading.Event) -> None:
         """Give connected disclosers up to `timeouts.stage` more: the next round is picked from them."""
@@ -321,9 +418,7 @@ class RoundEngine:
         with self._lock:
             self._wait(
                 stop,
-                lambda: all(
-                    s in attempt.disclosed or s not in self.sessions.connected() for s in attempt.disclosers
-                ),
+                lambda: self._all_in(attempt.disclosers, attempt.disclosed),
                 until=until,
             )
 
@@ -335,9 +430,9 @@ class RoundEngine:
         """Sign the RoundSpec and open the round's first sum before the RoundSpec goes out, so no silo's first
         message can arrive before the sum that takes it."""
         disclosers = disclosers or []
-        round_number = self.state.round + 1
+        round_number = self.held.round + 1
         attempt_number, round_id = self.store.begin_attempt(round_number, participants, secrets.token_hex(4))
-        schema = self.method.schema(self.state)
+        schema = self.held.schema
         guarded = bool(schema.classes) and self.layer.k_min >= 2
         deadline = now_ms() + int(1000 * self.config.timeouts.round)
         spec = roundspec.build(
@@ -348,11 +443,11 @@ class RoundEngine:
             method=self.config.plan.method.name,
             plan_toml=self.plan_toml,
             schema=schema,
-            state_digest=self.state.digest(),
-            state_bytes=len(self._state_bytes),
+            state_digest=self.held.digest,
+            state_bytes=len(self.held.blob),
             seed=self.config.consortium.seed,
             privacy=self.layer.name,
-            settings=self.layer.settings,
+            settings=self.side.round_settings(self.layer.settings),
             participants=participants,
             disclosures=[DISCLOSURE] if disclosers else [],
             disclosers=disclosers,
@@ -370,7 +465,7 @@ class RoundEngine:
             schema,
             participants,
             deadline,
-            self._state_bytes,
+            self.held.blob,
             sums,
             disclosers=disclosers,
         )
@@ -381,8 +476,9 @@ class RoundEngine:
         log.debug("round %d: attempt %s with %s", round_number, round_id, ", ".join(participants))
         return attempt
 
-    def _sums(self, attempt: Attempt, stop: threading.Event) -> tuple[Sums, list[str]] | None:
-        """The round's sums stage by stage until the contribution sum is released; None if stopping."""
+    def _sums(self, attempt: Attempt, stop: threading.Event) -> Sums | Released | None:
+        """The round's sums stage by stage until the contribution sum is released: its `Sums`, or `Released`
+        without a total where only silos can read it; None if stopping."""
         sums, first = attempt.sums, True
         while True:
             deadline = attempt.deadline_ms if first else now_ms() + int(1000 * self.config.timeouts.stage)
@@ -403,37 +499,58 @@ class RoundEngine:
             self.store.audit("tail_guard", guard)
             if sums.zeroed:
                 log.info("round %d: tail guard zeroed classes %s", attempt.round, sums.zeroed)
-        if out.total is None:
-            raise SumAborted("this layer releases its sums to the silos; the engine cannot step the model")
-        self.stage = Stage.COMMITTING
-        return self.layer.seal(attempt.schema, out.total, len(out.survivors)), list(out.survivors)
+        with self._lock:
+            attempt.contributors = out.survivors
+            self.stage = Stage.COMMITTING
+        return out if out.total is None else self.layer.seal(attempt.schema, out.total, len(out.survivors))
 
     def _await_stage(self, sums: AggregatorRound, deadline_ms: int, stop: threading.Event) -> bool:
         """Wait until everyone expected has answered, the rest are disconnected, or the deadline passes."""
 
         def answered() -> bool:
-            pending = set(sums.half.expected) - sums.half.answered
-            return not pending & self.sessions.connected()
+            return self._all_in(sums.half.expected, sums.half.answered)
 
         with self._lock:
             self._wait(stop, answered, until=time.monotonic() + max(0.0, (deadline_ms - now_ms()) / 1000))
             return not stop.is_set()
 
-    def _commit(self, attempt: Attempt, sums: Sums, contributors: list[str]) -> None:
-        timer = _Stopwatch()
-        state = self.method.server_step(
-            self.state, sums, ServerContext(attempt.round, self.config.consortium.seed)
+    def _next_state(
+        self, attempt: Attempt, summed: Sums | Released, stop: threading.Event
+    ) -> HeldState | None:
+        """The server step, here on `Sums`; or, where only silos read the sum, the state every silo that
+        decrypted it reports (all that stay connected, at least `min_silos`, one state); None if stopping."""
+        if isinstance(summed, Sums):
+            context = ServerContext(attempt.round, self.config.consortium.seed)
+            return HeldState.plain(self.method.server_step(self.held.model, summed, context), self.method)
+        until = time.monotonic() + self.config.timeouts.stage
+        with self._lock:
+            self._wait(stop, lambda: self._all_in(attempt.contributors, attempt.reports), until=until)
+            if stop.is_set():
+                return None
+            reports = dict(attempt.reports)
+        if len(reports) < self.config.consortium.min_silos:
+            raise SumAborted(f"{len(reports)} silos reported the next state, fewer than the round needs")
+        first = next(iter(reports.values()))
+        differ = sorted(s for s, r in reports.items() if not r.same_state(first))
+        if differ:
+            raise SumAborted(
+                f"silos computed different next states ({', '.join(differ)} differ): not committed"
+            )
+        return HeldState.sealed(
+            attempt.round, first.digest, first.sealed, first.schema, first.remaining, first.trains
         )
-        timer.lap("server step")
-        trained = self.method.trains(self.state)
+
+    def _commit(self, attempt: Attempt, held: HeldState) -> None:
+        timer = _Stopwatch()
+        contributors = list(attempt.contributors)
+        trained = self.held.trains
         with self._lock:  # a late disclosure may still arrive: commit one consistent set
             disclosed = dict(attempt.disclosed)
-        packed = pack_state(state)
         self.store.commit_round(
             round_number=attempt.round,
             round_id=attempt.round_id,
-            digest=state.digest(),
-            data=packed,
+            digest=held.digest,
+            data=held.stored(),
             contributors=contributors,
             picked=attempt.participants if trained else None,
             disclosures={silo: (DISCLOSURE, values) for silo, values in disclosed.items()},
@@ -442,11 +559,39 @@ class RoundEngine:
             self.picker.committed(attempt.round, attempt.participants, disclosed)
         timer.lap("commit")
         with self._lock:
-            self.state, self._state_bytes = state, packed
+            self.held = held
             self.attempt = None
             self._let_down.clear()
         log.debug("round %d committed: %s", attempt.round, timer)
-        self.evaluator.committed(state, contributors, round(time.perf_counter() - attempt.started, 3))
+        seconds = round(time.perf_counter() - attempt.started, 3)
+        if held.model is not None:
+            self.evaluator.committed(held.model, contributors, seconds)
+        else:
+            self._sum_evaluations(attempt, contributors, seconds)
+
+    def _sum_evaluations(self, attempt: Attempt, contributors: list[str], seconds: float) -> None:
+        """Add the reporting silos' evaluation counts under the layer; send the sum back for them to read."""
+        self.evaluator.announce(attempt.round, contributors, seconds)
+        silos = tuple(sorted(attempt.reports))
+        spec = SumSpec(
+            attempt.round_id,
+            "evaluation",
+            silos,
+            evaluation_schema(self.method.model_spec.num_classes),
+            settings=self.side.round_settings(self.layer.settings),
+        )
+        try:
+            half = self.side.half(spec)
+            for silo in silos:
+                half.receive(silo, attempt.reports[silo].evaluation)
+            steps = half.close()
+        except FedltError as exc:
+            log.warning("round %d: its evaluation counts could not be summed: %s", attempt.round, exc)
+            return
+        with self._lock:
+            self._evaluation = PendingEvaluation(attempt.round, attempt.round_id, half, contributors, seconds)
+            for silo, step in steps.items():
+                self.sessions.step(silo, attempt.round_id, "evaluation", step)
 
     def _abort(self, attempt: Attempt, reason: str) -> None:
         self.store.abort_attempt(attempt.round_id, reason)

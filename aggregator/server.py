@@ -30,6 +30,7 @@ from fedlt.errors import ConfigError
 from fedlt.recorder import RunRecorder
 from fedlt.seeding import derive_seed
 from fedlt.v1 import consortium_pb2, consortium_pb2_grpc, operator_pb2, operator_pb2_grpc
+from privacy.ckks.relay import CkksRelay
 from privacy.pki.identity import RevocationList
 from privacy.pki.roster import RosterFile
 from privacy.pki.signing import ROUNDSPEC_CONTEXT, load_private_key, sign
@@ -56,12 +57,14 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
     roster = RosterFile(config.path(config.server.roster))
     members = MemberTrust(tls["ca"], roster, revocations)
     layer = make_layer(config.consortium.privacy, config.layer_settings())
+    # the CKKS key ceremony's relay: used only when the layer asks for it (its key holder names no one else)
+    relay = CkksRelay(getattr(config.layer_settings(), "key_holder", ""))
     engine = RoundEngine(
         config=config,
         store=store,
         method=method,
         layer=layer,
-        side=layer.aggregator_side(PartyKeys(peers=ConsortiumPeers(members))),
+        side=layer.aggregator_side(PartyKeys(peers=ConsortiumPeers(members), secret=relay)),
         sign=lambda blob: sign(key, blob, context=ROUNDSPEC_CONTEXT),
         recorder=_recorder(config, data_dir, store),
         echo=echo,
@@ -78,6 +81,7 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
         tls["certificate"],
         members=members,
         roster=roster,
+        relay=relay,
         submit_seconds=config.timeouts.round,
     )
     consortium_pb2_grpc.add_ConsortiumServiceServicer_to_server(servicer, server)
@@ -118,12 +122,12 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
         server.stop(grace=3).wait()
         store.close()
     if engine.recorder is not None and engine.recorder.rounds:
-        echo(f"\nfinal test accuracy after round {engine.state.round}:\n{engine.recorder.finish()}")
+        echo(f"\nfinal test accuracy after round {engine.held.round}:\n{engine.recorder.finish()}")
     if engine.failure is not None:
-        echo(f"stopped after round {engine.state.round} on an internal error (see the log above)")
+        echo(f"stopped after round {engine.held.round} on an internal error (see the log above)")
         return 1
-    finished = engine.state.round >= config.consortium.rounds
-    echo("all rounds committed" if finished else f"stopped after round {engine.state.round}")
+    finished = engine.held.round >= config.consortium.rounds
+    echo("all rounds committed" if finished else f"stopped after round {engine.held.round}")
     return 0
 
 

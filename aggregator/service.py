@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import Message
 
+from aggregator.held_state import StateReport
 from aggregator.picking import BadDisclosure
 from aggregator.rounds import (
     AlreadySubmitted,
@@ -34,12 +35,15 @@ from aggregator.rounds import (
 )
 from aggregator.store import Store, now_ms
 from fedlt.aggregation.halves import BadMessage, SumAborted
-from fedlt.errors import ContributionError
+from fedlt.errors import ContributionError, FedltError
 from fedlt.methods import METHODS
 from fedlt.selection import DISCLOSURE
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc, operator_pb2, operator_pb2_grpc
-from fedlt.wire import PURPOSE_OF_SUM, chunks
+from fedlt.wire import PURPOSE_OF_SUM, chunks, schema_from_pb
+from privacy.ckks.ceremony import Announcement
+from privacy.ckks.relay import CkksRelay
+from privacy.ckks.wire import enrollment_to_pb, sealed_from_pb, sealed_to_pb
 from privacy.pki.errors import PkiError
 from privacy.pki.identity import RevocationList, load_certificate, operator_name_of, silo_id_of
 from privacy.pki.roster import RosterFile
@@ -49,6 +53,7 @@ from privacy.wire import CONSORTIUM_LAYERS, RECEIVERS, UPLOADS, received, upload
 log = logging.getLogger("aggregator.service")
 
 AGENT_VERSION_CHARS = 64
+STATE_LIMIT = 2**31  # bytes of a sealed state a silo may report
 # What a silo's policy may name, from the tables that define each kind; the messages list these keys.
 POLICY_CHOICES: dict[str, tuple[str, ...]] = {
     "accepted_methods": tuple(METHODS),
@@ -335,6 +340,7 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
         *,
         members: MemberTrust,
         roster: RosterFile,
+        relay: CkksRelay,
         submit_seconds: float,
     ) -> None:
         self.engine = engine
@@ -343,6 +349,7 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
         self.aggregator_pem = aggregator_pem
         self.members = members
         self.roster = roster
+        self.relay = relay
         self.submit_seconds = submit_seconds
 
     @_abort_on_refusal
@@ -360,12 +367,16 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
         pem = context.auth_context()["x509_pem_cert"][0]
         self.members.silo(pem, silo)  # a certificate the CA issued but the roster does not name is no member
         self.store.register_silo(silo, hashlib.sha256(pem).hexdigest(), request.agent_version, policy)
+        if request.HasField("ckks_enrollment"):  # checked by the key holder, which seals only to roster silos
+            enrollment = request.ckks_enrollment
+            self.relay.enroll(Announcement(silo, enrollment.public_key, enrollment.signature, pem))
         return pb.RegisterResponse(
             silo_id=silo,
             consortium_id=self.engine.config.consortium.id,
             aggregator_certificate=self.aggregator_pem,
             roster=self.roster.raw(),
             crl=self.identity.revocations.crl_path.read_bytes(),
+            ckks_key_holder=self.relay.key_holder,
         )
 
     @_abort_on_refusal
@@ -408,11 +419,7 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
         """An upload of the round's open sum: its kind names the message it carries (`privacy.wire.UPLOADS`),
         and the sum's layer half says whether it is due and how many bytes it has."""
         silo = self.identity.silo(context)
-        parts = _within(request_iterator, self.submit_seconds, context)
-        first = next(parts, None)
-        if first is None or not first.HasField("header"):
-            raise Malformed("a Submit stream starts with a header")
-        header = first.header
+        header, parts = self._header(request_iterator, context, "Submit")
         if header.kind not in UPLOADS:
             raise Malformed(f"SubmitHeader.kind: {pb.ContributionKind.Name(header.kind)} carries no upload")
         kind = UPLOADS[header.kind][0]
@@ -420,23 +427,77 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
         limit = self.engine.upload_bytes(silo, header.round_id, purpose, kind)
         if header.total_bytes > limit:
             raise BadContribution(f"header announces {header.total_bytes} bytes; the schema needs {limit}")
-        expected = header.total_bytes
-        received, hasher = [], hashlib.sha256()
-        for part in parts:
-            if not part.HasField("chunk") or sum(map(len, received)) + len(part.chunk) > expected:
-                raise Malformed("after the header come only chunks, adding up to total_bytes")
-            if not part.chunk:
-                raise Malformed("empty chunk: every chunk after the header carries payload bytes")
-            received.append(part.chunk)
-            hasher.update(part.chunk)
-        payload = b"".join(received)
-        if len(payload) != expected:
-            raise BadContribution(f"received {len(payload)} of {expected} bytes")
-        digest = hasher.hexdigest()
-        if digest != header.sha256:
-            raise BadContribution("payload does not match the SHA-256 in its header")
+        payload = _payload(parts, header.total_bytes, header.sha256)
+        digest = header.sha256
         self.engine.upload(silo, header.round_id, purpose, upload_of(header.kind, payload), digest)
         return pb.SubmitResponse(round_id=header.round_id, sha256=digest, accepted_unix_ms=now_ms())
+
+    @_abort_on_refusal
+    def ListEnrollments(self, request: pb.ListEnrollmentsRequest, context: grpc.ServicerContext) -> Any:
+        self.identity.silo(context)
+        return pb.ListEnrollmentsResponse(enrollments=map(enrollment_to_pb, self.relay.enrollments()))
+
+    @_abort_on_refusal
+    def ShareCkksContext(self, request: pb.ShareCkksContextRequest, context: grpc.ServicerContext) -> Any:
+        silo = self.identity.silo(context)
+        pem = context.auth_context()["x509_pem_cert"][0]
+        sealed = [sealed_from_pb(s) for s in request.sealed]
+        self.relay.share(silo, pem, request.context_id, request.public_context, sealed)
+        log.info("%s shared CKKS key %s, sealed to %d silos", silo, request.context_id[:16], len(sealed))
+        return pb.ShareCkksContextResponse(context_id=request.context_id)
+
+    @_abort_on_refusal
+    def FetchCkksContext(self, request: pb.FetchCkksContextRequest, context: grpc.ServicerContext) -> Any:
+        sealed, holder_pem = self.relay.fetch(self.identity.silo(context), request.context_id)
+        return pb.FetchCkksContextResponse(sealed=sealed_to_pb(sealed), holder_certificate=holder_pem)
+
+    @_abort_on_refusal
+    def FetchEncryptedSum(self, request: pb.FetchEncryptedSumRequest, context: grpc.ServicerContext) -> Any:
+        silo = self.identity.silo(context)
+        data = self.engine.download(silo, request.round_id, _purpose(request.sum))
+        return (pb.FetchEncryptedSumResponse(offset=offset, data=part) for offset, part in chunks(data))
+
+    @_abort_on_refusal
+    def ReportState(
+        self, request_iterator: Iterator[pb.ReportStateRequest], context: grpc.ServicerContext
+    ) -> Any:
+        """The next state a silo computed (where only silos read sums): a header, then the sealed state."""
+        silo = self.identity.silo(context)
+        header, parts = self._header(request_iterator, context, "ReportState")
+        if header.evaluation_kind not in UPLOADS:
+            raise Malformed("StateReportHeader.evaluation_kind carries no upload")
+        if header.total_bytes > STATE_LIMIT:
+            raise BadContribution(f"a state of {header.total_bytes} bytes; at most {STATE_LIMIT} are kept")
+        sealed = _payload(parts, header.total_bytes, header.sha256)
+        try:
+            report = StateReport(
+                digest=header.state_digest,
+                sealed=sealed,
+                schema=schema_from_pb(header.next_schema),
+                remaining=header.remaining_rounds,
+                trains=header.next_trains,
+                evaluation=upload_of(header.evaluation_kind, header.evaluation),
+            )
+        except (ValueError, FedltError) as exc:
+            raise Malformed(f"a state report that does not parse: {exc}") from None
+        self.engine.report_state(silo, header.round_id, report)
+        return pb.ReportStateResponse(round_id=header.round_id)
+
+    @_abort_on_refusal
+    def ReportEvaluation(self, request: pb.ReportEvaluationRequest, context: grpc.ServicerContext) -> Any:
+        silo = self.identity.silo(context)
+        self.engine.evaluation_reported(silo, request.round, list(request.correct), list(request.total))
+        return pb.ReportEvaluationResponse(round=request.round)
+
+    def _header(
+        self, request_iterator: Iterator, context: grpc.ServicerContext, rpc: str
+    ) -> tuple[Any, Iterator]:
+        """A client stream's header, and the rest of the stream, bounded to `submit_seconds`."""
+        parts = _within(request_iterator, self.submit_seconds, context)
+        first = next(parts, None)
+        if first is None or not first.HasField("header"):
+            raise Malformed(f"a {rpc} stream starts with a header")
+        return first.header, parts
 
     @_abort_on_refusal
     def Disclose(self, request: pb.DiscloseRequest, context: grpc.ServicerContext) -> Any:
@@ -444,6 +505,24 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
         shape = tuple(request.shape)
         digest = self.engine.disclose(silo, request.round_id, request.name, shape, request.values)
         return pb.DiscloseResponse(round_id=request.round_id, sha256=digest)
+
+
+def _payload(parts: Iterator, expected: int, sha256: str) -> bytes:
+    """The chunks after a stream's header: exactly `expected` bytes, with the SHA-256 the header names."""
+    received, hasher = [], hashlib.sha256()
+    for part in parts:
+        if not part.HasField("chunk") or sum(map(len, received)) + len(part.chunk) > expected:
+            raise Malformed("after the header come only chunks, adding up to total_bytes")
+        if not part.chunk:
+            raise Malformed("empty chunk: every chunk after the header carries payload bytes")
+        received.append(part.chunk)
+        hasher.update(part.chunk)
+    payload = b"".join(received)
+    if len(payload) != expected:
+        raise BadContribution(f"received {len(payload)} of {expected} bytes")
+    if hasher.hexdigest() != sha256:
+        raise BadContribution("payload does not match the SHA-256 in its header")
+    return payload
 
 
 def _purpose(secure_sum: int) -> str:
@@ -470,25 +549,6 @@ def _stage_message(name: str, response: type) -> Callable:
 
 for _rpc in RECEIVERS:
     setattr(ConsortiumServicer, _rpc, _stage_message(_rpc, getattr(pb, f"{_rpc}Response")))
-
-
-def _no_such_stage(name: str) -> Callable:
-    """Stage RPCs of the secure layers; a round of another privacy layer has no such stage."""
-
-    @_abort_on_refusal
-    def handler(self: ConsortiumServicer, _request: Any, context: grpc.ServicerContext) -> Any:
-        self.identity.silo(context)
-        privacy = self.engine.config.consortium.privacy
-        raise WrongRound(
-            f"this consortium's rounds use the {privacy!r} privacy layer, which has no {name} stage"
-        )
-
-    handler.__name__ = name
-    return handler
-
-
-for _stage in ("ShareCkksContext", "FetchEncryptedSum"):
-    setattr(ConsortiumServicer, _stage, _no_such_stage(_stage))
 
 
 class OperatorServicer(operator_pb2_grpc.OperatorServiceServicer):

@@ -2,7 +2,7 @@
 
     python benchmarks/secagg.py session [--silos 3 10 30] [--repeats 5] [--model resnet8]
     python benchmarks/secagg.py rounds [--silos 3 10] [--rounds 6] [--pairs 2] [--model resnet8]
-        [--budget-minutes 15] [--keep DIR]
+        [--layers plaintext secagg [ckks]] [--budget-minutes 15] [--keep DIR]
 
 `session` runs whole secure sums in this process, as `privacy.secagg.local` does, with the real clients and
 server, consortium certificates as credentials, and every message in its Protobuf form
@@ -24,11 +24,11 @@ For each n and repeat it measures:
   every silo's certificate PEM, which peers need to check the keys' signatures.
 
 `rounds` runs a real consortium (aggregator + n silo processes over mutual TLS on 127.0.0.1, one torch
-thread per silo, the demo's recipe and training plan: FedAvg, LT MNIST-5k, IF 100, α 0.5) with privacy
-`plaintext` and `secagg`, same settings and seed, in alternating order (--pairs 2: plaintext, secagg, secagg,
-plaintext, so a drift of the machine favours neither), and compares the median time between consecutive
-commits over each layer's runs (from the database's audit log; each run's first round, which includes
-start-up, excluded).
+thread per silo, the demo's recipe and training plan: FedAvg, LT MNIST-5k, IF 100, α 0.5) with each privacy
+layer of --layers (default `plaintext` and `secagg`; `ckks` too for issue 13), same settings and seed, in
+alternating order (--pairs 2: plaintext, secagg, secagg, plaintext, so a drift of the machine favours none),
+and compares the median time between consecutive commits over each layer's runs with plaintext's (from the
+database's audit log; each run's first round, which includes start-up, excluded).
 It also splits a round by the audit log: attempt start → last contribution accepted (training, and for
 secagg the keys, shares and masked-input stages), → commit (for secagg the consistency and unmask stages),
 → next attempt start (evaluation of the committed model on the operator's test set). A run that takes
@@ -63,7 +63,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.consortium_harness
 
 from aggregator.config import ConsortiumSection, TimeoutSection
-from aggregator.demo import DEMO_PLAN, RECIPE, write_consortium
+from aggregator.demo import DEMO_PLAN, RECIPE, demo_layer_settings, write_consortium
 from aggregator.store import AuditRecord
 from fedlt.aggregation import Schema
 from fedlt.aggregation.halves import AggregatorHalf, Released, SumSpec
@@ -450,6 +450,7 @@ def consortium_run(
         consortium=ConsortiumSection(id="bench-secagg", rounds=n_rounds, min_silos=silos, privacy=privacy),
         timeouts=TimeoutSection(gather=5.0, round=budget_s, stage=budget_s),
         silo_threads=silo_threads,
+        layer_settings=demo_layer_settings(privacy),
     )
     consortium = Consortium(directory, configs)
     started = time.monotonic()
@@ -521,16 +522,17 @@ def rounds(
     silo_threads: int,
     budget_minutes: float,
     keep: str,
+    layers: tuple[str, ...] = ("plaintext", "secagg"),
 ) -> dict:
-    """Runs alternate plaintext, secagg, secagg, plaintext, ... so that a slow drift of this shared machine
-    does not favour either layer."""
+    """Runs alternate plaintext, secagg, secagg, plaintext, ... (every layer of `layers`, forwards then
+    backwards) so that a slow drift of this shared machine favours no layer."""
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(keep) if keep else Path(tmp)
         for n in silos:
-            runs: dict[str, list[dict]] = {"plaintext": [], "secagg": []}
+            runs: dict[str, list[dict]] = {layer: [] for layer in layers}
             for pair in range(pairs):
-                for privacy in ("plaintext", "secagg")[:: 1 if pair % 2 == 0 else -1]:
+                for privacy in layers[:: 1 if pair % 2 == 0 else -1]:
                     run = consortium_run(
                         root / f"n{n}-{pair}-{privacy}",
                         silos=n,
@@ -545,16 +547,18 @@ def rounds(
                         break  # failed or over budget: so would the other layer and the next pair
                 if not run["measured"]:
                     break
-            plain, secure = pooled(runs["plaintext"]), pooled(runs["secagg"])
-            entry = {"silos": n, "plaintext": plain, "secagg": secure, "ratio_secagg_over_plaintext": None}
-            if plain["measured"] and secure["measured"]:
-                entry["ratio_secagg_over_plaintext"] = round(
-                    secure["round_s_median"] / plain["round_s_median"], 3
-                )
-                entry["ratio_per_pair"] = [
-                    round(statistics.median(s["round_s"]) / statistics.median(p["round_s"]), 3)
-                    for p, s in zip(runs["plaintext"], runs["secagg"], strict=True)
-                ]
+            entry: dict = {"silos": n, **{layer: pooled(runs[layer]) for layer in layers}}
+            plain = entry["plaintext"]
+            for layer in layers[1:]:
+                entry[f"ratio_{layer}_over_plaintext"] = None
+                if plain["measured"] and entry[layer]["measured"]:
+                    entry[f"ratio_{layer}_over_plaintext"] = round(
+                        entry[layer]["round_s_median"] / plain["round_s_median"], 3
+                    )
+                    entry[f"ratio_{layer}_per_pair"] = [
+                        round(statistics.median(s["round_s"]) / statistics.median(p["round_s"]), 3)
+                        for p, s in zip(runs["plaintext"], runs[layer], strict=True)
+                    ]
             results.append(entry)
     return {
         "machine": machine(),
@@ -564,14 +568,21 @@ def rounds(
         "pairs": pairs,
         "silo_threads": silo_threads,
         "budget_minutes": budget_minutes,
+        "layers": list(layers),
         "by_silos": results,
     }
 
 
 def rounds_table(result: dict) -> str:
+    layers = result["layers"]
     rows = [
-        f"{'n':>3} {'plaintext s/round':>17} {'secagg s/round':>14} {'ratio':>6}   "
-        "phases plaintext | secagg: start → last contribution / → commit / → next start (s)"
+        f"{'n':>3} "
+        + " ".join(f"{layer + ' s/round':>17}" for layer in layers)
+        + " "
+        + " ".join(f"{layer + '/plain':>12}" for layer in layers[1:])
+        + "   phases ("
+        + " | ".join(layers)
+        + "): start → last contribution / → commit / → next start (s)"
     ]
 
     def cell(run: dict, width: int) -> str:
@@ -581,10 +592,14 @@ def rounds_table(result: dict) -> str:
         return "/".join(f"{run[f'{p}_median']:.3f}" for p in PHASES[1:]) if run["measured"] else run["reason"]
 
     for r in result["by_silos"]:
-        plain, secure, ratio = r["plaintext"], r["secagg"], r["ratio_secagg_over_plaintext"]
+        ratios = [r[f"ratio_{layer}_over_plaintext"] for layer in layers[1:]]
         rows.append(
-            f"{r['silos']:>3} {cell(plain, 17)} {cell(secure, 14)} {f'{ratio:.3f}' if ratio else '-':>6}   "
-            f"{phases(plain)} | {phases(secure)}"
+            f"{r['silos']:>3} "
+            + " ".join(cell(r[layer], 17) for layer in layers)
+            + " "
+            + " ".join(f"{f'{ratio:.3f}' if ratio else '-':>12}" for ratio in ratios)
+            + "   "
+            + " | ".join(phases(r[layer]) for layer in layers)
         )
     return "\n".join(rows)
 
@@ -604,13 +619,25 @@ def main() -> None:
     r.add_argument("--silo-threads", type=int, default=SILO_THREADS, help="torch threads per silo")
     r.add_argument("--budget-minutes", type=float, default=15.0, help="per run; beyond it, not measured")
     r.add_argument("--keep", default="", help="keep the consortium directories (logs, database) here")
+    r.add_argument(
+        "--layers", nargs="+", default=["plaintext", "secagg"], help="plaintext first: the others' baseline"
+    )
     args = parser.parse_args()
     if args.command == "session":
         result = session(args.silos, args.repeats, args.model)
         table = session_table(result)
     else:
+        if args.layers[0] != "plaintext":
+            parser.error("--layers starts with plaintext, the baseline of the ratios")
         result = rounds(
-            args.silos, args.rounds, args.pairs, args.model, args.silo_threads, args.budget_minutes, args.keep
+            args.silos,
+            args.rounds,
+            args.pairs,
+            args.model,
+            args.silo_threads,
+            args.budget_minutes,
+            args.keep,
+            tuple(args.layers),
         )
         table = rounds_table(result)
     print(json.dumps(result, indent=1))

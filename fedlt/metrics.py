@@ -7,6 +7,7 @@ with no class in it has no accuracy: it is reported as None (JSON null), never a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,18 +51,26 @@ def predict(model: nn.Module, x: np.ndarray, batch_size: int = 1024) -> np.ndarr
 def accuracy_report(
     y_true: np.ndarray, y_pred: np.ndarray, groups: dict[str, list[int]], num_classes: int
 ) -> dict[str, object]:
-    correct = y_true == y_pred
-    per_class = [_mean(correct[y_true == c]) for c in range(num_classes)]
-    report: dict[str, object] = {"accuracy": _mean(correct)}
+    correct = np.bincount(y_true[y_true == y_pred], minlength=num_classes)
+    return accuracy_from_counts(correct, np.bincount(y_true, minlength=num_classes), groups)
+
+
+def accuracy_from_counts(
+    correct: Sequence[int], total: Sequence[int], groups: dict[str, list[int]]
+) -> dict[str, object]:
+    """The report from per-class counts: all that silos disclose where only they hold the model (ckks)."""
+    correct, total = np.asarray(correct, dtype=np.int64), np.asarray(total, dtype=np.int64)
+
+    def ratio(classes: Sequence[int]) -> float | None:
+        seen = int(total[list(classes)].sum())
+        return int(correct[list(classes)].sum()) / seen if seen else None
+
+    report: dict[str, object] = {"accuracy": ratio(range(len(total)))}
     for name in GROUPS:
-        report[name] = _mean(correct[np.isin(y_true, groups[name])]) if groups[name] else None
-    report["per_class"] = per_class
+        report[name] = ratio(groups[name]) if groups[name] else None
+    report["per_class"] = [ratio([c]) for c in range(len(total))]
     return report
 
 
 def evaluate(model: nn.Module, test: LabeledImages, groups: dict[str, list[int]]) -> dict[str, object]:
     return accuracy_report(test.y, predict(model, test.x), groups, test.num_classes)
-
-
-def _mean(values: np.ndarray) -> float | None:
-    return float(values.mean()) if values.size else None

@@ -15,7 +15,7 @@ from torch import nn
 
 from fedlt.atomic import atomic_write_text
 from fedlt.data.arrays import LabeledImages
-from fedlt.metrics import GROUPS, ShotThresholds, evaluate
+from fedlt.metrics import GROUPS, ShotThresholds, accuracy_from_counts, evaluate
 from fedlt.reports import accuracy_table, percent, plot_curves, plot_per_class
 
 METRICS = "metrics.json"
@@ -56,6 +56,10 @@ class RunRecorder:
     def evaluate(self, round_number: int, model: nn.Module, **facts: object) -> dict:
         """The round's entry: accuracies of `model` after `round_number`, plus any facts to keep with them."""
         return {"round": round_number, **evaluate(model, self.test, self.groups), **facts}
+
+    def counted(self, round_number: int, correct: list[int], total: list[int], **facts: object) -> dict:
+        """The round's entry from per-class counts summed at the silos (where only they hold the model)."""
+        return {"round": round_number, **accuracy_from_counts(correct, total, self.groups), **facts}
 
     def append(self, entry: dict) -> None:
         self.rounds.append(entry)

@@ -23,7 +23,11 @@ from fedlt.v1 import round_pb2
 
 CHUNK = 1 << 20  # bytes per streamed part, both ways
 
-SUM_OF_PURPOSE = {"census": pb.SECURE_SUM_CENSUS, "contribution": pb.SECURE_SUM_CONTRIBUTION}
+SUM_OF_PURPOSE = {
+    "census": pb.SECURE_SUM_CENSUS,
+    "contribution": pb.SECURE_SUM_CONTRIBUTION,
+    "evaluation": pb.SECURE_SUM_EVALUATION,
+}
 PURPOSE_OF_SUM = {v: k for k, v in SUM_OF_PURPOSE.items()}
 
 

@@ -20,6 +20,7 @@ from fedlt.aggregation.tail_guard import Census
 from fedlt.errors import FedltError
 from fedlt.v1 import round_pb2
 from fedlt.wire import census_from_pb, census_to_pb, schema_from_pb, schema_to_pb
+from privacy.ckks.settings import CkksParameters
 from privacy.pki.signing import ROUNDSPEC_CONTEXT, verify
 from privacy.secagg.settings import SecAggSettings
 
@@ -43,6 +44,10 @@ PARAMETERS: dict[str, Parameters] = {
         read=lambda spec: SecAggSettings(
             threshold=spec.secagg.threshold, neighbours=spec.secagg.neighbours, k_min=spec.secagg.k_min
         ),
+    ),
+    "ckks": Parameters(
+        write=lambda settings: {"ckks": round_pb2.CkksParameters(**asdict(settings))},
+        read=lambda spec: CkksParameters(spec.ckks.k_min, spec.ckks.context_id, spec.ckks.key_holder),
     ),
 }
 

@@ -21,6 +21,8 @@ from fedlt.wire import (
     upload_of,
     upload_payload,
 )
+from privacy.ckks import wire as ckks
+from privacy.ckks.halves import EncryptedUpload
 from privacy.secagg import wire as secagg
 from privacy.secagg.protocol import MaskedInput
 
@@ -32,26 +34,31 @@ def _submit_upload(stub, round_id: str, purpose: str, upload: Upload, timeout: f
     return stub.Submit(stream, timeout=timeout)
 
 
-SENDERS: dict[type, secagg.Send] = {Upload: _submit_upload, **secagg.SENDERS}
+SENDERS: dict[type, secagg.Send] = {Upload: _submit_upload, **secagg.SENDERS, **ckks.SENDERS}
 STEP_ENCODERS: dict[type, Callable[[object], dict[str, object]]] = {
     CensusResult: lambda result: {"census": census_result_to_pb(result)},
     **secagg.STEP_ENCODERS,
+    **ckks.STEP_ENCODERS,
 }
 STEP_DECODERS: dict[str, Callable[[pb.SumStep], object]] = {
     "census": lambda step: census_result_from_pb(step.census),
     **secagg.STEP_DECODERS,
+    **ckks.STEP_DECODERS,
 }
 # a Submit stream's kind: the upload message it carries, and how to read it from the payload
 UPLOADS: dict[int, tuple[type, Callable[[bytes], object]]] = {
     pb.CONTRIBUTION_KIND_PLAINTEXT: (Upload, upload_of),
     pb.CONTRIBUTION_KIND_MASKED: (MaskedInput, secagg.masked_of),
+    pb.CONTRIBUTION_KIND_CKKS: (EncryptedUpload, EncryptedUpload),
 }
+# steps that only announce a payload the silo then downloads: (stub, round_id, purpose, step, timeout) -> step
+FETCHERS: dict[type, Callable[..., object]] = dict(ckks.FETCHERS)
 RECEIVERS: dict[str, Callable[[object, str, bytes], object]] = dict(secagg.RECEIVERS)
 DRILL_NAMES: dict[type, str] = dict(secagg.DRILL_NAMES)
 
 
 # The layers whose every message these tables carry: what a consortium may run and a silo may accept.
-CONSORTIUM_LAYERS = ("plaintext", "secagg")
+CONSORTIUM_LAYERS = ("plaintext", "secagg", "ckks")
 
 
 class WireError(ValueError):
@@ -70,6 +77,20 @@ def received(rpc: str, request: object, *, silo: str, credential: bytes) -> obje
     return RECEIVERS[rpc](request, silo, credential)
 
 
+# an upload sent inside another message (a state report's evaluation counts): its kind and its bytes
+PAYLOADS: dict[type, tuple[int, Callable[[object], bytes]]] = {
+    Upload: (pb.CONTRIBUTION_KIND_PLAINTEXT, upload_payload),
+    EncryptedUpload: (pb.CONTRIBUTION_KIND_CKKS, lambda upload: upload.blob),
+}
+
+
+def payload_of(upload: object) -> tuple[int, bytes]:
+    if type(upload) not in PAYLOADS:
+        raise WireError(f"a {type(upload).__name__} does not travel inside another message")
+    kind, encode = PAYLOADS[type(upload)]
+    return kind, encode(upload)
+
+
 def upload_of(kind: int, payload: bytes) -> object:
     """The upload a Submit stream of `kind` carries."""
     return UPLOADS[kind][1](payload)
@@ -80,6 +101,12 @@ def step_to_pb(round_id: str, purpose: str, step: object) -> pb.SumStep:
     if encoder is None:
         raise WireError(f"no SumStep carries a {type(step).__name__}")
     return pb.SumStep(round_id=round_id, sum=SUM_OF_PURPOSE[purpose], **encoder(step))
+
+
+def fetched(stub, round_id: str, purpose: str, step: object, *, timeout: float) -> object:
+    """The step itself, or the payload it announces, downloaded and checked."""
+    fetcher = FETCHERS.get(type(step))
+    return step if fetcher is None else fetcher(stub, round_id, purpose, step, timeout)
 
 
 def step_from_pb(step: pb.SumStep) -> tuple[str, object]:

@@ -9,7 +9,9 @@ it train. The contribution then leaves through the round's sums (`silo.participa
 RoundSpec names, with this silo's side of that layer (`sides`, one per layer its policy lists, among those it
 implements); a RoundSpec naming any other layer is refused, so no layer ever falls back to a plain upload. A
 finished contribution is written to disk before upload, so an agent restarted mid-upload sends the same bytes
-instead of training again.
+instead of training again. Where the layer lets only silos read the sum (ckks), the silo also runs the server
+step and reports the sealed next state (`silo.stepping`), with its keys from the key ceremony
+(`silo.ckks_keys`).
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ import numpy as np
 import torch
 
 from fedlt.aggregation import make_layer
-from fedlt.aggregation.halves import PartyKeys
+from fedlt.aggregation.halves import PartyKeys, SiloHalf
 from fedlt.atomic import atomic_write, atomic_write_text
 from fedlt.data.arrays import LabeledImages
 from fedlt.errors import FedltError
-from fedlt.methods import Method, SiloContext
+from fedlt.methods import GlobalState, Method, SiloContext
 from fedlt.methods.state import unpack_state
 from fedlt.plan import RoundPlan
 from fedlt.selection import DISCLOSURE, class_mean_disclosure, mask_stream
@@ -42,14 +44,19 @@ from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc, round_pb2
 from fedlt.wire import schema_from_pb
 from privacy import roundspec
+from privacy.ckks.ceremony import CeremonyError
+from privacy.ckks.settings import CkksParameters
 from privacy.pki.errors import PkiError
+from privacy.pki.identity import load_certificate, silo_id_of
 from privacy.pki.signing import load_private_key, sign
 from privacy.roundspec import RoundSpecError
 from privacy.secagg.peers import ConsortiumPeers
-from privacy.wire import DRILL_NAMES, UPLOADS
+from privacy.wire import DRILL_NAMES, UPLOADS, fetched, step_from_pb
+from silo.ckks_keys import CkksKeyring
 from silo.config import LAYERS_IMPLEMENTED, SiloConfig
 from silo.participation import Participation
 from silo.releases import ReleaseLedger
+from silo.stepping import opened_state, report_evaluation, step_and_report
 from silo.tls_probe import server_certificate
 from silo.trust import SiloTrust
 
@@ -98,19 +105,30 @@ class SiloAgent:
         )
         self.ledger = ReleaseLedger(self.state_dir)
         self.silo_id = ""
+        self.key_holder = False
         self.aggregator_pem = b""
         self.activity = pb.SILO_ACTIVITY_IDLE
         self.round_id = ""
         self._method: tuple[str, Method] | None = None
         self._signing_key = load_private_key(config.path(conn.key))
+        self.me = silo_id_of(load_certificate(config.path(conn.certificate).read_bytes()))
+        self.ckks = CkksKeyring.for_policy(self.state_dir, config.policy.privacy)
+        self.held_out = config.load_evaluation() if self.ckks else None
         keys = PartyKeys(
-            sign=lambda data, *, context: sign(self._signing_key, data, context=context),
+            sign=self._sign,
             peers=ConsortiumPeers(self.trust.members),
             policy=config.policy.session_policy(),
+            secret=self.ckks.secret_for if self.ckks else None,
         )
         # each layer the policy accepts, as this silo uses it; a RoundSpec naming another is refused
         self.sides = {name: make_layer(name).silo_side(keys) for name in config.policy.privacy}
         self._taking_part: Participation | None = None
+        # where this silo steps the model: the round's starting state, and the evaluation sum it joined last
+        self._stepping: tuple[str, GlobalState, Method] | None = None
+        self._evaluating: tuple[str, int, SiloHalf] | None = None
+
+    def _sign(self, data: bytes, *, context: str) -> bytes:
+        return sign(self._signing_key, data, context=context)
 
     # --- the long-running loop ----------------------------------------------------------------
 
@@ -181,7 +199,7 @@ class SiloAgent:
             if kind == "round_spec":
                 self._round(stub, directive.round_spec)
             elif kind == "sum_step":
-                self._sum_step(directive.sum_step)
+                self._sum_step(stub, directive.sum_step)
             elif kind == "abort":
                 log.warning("aggregator aborted %s: %s", directive.abort.round_id, directive.abort.reason)
                 if (
@@ -212,6 +230,11 @@ class SiloAgent:
             accepted_methods=policy.methods,
             accepted_privacy=policy.privacy,
             accepted_disclosures=policy.disclosures,
+            ckks_enrollment=(
+                self.ckks.enrollment_pb(self.trust.roster.consortium, self.me, self._sign)
+                if self.ckks
+                else None
+            ),
         )
         try:
             reply = stub.Register(request, timeout=CALL_TIMEOUT)
@@ -237,6 +260,49 @@ class SiloAgent:
             ) from None
         self.aggregator_pem, self.silo_id = reply.aggregator_certificate, reply.silo_id
         log.info("registered as %s with consortium %r", reply.silo_id, reply.consortium_id)
+        self.key_holder = bool(self.ckks) and reply.ckks_key_holder == self.silo_id
+        if self.key_holder:
+            self._share_ckks_key(stub)
+
+    def _share_ckks_key(self, stub, *, again: bool = True) -> None:
+        """As the key holder: seal the consortium's key to every silo enrolled so far (`again` False: only to
+        silos enrolled since, which each heartbeat looks for)."""
+        self.ckks.share(
+            stub,
+            consortium=self.trust.roster.consortium,
+            me=self.silo_id,
+            sign=self._sign,
+            members=self.trust.members,
+            timeout=CALL_TIMEOUT,
+            again=again,
+        )
+
+    def _ckks_key(self, stub, signed: round_pb2.SignedRoundSpec) -> None:
+        """Before checking a ckks RoundSpec: fetch the key it names if this silo lacks it (or, as key holder,
+        seal it to newcomers). A key that does not arrive makes the check refuse the round."""
+        try:
+            spec = roundspec.open_signed(signed, self.trust.members.aggregator(self.aggregator_pem))
+        except (RoundSpecError, PkiError):
+            return  # the check says why
+        parameters = roundspec.settings_of(spec)
+        if self.ckks is None or not isinstance(parameters, CkksParameters):
+            return
+        try:
+            if parameters.key_holder == self.silo_id:
+                self._share_ckks_key(stub)
+            elif self.ckks.get(parameters.context_id) is None:
+                self.ckks.fetch(
+                    stub,
+                    parameters,
+                    consortium=self.trust.roster.consortium,
+                    me=self.silo_id,
+                    members=self.trust.members,
+                    timeout=CALL_TIMEOUT,
+                )
+        except CeremonyError as exc:
+            log.error("%s: the CKKS key: %s", spec.round_id, exc)
+        except grpc.RpcError as exc:
+            log.warning("%s: the CKKS key could not be fetched: %s", spec.round_id, exc.details())
 
     def _heartbeats(
         self, stub: consortium_pb2_grpc.ConsortiumServiceStub, session_over: threading.Event
@@ -246,6 +312,8 @@ class SiloAgent:
                 stub.Heartbeat(
                     pb.HeartbeatRequest(round_id=self.round_id, activity=self.activity), timeout=10
                 )
+                if self.key_holder:
+                    self._share_ckks_key(stub, again=False)
             except grpc.RpcError:
                 return
 
@@ -254,6 +322,7 @@ class SiloAgent:
     def _round(
         self, stub: consortium_pb2_grpc.ConsortiumServiceStub, signed: round_pb2.SignedRoundSpec
     ) -> None:
+        self._ckks_key(stub, signed)
         try:
             spec, plan = self._check_spec(signed)
         except (RefusedRound, PkiError) as exc:
@@ -265,7 +334,10 @@ class SiloAgent:
         self.round_id = spec.round_id
         self._taking_part = None
         trains = self.silo_id in spec.participants
-        payload = (self._pending(spec.round_id) if trains else None) or self._work(stub, spec, plan, trains)
+        payload = self._pending(spec.round_id) if trains else None
+        if payload is not None and self.sides[spec.privacy].steps_model:
+            self._checked_state(stub, spec, plan)  # the server step after the sum needs the starting state
+        payload = payload or self._work(stub, spec, plan, trains)
         if payload is None:
             return
         contribution = torch.from_numpy(np.frombuffer(payload, dtype="<f8").copy())
@@ -286,7 +358,10 @@ class SiloAgent:
 
         self._sum_call(spec.round_id, start)
 
-    def _sum_step(self, step: pb.SumStep) -> None:
+    def _sum_step(self, stub, step: pb.SumStep) -> None:
+        if step.sum == pb.SECURE_SUM_EVALUATION:
+            self._sum_call(step.round_id, lambda: self._evaluation_step(stub, step))
+            return
         taking_part = self._taking_part
         if taking_part is None or taking_part.spec.round_id != step.round_id:
             log.warning("ignoring a step of %s, whose sums this silo is not in", step.round_id)
@@ -294,6 +369,48 @@ class SiloAgent:
         self._sum_call(step.round_id, lambda: taking_part.step(step))
         if taking_part.done:
             self._taking_part = None
+            if self.sides[taking_part.spec.privacy].steps_model:
+                self._sum_call(step.round_id, lambda: self._step_model(stub, taking_part))
+
+    def _step_model(self, stub, taking_part: Participation) -> None:
+        """Only silos can read this round's sum: step the model here and report the sealed next state."""
+        spec = taking_part.spec
+        if self._stepping is None or self._stepping[0] != spec.round_id:
+            log.error("%s: the starting state of the round is not at hand; not stepping", spec.round_id)
+            return
+        _, state, method = self._stepping
+        evaluation, digest = step_and_report(
+            stub,
+            taking_part,
+            side=self.sides[spec.privacy],
+            secret=self.ckks.secret_for(roundspec.settings_of(spec)),
+            state=state,
+            method=method,
+            held_out=self.held_out,
+            may_release=self._may_release_evaluation,
+            timeout=CALL_TIMEOUT,
+        )
+        self._stepping, self._evaluating = None, (spec.round_id, spec.round, evaluation)
+        log.info("round %d: stepped the model to state %s, reported it sealed", spec.round, digest)
+
+    def _may_release_evaluation(self, silos: tuple[str, ...]) -> None:
+        """Evaluation counts leave this silo only inside a sum of as many silos as its policy asks of sums."""
+        if len(silos) < self.config.policy.min_participants:
+            raise RefusedRound(
+                f"an evaluation sum over {len(silos)} silos; policy.min_participants is "
+                f"{self.config.policy.min_participants}"
+            )
+
+    def _evaluation_step(self, stub, step: pb.SumStep) -> None:
+        if self._evaluating is None or self._evaluating[0] != step.round_id:
+            log.warning("ignoring an evaluation sum of %s, which this silo did not join", step.round_id)
+            return
+        round_id, round_number, evaluation = self._evaluating
+        self._evaluating = None
+        purpose, announced = step_from_pb(step)
+        summed = fetched(stub, round_id, purpose, announced, timeout=CALL_TIMEOUT)
+        report_evaluation(stub, round_number, evaluation, summed, CALL_TIMEOUT)
+        log.info("round %d: reported the consortium's evaluation counts", round_number)
 
     def _sent(self, spec: round_pb2.RoundSpec, purpose: str, message: object) -> None:
         """After each message: the contribution's upload ends the pending file; drills may stop here."""
@@ -389,24 +506,43 @@ class SiloAgent:
                 problems.append(f"its sums are malformed: {exc}")
         return problems
 
-    def _work(self, stub, spec: round_pb2.RoundSpec, plan: RoundPlan, trains: bool) -> bytes | None:
-        """Fetch and check the state; disclose if asked (the policy allowed it); train if a participant."""
+    def _checked_state(self, stub, spec: round_pb2.RoundSpec, plan: RoundPlan) -> tuple | None:
+        """(state, method) of the round, fetched and checked against the signed digest and schema; where
+        this silo steps the model, kept for the server step."""
         self.activity = pb.SILO_ACTIVITY_FETCHING
         fetch_started = time.perf_counter()
         data = _fetch_state(stub, spec)
         if data is None:
             return None
-        state = unpack_state(data, spec.round - 1)
+        method = self._method_for(plan, spec.config_sha256)
+        steps_model = self.sides[spec.privacy].steps_model
+        try:
+            if steps_model:
+                state = opened_state(data, spec, self.ckks.secret_for(roundspec.settings_of(spec)), method)
+            else:
+                state = unpack_state(data, spec.round - 1)
+        except FedltError as exc:
+            log.error("%s: %s; not training", spec.round_id, exc)
+            return None
         if state.digest() != spec.state_digest:
             log.error("%s: the state received does not match the signed digest; not training", spec.round_id)
             return None
-        method = self._method_for(plan, spec.config_sha256)
-        schema = method.schema(state)
-        if schema != schema_from_pb(spec.schema):
+        if method.schema(state) != schema_from_pb(spec.schema):
             log.error("%s: the signed schema differs from the method's own; not training", spec.round_id)
             return None
-        fetched = time.perf_counter() - fetch_started
-        log.debug("round %d: state fetched and checked in %.3f s", spec.round, fetched)
+        log.debug(
+            "round %d: state fetched and checked in %.3f s", spec.round, time.perf_counter() - fetch_started
+        )
+        if steps_model and self.silo_id in spec.participants:
+            self._stepping = (spec.round_id, state, method)
+        return state, method
+
+    def _work(self, stub, spec: round_pb2.RoundSpec, plan: RoundPlan, trains: bool) -> bytes | None:
+        """Fetch and check the state; disclose if asked (the policy allowed it); train if a participant."""
+        checked = self._checked_state(stub, spec, plan)
+        if checked is None:
+            return None
+        state, method = checked
         if DISCLOSURE in spec.disclosures and self.silo_id in spec.disclosers:
             self._disclose(stub, spec, plan, method, state)
         if not trains:

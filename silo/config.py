@@ -6,6 +6,8 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
+
 from fedlt.config import parse_section, read_toml, resolve, setting
 from fedlt.data.arrays import LabeledImages
 from fedlt.data.federation import DataConfig, build_federation
@@ -105,6 +107,18 @@ class PolicySection:
 
 
 @dataclass(frozen=True)
+class EvaluationSection:
+    """Held-out data this silo evaluates the model on where only silos hold it (ckks); only counts leave, and
+    only inside a sum. Every `parts`-th sample from `part`, so silos sharing one test set split it."""
+
+    path: str = setting("", doc="held-out files, as in [data]; empty: the embedded recipe's test split")
+    format: str = setting("", choices=("", "npz", "folder", "cifar10", "idx"))
+    labels: str = ""
+    part: int = setting(0, ge=0)
+    parts: int = setting(1, ge=1)
+
+
+@dataclass(frozen=True)
 class ComputeSection:
     threads: int = setting(0, ge=0, doc="CPU threads for training; 0 uses every core")
 
@@ -115,6 +129,7 @@ class SiloConfig:
     data: DataSection = field(default_factory=DataSection)
     policy: PolicySection = field(default_factory=PolicySection)
     compute: ComputeSection = field(default_factory=ComputeSection)
+    evaluation: EvaluationSection = field(default_factory=EvaluationSection)
     state_dir: str = setting("silo-state", doc="progress and pending uploads survive restarts here")
     base_dir: Path = Path()
 
@@ -126,8 +141,22 @@ class SiloConfig:
         if data.source == "embedded":
             federation = build_federation(data.recipe, seed=data.seed)
             return federation.silos[data.index]
-        options = {"labels": str(self.path(data.labels))} if data.labels else {}
-        return load_dataset(self.path(data.path), format=data.format or None, **options)
+        return self._files(data.path, data.format, data.labels)
+
+    def load_evaluation(self) -> LabeledImages | None:
+        """The held-out slice to evaluate on; None when there is none (then only zero counts go out)."""
+        section = self.evaluation
+        if section.path:
+            held_out = self._files(section.path, section.format, section.labels)
+        elif self.data.source == "embedded":
+            held_out = build_federation(self.data.recipe, seed=self.data.seed).test
+        else:
+            return None
+        return held_out.subset(np.arange(section.part, len(held_out), section.parts))
+
+    def _files(self, path: str, format: str, labels: str) -> LabeledImages:
+        options = {"labels": str(self.path(labels))} if labels else {}
+        return load_dataset(self.path(path), format=format or None, **options)
 
 
 def load_silo_config(path: str | Path) -> SiloConfig:
@@ -144,6 +173,8 @@ def load_silo_config(path: str | Path) -> SiloConfig:
         problems.append(
             f"data.index: {config.data.index} but the recipe has {config.data.recipe.silos} silos"
         )
+    if config.evaluation.part >= config.evaluation.parts:
+        problems.append(f"evaluation.part: {config.evaluation.part} but parts is {config.evaluation.parts}")
     if problems:
         raise ConfigError(path, problems)
     return config

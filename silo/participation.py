@@ -25,7 +25,7 @@ from fedlt.aggregation.tail_guard import Census, CensusError
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import round_pb2
 from privacy import roundspec
-from privacy.wire import send, step_from_pb
+from privacy.wire import fetched, send, step_from_pb
 from silo.releases import ReleaseLedger
 
 log = logging.getLogger("silo")
@@ -80,6 +80,7 @@ class Participation:
 
     def step(self, step: pb.SumStep) -> None:
         purpose, decoded = step_from_pb(step)
+        decoded = fetched(self._stub, self.spec.round_id, purpose, decoded, timeout=self._timeout)
         self._send(self.sums.step(purpose, decoded))
 
     def _send(self, outgoing: list[tuple[str, object]]) -> None:

@@ -23,7 +23,7 @@ import grpc
 import pytest
 
 from aggregator.config import ConsortiumSection, TimeoutSection, load_consortium_config
-from aggregator.demo import point_silos_at, wait_for_address, write_consortium
+from aggregator.demo import demo_layer_settings, point_silos_at, wait_for_address, write_consortium
 from aggregator.server import derive_audit_key
 from aggregator.service import ConsortiumServicer, Identity
 from aggregator.store import AuditKey, Store
@@ -33,6 +33,7 @@ from fedlt.methods.state import GlobalState, unpack_state
 from fedlt.plan import ModelSection, RoundPlan
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc
+from privacy.ckks.relay import CkksRelay
 from privacy.pki.ca import init_ca, issue_server, issue_silo
 from privacy.pki.identity import RevocationList
 from privacy.pki.roster import Roster, RosterFile, draft
@@ -101,6 +102,7 @@ class Consortium:
             ),
             timeouts=TimeoutSection(gather=3.0, round=round_timeout),
             silo_threads=SILO_THREADS,
+            layer_settings=demo_layer_settings(privacy),
         )
         return cls(directory, silo_configs)
 
@@ -259,12 +261,17 @@ class PayloadEngine:
 
 
 def no_members(directory: Path, identity: Identity) -> dict:
-    """`members` and `roster` for a servicer whose tests never register a silo: a roster of the aggregator."""
+    """`members`, `roster` and `relay` for a servicer whose tests never register a silo: a roster of the
+    aggregator, and a CKKS relay that names no key holder."""
     path = directory / "roster.json"
     roster = draft("payload", aggregator=(directory / "aggregator.pem").read_bytes(), silos=[])
     path.write_bytes(roster.to_json())
     ca = (directory / "ca" / "ca.pem").read_bytes()
-    return {"members": MemberTrust(ca, roster, identity.revocations), "roster": RosterFile(path)}
+    return {
+        "members": MemberTrust(ca, roster, identity.revocations),
+        "roster": RosterFile(path),
+        "relay": CkksRelay(""),
+    }
 
 
 @contextmanager

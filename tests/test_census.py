@@ -92,7 +92,7 @@ def test_census_holds_back_classes_fewer_than_k_min_silos_hold(tmp_path):
     errors = [e for silo in silos for e in silo.errors + silo.refusals]
     assert not errors
     assert engine.failure is None
-    assert engine.state.round == 1
+    assert engine.held.round == 1
     (sums,) = method.sums_seen
     expected = torch.zeros(CLASSES, 2, dtype=torch.float64)
     expected[0] = torch.tensor([3.0, 1.5])  # three silos hold class 0

@@ -106,6 +106,8 @@ ABOVE_THE_LAYERS = [
     "fedlt/aggregation/round_sums.py",
     "fedlt/aggregation/sums.py",
     "aggregator/rounds.py",
+    "aggregator/held_state.py",
+    "aggregator/evaluation.py",
     "aggregator/sessions.py",
     "aggregator/service.py",
     "silo/agent.py",

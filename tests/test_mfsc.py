@@ -256,13 +256,12 @@ def picker_with(tmp_path, policies: dict[str, list[str]]) -> tuple[RoundPicker, 
 
 def test_nobody_is_asked_to_disclose_unless_every_connected_silo_accepts(tmp_path):
     picker, store = picker_with(tmp_path, {"silo-0": ["mfsc"], "silo-1": ["mfsc"], "silo-2": []})
-    state = picker.method.init_state(seed=0)
-    picked, disclosers = picker.pick(state, 1, ["silo-0", "silo-1", "silo-2"])
+    picked, disclosers = picker.pick(True, 1, ["silo-0", "silo-1", "silo-2"])
     assert disclosers == []
     assert len(picked) == 2
     declined = [r.detail for r in store.audit_log() if r.event == "disclosure_declined"]
     assert declined == [{"round": 1, "name": "mfsc", "silos": ["silo-2"]}]
-    picked, disclosers = picker.pick(state, 1, ["silo-0", "silo-1"])
+    picked, disclosers = picker.pick(True, 1, ["silo-0", "silo-1"])
     assert disclosers == ["silo-0", "silo-1"]
     store.close()
 
@@ -306,14 +305,13 @@ def test_disclosures_are_checked_kept_audited_and_survive_a_restart(tmp_path):
 
 def test_a_retry_picks_around_silos_that_let_the_first_attempt_down(tmp_path):
     picker, store = picker_with(tmp_path, {f"silo-{k}": ["mfsc"] for k in range(4)})
-    state = picker.method.init_state(seed=0)
     connected = [f"silo-{k}" for k in range(4)]
-    first, _ = picker.pick(state, 1, connected)
-    retry, disclosers = picker.pick(state, 1, connected, avoid=first[:1])
+    first, _ = picker.pick(True, 1, connected)
+    retry, disclosers = picker.pick(True, 1, connected, avoid=first[:1])
     assert first[0] not in retry
     assert len(retry) == 2
     assert disclosers == connected  # every connected silo is still asked
-    everyone_failed, _ = picker.pick(state, 1, connected, avoid=connected[:3])  # too few left: pick anyway
+    everyone_failed, _ = picker.pick(True, 1, connected, avoid=connected[:3])  # too few left: pick anyway
     assert len(everyone_failed) == 2
     store.close()
 

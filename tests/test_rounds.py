@@ -49,7 +49,7 @@ def engine(tmp_path):
 
 
 def payload(engine: RoundEngine, n: float) -> tuple[bytes, str]:
-    vector = np.zeros(engine.method.schema(engine.state).size, dtype="<f8")
+    vector = np.zeros(engine.held.schema.size, dtype="<f8")
     vector[-1] = n
     data = vector.tobytes()
     return data, hashlib.sha256(data).hexdigest()
@@ -122,7 +122,7 @@ def test_unusable_sums_abort_the_attempt_instead_of_stopping_the_aggregator(engi
         statuses = engine.store._db.execute("SELECT status FROM attempts ORDER BY attempt").fetchall()
         assert [s for (s,) in statuses][:2] == ["aborted", "aborted"]
         assert engine.failure is None
-        assert engine.state.round == 0
+        assert engine.held.round == 0
     finally:
         stop.set()
         driver.join(10)
@@ -213,7 +213,8 @@ def test_a_disclosure_counts_only_once_its_round_commits(engine):
     engine.disclose("b", retry.round_id, "mfsc", shape, first)
     for silo in ("a", "b"):
         submit(engine, silo, retry.round_id, *payload(engine, 1.0))
-    engine._commit(retry, *engine._sums(retry, threading.Event()))
+    running = threading.Event()
+    engine._commit(retry, engine._next_state(retry, engine._sums(retry, running), running))
     engine.evaluator.shutdown()
     kept = engine.picker.book.disclosures["b"].flatten()
     assert torch.equal(kept, torch.from_numpy(np.frombuffer(first).copy()))

@@ -89,7 +89,7 @@ BAD_REGISTRATIONS = {
     "long version": ({"agent_version": "v" * 65}, ["agent_version: 65 characters"]),
     "control characters": ({"agent_version": "v1\n\x1b[2J"}, ["agent_version: not printable"]),
     "unknown method": ({"accepted_methods": ["fedavg", "steal-gradients"]}, ["'steal-gradients'"]),
-    "unimplemented layer": ({"accepted_privacy": ["ckks"]}, ["accepted_privacy: unknown 'ckks'"]),
+    "unimplemented layer": ({"accepted_privacy": ["paillier"]}, ["accepted_privacy: unknown 'paillier'"]),
     "unknown disclosure": ({"accepted_disclosures": ["raw-data"]}, ["accepted_disclosures: unknown"]),
     "duplicates": (
         {"accepted_methods": ["fedavg", "fedavg"]},

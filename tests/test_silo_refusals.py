@@ -19,6 +19,7 @@ from fedlt.errors import ConfigError
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import round_pb2
 from fedlt.wire import schema_to_pb
+from privacy.ckks.keys import SecretContext
 from privacy.pki.ca import issue_silo
 from privacy.pki.errors import PkiError
 from privacy.pki.signing import ROUNDSPEC_CONTEXT, sign
@@ -112,14 +113,15 @@ def test_every_layer_a_policy_may_list_has_its_own_side_and_only_those_it_lists(
     agent = agent_of(kit)
     assert set(agent.sides) == {"secagg"}  # the default policy: the plaintext layer is not even built
     assert set(LAYERS_IMPLEMENTED) <= set(LAYERS)
-    sides = {name: make_layer(name).silo_side(PartyKeys()) for name in LAYERS_IMPLEMENTED}
+    keys = PartyKeys(secret=SecretContext.new())  # only ckks takes it
+    sides = {name: make_layer(name).silo_side(keys) for name in LAYERS_IMPLEMENTED}
     assert all(isinstance(side, SiloSide) for side in sides.values())
 
 
 def test_a_policy_cannot_name_a_layer_the_agent_does_not_implement(kit):
     _, configs = kit
-    configs[0].write_text(configs[0].read_text() + '\n[policy]\nprivacy = ["secagg", "ckks"]\n')
-    with pytest.raises(ConfigError, match=r"policy.privacy: \['ckks'\] not implemented by this agent"):
+    configs[0].write_text(configs[0].read_text() + '\n[policy]\nprivacy = ["secagg", "paillier"]\n')
+    with pytest.raises(ConfigError, match=r"policy.privacy: \['paillier'\] not implemented by this agent"):
         load_silo_config(configs[0])
 
 
@@ -230,3 +232,26 @@ def test_a_state_stream_is_read_only_as_far_as_the_signed_size():
     assert (
         _fetch_state(StreamingStub([pb.FetchStateResponse(offset=0, data=b"12345678")]), spec) == b"12345678"
     )
+
+
+def test_a_ckks_round_naming_a_key_this_silo_does_not_hold_is_refused_and_sends_nothing(kit):
+    """ckks must be listed explicitly; then a RoundSpec naming a key the silo was never sealed (an aggregator
+    that made its own key, or a stale one) is refused before any work: nothing is fetched or uploaded."""
+    _, configs = kit
+    configs[0].write_text(configs[0].read_text() + '\n[policy]\nprivacy = ["ckks"]\n')
+    agent = agent_of(kit)
+    held = agent.ckks.rotate()  # a key this silo does hold, as key holder
+    made_up = SecretContext.new().context_id
+    ckks = {"privacy": "ckks", "secagg": None}
+    with pytest.raises(RefusedRound, match="does not hold the CKKS key"):
+        agent._check_spec(
+            signed_spec(kit[0], **ckks, ckks=round_pb2.CkksParameters(k_min=2, context_id=made_up))
+        )
+    spec, _ = agent._check_spec(
+        signed_spec(kit[0], **ckks, ckks=round_pb2.CkksParameters(k_min=2, context_id=held.context_id))
+    )
+    assert spec.ckks.context_id == held.context_id
+    with pytest.raises(RefusedRound, match="tail guard k_min 1"):
+        agent._check_spec(
+            signed_spec(kit[0], **ckks, ckks=round_pb2.CkksParameters(k_min=1, context_id=held.context_id))
+        )

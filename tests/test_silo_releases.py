@@ -88,19 +88,19 @@ class Subtraction:
         self.sums: list[tuple[Sums, list[str]]] = []
         self.summed = threading.Event()
         self.aborted = threading.Event()
-        commit, self.engine._commit = self.engine._commit, self._abort_first
-        self._commit = commit
+        step, self.engine._next_state = self.engine._next_state, self._abort_first
+        self._next_state = step
         self.stop = threading.Event()
 
-    def _abort_first(self, attempt, sums: Sums, contributors: list[str]) -> None:
-        self.sums.append((sums, contributors))
+    def _abort_first(self, attempt, sums: Sums, stop: threading.Event):
+        self.sums.append((sums, list(attempt.contributors)))
         self.summed.set()
         if len(self.sums) == 1:
             if self.forgetful:
                 for silo in FIRST:
                     (self.silos[silo].state_dir / LEDGER).unlink()
             raise SumAborted("aborted on purpose, after the sum")
-        self._commit(attempt, sums, contributors)
+        return self._next_state(attempt, sums, stop)
 
     def run(self) -> None:
         threads = [self.silos[s].start(self.engine, self.peers, self.stop) for s in FIRST]

@@ -32,3 +32,31 @@ def test_every_test_the_threat_model_cites_exists():
         if name not in names:
             missing.append(f"{path}::{name}")
     assert not missing, missing
+
+
+def section(title: str) -> str:
+    """The text under `## title` up to the next `## ` heading, its whitespace collapsed and lower-cased."""
+    text = (ROOT / "docs" / "threat-model.md").read_text()
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, flags=re.M | re.S)
+    assert match, f"docs/threat-model.md has no section '## {title}'"
+    return " ".join(match.group(1).split()).lower()
+
+
+def test_the_ckks_section_says_who_can_decrypt_what():
+    ckks = section("CKKS (`ckks`)")
+    for statement in (
+        "no threshold decryption",
+        "the aggregator holds the public context only",
+        "one silo colluding with the aggregator",
+        "every other silo's individual upload",
+        "until the key is rotated",
+        "the key holder seals different keys to different silos",
+        "report the totals",
+        "zero-sum pairwise masks",
+        "218 bits",
+        "approximate",
+        "does not prove the sum",
+        "when to pick which",
+    ):
+        assert statement in ckks, statement
+    assert "ckks (issue 13)" not in section("Not yet built")

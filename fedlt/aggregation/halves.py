@@ -22,7 +22,7 @@ import torch
 from fedlt.aggregation.schema import Field, Schema
 from fedlt.errors import FedltError
 
-PURPOSES = ("census", "contribution")
+PURPOSES = ("census", "contribution", "evaluation")
 
 
 class SumAborted(FedltError):
@@ -63,6 +63,25 @@ class SumSpec:
 def census_schema(classes: int) -> Schema:
     """The census sums one 0/1 presence flag per class and silo: exact integers in every layer."""
     return Schema((Field("present", (classes,), 1.0, "1 for each class the silo holds", frac_bits=0),))
+
+
+def evaluation_schema(classes: int) -> Schema:
+    """Where only silos hold the model (ckks), they sum their evaluation counts: correct, total, per class."""
+    return Schema(
+        (
+            Field(
+                "correct",
+                (classes,),
+                EVALUATION_BOUND,
+                "test samples of the class predicted right",
+                frac_bits=0,
+            ),
+            Field("total", (classes,), EVALUATION_BOUND, "test samples of the class", frac_bits=0),
+        )
+    )
+
+
+EVALUATION_BOUND = float(2**30)  # a silo's test counts of one class, plus its share of zero-sum masks
 
 
 @dataclass(frozen=True)
@@ -165,6 +184,8 @@ class SiloSide(ABC):
     """
 
     hides_inputs: bool = True  # False only where the aggregator sees every input anyway (plaintext)
+    # True where only silos can read a sum (ckks): they run the server step and keep the state sealed
+    steps_model: bool = False
 
     @abstractmethod
     def half(self, spec: SumSpec, me: str, *, may_release: Callable[[tuple[str, ...]], None]) -> SiloHalf: ...
@@ -179,3 +200,11 @@ class AggregatorSide(ABC):
 
     @abstractmethod
     def half(self, spec: SumSpec) -> AggregatorHalf: ...
+
+    def eligible(self, silo: str) -> bool:
+        """Whether `silo` can take part in a sum now (ckks: it has been sent the consortium's key)."""
+        return True
+
+    def round_settings(self, settings: object) -> object:
+        """The layer's parameters as a RoundSpec signs them (ckks adds the key every silo must use)."""
+        return settings

@@ -67,7 +67,12 @@ class RoundSums:
 
     def census_spec(self) -> SumSpec:
         return SumSpec(
-            self.round_id, "census", self.participants, census_schema(self.schema.classes), self.binding
+            self.round_id,
+            "census",
+            self.participants,
+            census_schema(self.schema.classes),
+            self.binding,
+            self.settings,
         )
 
     def contribution_spec(self, silos: Sequence[str], census: Census | None) -> SumSpec:
@@ -193,6 +198,7 @@ class AggregatorRound:
         self.census_taken: Census | None = None  # a census this round took, for the caller to keep
         self.zeroed: list[int] = []
         self.whole: tuple[str, ...] = ()
+        self.released: dict[str, AggregatorHalf] = {}  # sums this round has moved past, by purpose
         first = sums.census_spec() if sums.census_due else self._contribution_spec(sums.participants)
         self.half: AggregatorHalf = side.half(first)
 
@@ -212,6 +218,14 @@ class AggregatorRound:
     def upload_bytes(self, silo: str, purpose: str, kind: type) -> int:
         self._check_purpose(purpose)
         return self.half.upload_bytes(silo, kind)
+
+    def download(self, silo: str, purpose: str) -> bytes:
+        """What a silo fetches of this round's sums: of the open one, or of the census it has moved past (the
+        last stage of a CKKS sum waits for no one, so silos fetch its result after the census closed)."""
+        if purpose in self.released:
+            return self.released[purpose].download(silo)
+        self._check_purpose(purpose)
+        return self.half.download(silo)
 
     def _check_purpose(self, purpose: str) -> None:
         if purpose != self.purpose:
@@ -241,6 +255,7 @@ class AggregatorRound:
         if counts is not None:
             self.census_taken = self.census = Census.of(released.survivors, counts)
         silos = list(released.survivors)
+        self.released[self.purpose] = self.half
         self.half = self.side.half(self._contribution_spec(silos, self.census))
         return [(silo, "census", CensusResult(counts)) for silo in silos]
 

@@ -13,6 +13,7 @@ class SecureSum(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SECURE_SUM_UNSPECIFIED: _ClassVar[SecureSum]
     SECURE_SUM_CENSUS: _ClassVar[SecureSum]
     SECURE_SUM_CONTRIBUTION: _ClassVar[SecureSum]
+    SECURE_SUM_EVALUATION: _ClassVar[SecureSum]
 
 class SiloActivity(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -31,6 +32,7 @@ class ContributionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 SECURE_SUM_UNSPECIFIED: SecureSum
 SECURE_SUM_CENSUS: SecureSum
 SECURE_SUM_CONTRIBUTION: SecureSum
+SECURE_SUM_EVALUATION: SecureSum
 SILO_ACTIVITY_UNSPECIFIED: SiloActivity
 SILO_ACTIVITY_IDLE: SiloActivity
 SILO_ACTIVITY_FETCHING: SiloActivity
@@ -42,30 +44,42 @@ CONTRIBUTION_KIND_MASKED: ContributionKind
 CONTRIBUTION_KIND_CKKS: ContributionKind
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("agent_version", "accepted_methods", "accepted_privacy", "accepted_disclosures")
+    __slots__ = ("agent_version", "accepted_methods", "accepted_privacy", "accepted_disclosures", "ckks_enrollment")
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_METHODS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PRIVACY_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DISCLOSURES_FIELD_NUMBER: _ClassVar[int]
+    CKKS_ENROLLMENT_FIELD_NUMBER: _ClassVar[int]
     agent_version: str
     accepted_methods: _containers.RepeatedScalarFieldContainer[str]
     accepted_privacy: _containers.RepeatedScalarFieldContainer[str]
     accepted_disclosures: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, agent_version: _Optional[str] = ..., accepted_methods: _Optional[_Iterable[str]] = ..., accepted_privacy: _Optional[_Iterable[str]] = ..., accepted_disclosures: _Optional[_Iterable[str]] = ...) -> None: ...
+    ckks_enrollment: CkksEnrollment
+    def __init__(self, agent_version: _Optional[str] = ..., accepted_methods: _Optional[_Iterable[str]] = ..., accepted_privacy: _Optional[_Iterable[str]] = ..., accepted_disclosures: _Optional[_Iterable[str]] = ..., ckks_enrollment: _Optional[_Union[CkksEnrollment, _Mapping]] = ...) -> None: ...
+
+class CkksEnrollment(_message.Message):
+    __slots__ = ("public_key", "signature")
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    public_key: bytes
+    signature: bytes
+    def __init__(self, public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("silo_id", "consortium_id", "aggregator_certificate", "roster", "crl")
+    __slots__ = ("silo_id", "consortium_id", "aggregator_certificate", "roster", "crl", "ckks_key_holder")
     SILO_ID_FIELD_NUMBER: _ClassVar[int]
     CONSORTIUM_ID_FIELD_NUMBER: _ClassVar[int]
     AGGREGATOR_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     ROSTER_FIELD_NUMBER: _ClassVar[int]
     CRL_FIELD_NUMBER: _ClassVar[int]
+    CKKS_KEY_HOLDER_FIELD_NUMBER: _ClassVar[int]
     silo_id: str
     consortium_id: str
     aggregator_certificate: bytes
     roster: bytes
     crl: bytes
-    def __init__(self, silo_id: _Optional[str] = ..., consortium_id: _Optional[str] = ..., aggregator_certificate: _Optional[bytes] = ..., roster: _Optional[bytes] = ..., crl: _Optional[bytes] = ...) -> None: ...
+    ckks_key_holder: str
+    def __init__(self, silo_id: _Optional[str] = ..., consortium_id: _Optional[str] = ..., aggregator_certificate: _Optional[bytes] = ..., roster: _Optional[bytes] = ..., crl: _Optional[bytes] = ..., ckks_key_holder: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("last_round",)
@@ -86,7 +100,7 @@ class JoinResponse(_message.Message):
     def __init__(self, round_spec: _Optional[_Union[_round_pb2.SignedRoundSpec, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., sum_step: _Optional[_Union[SumStep, _Mapping]] = ...) -> None: ...
 
 class SumStep(_message.Message):
-    __slots__ = ("round_id", "sum", "keys", "inbox", "survivors", "signatures", "census")
+    __slots__ = ("round_id", "sum", "keys", "inbox", "survivors", "signatures", "census", "encrypted_sum")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     SUM_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +108,7 @@ class SumStep(_message.Message):
     SURVIVORS_FIELD_NUMBER: _ClassVar[int]
     SIGNATURES_FIELD_NUMBER: _ClassVar[int]
     CENSUS_FIELD_NUMBER: _ClassVar[int]
+    ENCRYPTED_SUM_FIELD_NUMBER: _ClassVar[int]
     round_id: str
     sum: SecureSum
     keys: KeyList
@@ -101,7 +116,18 @@ class SumStep(_message.Message):
     survivors: SurvivorList
     signatures: ConsistencySignatures
     census: CensusResult
-    def __init__(self, round_id: _Optional[str] = ..., sum: _Optional[_Union[SecureSum, str]] = ..., keys: _Optional[_Union[KeyList, _Mapping]] = ..., inbox: _Optional[_Union[ShareInbox, _Mapping]] = ..., survivors: _Optional[_Union[SurvivorList, _Mapping]] = ..., signatures: _Optional[_Union[ConsistencySignatures, _Mapping]] = ..., census: _Optional[_Union[CensusResult, _Mapping]] = ...) -> None: ...
+    encrypted_sum: EncryptedSumReady
+    def __init__(self, round_id: _Optional[str] = ..., sum: _Optional[_Union[SecureSum, str]] = ..., keys: _Optional[_Union[KeyList, _Mapping]] = ..., inbox: _Optional[_Union[ShareInbox, _Mapping]] = ..., survivors: _Optional[_Union[SurvivorList, _Mapping]] = ..., signatures: _Optional[_Union[ConsistencySignatures, _Mapping]] = ..., census: _Optional[_Union[CensusResult, _Mapping]] = ..., encrypted_sum: _Optional[_Union[EncryptedSumReady, _Mapping]] = ...) -> None: ...
+
+class EncryptedSumReady(_message.Message):
+    __slots__ = ("survivors", "total_bytes", "sha256")
+    SURVIVORS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    survivors: _containers.RepeatedScalarFieldContainer[str]
+    total_bytes: int
+    sha256: str
+    def __init__(self, survivors: _Optional[_Iterable[str]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class AdvertisedKeys(_message.Message):
     __slots__ = ("silo_id", "c_public_key", "s_public_key", "signature", "certificate")
@@ -341,25 +367,81 @@ class UnmaskResponse(_message.Message):
     round_id: str
     def __init__(self, round_id: _Optional[str] = ...) -> None: ...
 
-class ShareCkksContextRequest(_message.Message):
-    __slots__ = ("recipient", "sealed_context")
+class ListEnrollmentsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Enrollment(_message.Message):
+    __slots__ = ("silo_id", "public_key", "signature", "certificate")
+    SILO_ID_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    silo_id: str
+    public_key: bytes
+    signature: bytes
+    certificate: bytes
+    def __init__(self, silo_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., certificate: _Optional[bytes] = ...) -> None: ...
+
+class ListEnrollmentsResponse(_message.Message):
+    __slots__ = ("enrollments",)
+    ENROLLMENTS_FIELD_NUMBER: _ClassVar[int]
+    enrollments: _containers.RepeatedCompositeFieldContainer[Enrollment]
+    def __init__(self, enrollments: _Optional[_Iterable[_Union[Enrollment, _Mapping]]] = ...) -> None: ...
+
+class SealedContext(_message.Message):
+    __slots__ = ("sender", "recipient", "context_id", "ephemeral_key", "ciphertext", "signature")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
     RECIPIENT_FIELD_NUMBER: _ClassVar[int]
-    SEALED_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
+    EPHEMERAL_KEY_FIELD_NUMBER: _ClassVar[int]
+    CIPHERTEXT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    sender: str
     recipient: str
-    sealed_context: bytes
-    def __init__(self, recipient: _Optional[str] = ..., sealed_context: _Optional[bytes] = ...) -> None: ...
+    context_id: str
+    ephemeral_key: bytes
+    ciphertext: bytes
+    signature: bytes
+    def __init__(self, sender: _Optional[str] = ..., recipient: _Optional[str] = ..., context_id: _Optional[str] = ..., ephemeral_key: _Optional[bytes] = ..., ciphertext: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class ShareCkksContextRequest(_message.Message):
+    __slots__ = ("context_id", "public_context", "sealed")
+    CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    SEALED_FIELD_NUMBER: _ClassVar[int]
+    context_id: str
+    public_context: bytes
+    sealed: _containers.RepeatedCompositeFieldContainer[SealedContext]
+    def __init__(self, context_id: _Optional[str] = ..., public_context: _Optional[bytes] = ..., sealed: _Optional[_Iterable[_Union[SealedContext, _Mapping]]] = ...) -> None: ...
 
 class ShareCkksContextResponse(_message.Message):
-    __slots__ = ("recipient",)
-    RECIPIENT_FIELD_NUMBER: _ClassVar[int]
-    recipient: str
-    def __init__(self, recipient: _Optional[str] = ...) -> None: ...
+    __slots__ = ("context_id",)
+    CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
+    context_id: str
+    def __init__(self, context_id: _Optional[str] = ...) -> None: ...
+
+class FetchCkksContextRequest(_message.Message):
+    __slots__ = ("context_id",)
+    CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
+    context_id: str
+    def __init__(self, context_id: _Optional[str] = ...) -> None: ...
+
+class FetchCkksContextResponse(_message.Message):
+    __slots__ = ("sealed", "holder_certificate")
+    SEALED_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    sealed: SealedContext
+    holder_certificate: bytes
+    def __init__(self, sealed: _Optional[_Union[SealedContext, _Mapping]] = ..., holder_certificate: _Optional[bytes] = ...) -> None: ...
 
 class FetchEncryptedSumRequest(_message.Message):
-    __slots__ = ("round_id",)
+    __slots__ = ("round_id", "sum")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
     round_id: str
-    def __init__(self, round_id: _Optional[str] = ...) -> None: ...
+    sum: SecureSum
+    def __init__(self, round_id: _Optional[str] = ..., sum: _Optional[_Union[SecureSum, str]] = ...) -> None: ...
 
 class FetchEncryptedSumResponse(_message.Message):
     __slots__ = ("offset", "data")
@@ -368,3 +450,55 @@ class FetchEncryptedSumResponse(_message.Message):
     offset: int
     data: bytes
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class StateReportHeader(_message.Message):
+    __slots__ = ("round_id", "state_digest", "total_bytes", "sha256", "next_schema", "remaining_rounds", "next_trains", "evaluation", "evaluation_kind")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TRAINS_FIELD_NUMBER: _ClassVar[int]
+    EVALUATION_FIELD_NUMBER: _ClassVar[int]
+    EVALUATION_KIND_FIELD_NUMBER: _ClassVar[int]
+    round_id: str
+    state_digest: str
+    total_bytes: int
+    sha256: str
+    next_schema: _round_pb2.Schema
+    remaining_rounds: int
+    next_trains: bool
+    evaluation: bytes
+    evaluation_kind: ContributionKind
+    def __init__(self, round_id: _Optional[str] = ..., state_digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., next_schema: _Optional[_Union[_round_pb2.Schema, _Mapping]] = ..., remaining_rounds: _Optional[int] = ..., next_trains: _Optional[bool] = ..., evaluation: _Optional[bytes] = ..., evaluation_kind: _Optional[_Union[ContributionKind, str]] = ...) -> None: ...
+
+class ReportStateRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: StateReportHeader
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[StateReportHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class ReportStateResponse(_message.Message):
+    __slots__ = ("round_id",)
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    round_id: str
+    def __init__(self, round_id: _Optional[str] = ...) -> None: ...
+
+class ReportEvaluationRequest(_message.Message):
+    __slots__ = ("round", "correct", "total")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CORRECT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    correct: _containers.RepeatedScalarFieldContainer[int]
+    total: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[int] = ..., correct: _Optional[_Iterable[int]] = ..., total: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReportEvaluationResponse(_message.Message):
+    __slots__ = ("round",)
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    def __init__(self, round: _Optional[int] = ...) -> None: ...

@@ -85,15 +85,35 @@ class ConsortiumServiceStub:
                 request_serializer=fedlt_dot_v1_dot_consortium__pb2.UnmaskRequest.SerializeToString,
                 response_deserializer=fedlt_dot_v1_dot_consortium__pb2.UnmaskResponse.FromString,
                 _registered_method=True)
+        self.ListEnrollments = channel.unary_unary(
+                '/fedlt.v1.ConsortiumService/ListEnrollments',
+                request_serializer=fedlt_dot_v1_dot_consortium__pb2.ListEnrollmentsRequest.SerializeToString,
+                response_deserializer=fedlt_dot_v1_dot_consortium__pb2.ListEnrollmentsResponse.FromString,
+                _registered_method=True)
         self.ShareCkksContext = channel.unary_unary(
                 '/fedlt.v1.ConsortiumService/ShareCkksContext',
                 request_serializer=fedlt_dot_v1_dot_consortium__pb2.ShareCkksContextRequest.SerializeToString,
                 response_deserializer=fedlt_dot_v1_dot_consortium__pb2.ShareCkksContextResponse.FromString,
                 _registered_method=True)
+        self.FetchCkksContext = channel.unary_unary(
+                '/fedlt.v1.ConsortiumService/FetchCkksContext',
+                request_serializer=fedlt_dot_v1_dot_consortium__pb2.FetchCkksContextRequest.SerializeToString,
+                response_deserializer=fedlt_dot_v1_dot_consortium__pb2.FetchCkksContextResponse.FromString,
+                _registered_method=True)
         self.FetchEncryptedSum = channel.unary_stream(
                 '/fedlt.v1.ConsortiumService/FetchEncryptedSum',
                 request_serializer=fedlt_dot_v1_dot_consortium__pb2.FetchEncryptedSumRequest.SerializeToString,
                 response_deserializer=fedlt_dot_v1_dot_consortium__pb2.FetchEncryptedSumResponse.FromString,
+                _registered_method=True)
+        self.ReportState = channel.stream_unary(
+                '/fedlt.v1.ConsortiumService/ReportState',
+                request_serializer=fedlt_dot_v1_dot_consortium__pb2.ReportStateRequest.SerializeToString,
+                response_deserializer=fedlt_dot_v1_dot_consortium__pb2.ReportStateResponse.FromString,
+                _registered_method=True)
+        self.ReportEvaluation = channel.unary_unary(
+                '/fedlt.v1.ConsortiumService/ReportEvaluation',
+                request_serializer=fedlt_dot_v1_dot_consortium__pb2.ReportEvaluationRequest.SerializeToString,
+                response_deserializer=fedlt_dot_v1_dot_consortium__pb2.ReportEvaluationResponse.FromString,
                 _registered_method=True)
 
 
@@ -171,8 +191,22 @@ class ConsortiumServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListEnrollments(self, request, context):
+        """CKKS key ceremony: the key holder reads the enrollment keys silos announced at registration.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ShareCkksContext(self, request, context):
-        """CKKS: a silo relays the secret context sealed to another silo's enrollment key.
+        """CKKS key ceremony: the key holder hands over the public context and the secret one sealed to each silo.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchCkksContext(self, request, context):
+        """CKKS key ceremony: a silo fetches the secret context sealed to it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -180,6 +214,20 @@ class ConsortiumServiceServicer:
 
     def FetchEncryptedSum(self, request, context):
         """CKKS: the encrypted sum, for silos to decrypt and run the server step themselves.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportState(self, request_iterator, context):
+        """CKKS: the next state as the silo computed it, sealed, with its digest and encrypted evaluation counts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportEvaluation(self, request, context):
+        """CKKS: the decrypted sum of the silos' evaluation counts for a committed round.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -238,15 +286,35 @@ def add_ConsortiumServiceServicer_to_server(servicer, server):
                     request_deserializer=fedlt_dot_v1_dot_consortium__pb2.UnmaskRequest.FromString,
                     response_serializer=fedlt_dot_v1_dot_consortium__pb2.UnmaskResponse.SerializeToString,
             ),
+            'ListEnrollments': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListEnrollments,
+                    request_deserializer=fedlt_dot_v1_dot_consortium__pb2.ListEnrollmentsRequest.FromString,
+                    response_serializer=fedlt_dot_v1_dot_consortium__pb2.ListEnrollmentsResponse.SerializeToString,
+            ),
             'ShareCkksContext': grpc.unary_unary_rpc_method_handler(
                     servicer.ShareCkksContext,
                     request_deserializer=fedlt_dot_v1_dot_consortium__pb2.ShareCkksContextRequest.FromString,
                     response_serializer=fedlt_dot_v1_dot_consortium__pb2.ShareCkksContextResponse.SerializeToString,
             ),
+            'FetchCkksContext': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchCkksContext,
+                    request_deserializer=fedlt_dot_v1_dot_consortium__pb2.FetchCkksContextRequest.FromString,
+                    response_serializer=fedlt_dot_v1_dot_consortium__pb2.FetchCkksContextResponse.SerializeToString,
+            ),
             'FetchEncryptedSum': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchEncryptedSum,
                     request_deserializer=fedlt_dot_v1_dot_consortium__pb2.FetchEncryptedSumRequest.FromString,
                     response_serializer=fedlt_dot_v1_dot_consortium__pb2.FetchEncryptedSumResponse.SerializeToString,
+            ),
+            'ReportState': grpc.stream_unary_rpc_method_handler(
+                    servicer.ReportState,
+                    request_deserializer=fedlt_dot_v1_dot_consortium__pb2.ReportStateRequest.FromString,
+                    response_serializer=fedlt_dot_v1_dot_consortium__pb2.ReportStateResponse.SerializeToString,
+            ),
+            'ReportEvaluation': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportEvaluation,
+                    request_deserializer=fedlt_dot_v1_dot_consortium__pb2.ReportEvaluationRequest.FromString,
+                    response_serializer=fedlt_dot_v1_dot_consortium__pb2.ReportEvaluationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -531,6 +599,33 @@ class ConsortiumService:
             _registered_method=True)
 
     @staticmethod
+    def ListEnrollments(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedlt.v1.ConsortiumService/ListEnrollments',
+            fedlt_dot_v1_dot_consortium__pb2.ListEnrollmentsRequest.SerializeToString,
+            fedlt_dot_v1_dot_consortium__pb2.ListEnrollmentsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def ShareCkksContext(request,
             target,
             options=(),
@@ -558,6 +653,33 @@ class ConsortiumService:
             _registered_method=True)
 
     @staticmethod
+    def FetchCkksContext(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedlt.v1.ConsortiumService/FetchCkksContext',
+            fedlt_dot_v1_dot_consortium__pb2.FetchCkksContextRequest.SerializeToString,
+            fedlt_dot_v1_dot_consortium__pb2.FetchCkksContextResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def FetchEncryptedSum(request,
             target,
             options=(),
@@ -574,6 +696,60 @@ class ConsortiumService:
             '/fedlt.v1.ConsortiumService/FetchEncryptedSum',
             fedlt_dot_v1_dot_consortium__pb2.FetchEncryptedSumRequest.SerializeToString,
             fedlt_dot_v1_dot_consortium__pb2.FetchEncryptedSumResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportState(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/fedlt.v1.ConsortiumService/ReportState',
+            fedlt_dot_v1_dot_consortium__pb2.ReportStateRequest.SerializeToString,
+            fedlt_dot_v1_dot_consortium__pb2.ReportStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportEvaluation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedlt.v1.ConsortiumService/ReportEvaluation',
+            fedlt_dot_v1_dot_consortium__pb2.ReportEvaluationRequest.SerializeToString,
+            fedlt_dot_v1_dot_consortium__pb2.ReportEvaluationResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -29,7 +29,7 @@ class Schema(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ...) -> None: ...
 
 class RoundSpec(_message.Message):
-    __slots__ = ("consortium_id", "round", "attempt", "round_id", "method", "schema", "method_config", "config_sha256", "state_digest", "state_bytes", "seed", "privacy", "participants", "disclosures", "deadline_unix_ms", "secagg", "disclosers", "census")
+    __slots__ = ("consortium_id", "round", "attempt", "round_id", "method", "schema", "method_config", "config_sha256", "state_digest", "state_bytes", "seed", "privacy", "participants", "disclosures", "deadline_unix_ms", "secagg", "disclosers", "census", "ckks")
     CONSORTIUM_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class RoundSpec(_message.Message):
     SECAGG_FIELD_NUMBER: _ClassVar[int]
     DISCLOSERS_FIELD_NUMBER: _ClassVar[int]
     CENSUS_FIELD_NUMBER: _ClassVar[int]
+    CKKS_FIELD_NUMBER: _ClassVar[int]
     consortium_id: str
     round: int
     attempt: int
@@ -66,7 +67,8 @@ class RoundSpec(_message.Message):
     secagg: SecAggParameters
     disclosers: _containers.RepeatedScalarFieldContainer[str]
     census: Census
-    def __init__(self, consortium_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., round_id: _Optional[str] = ..., method: _Optional[str] = ..., schema: _Optional[_Union[Schema, _Mapping]] = ..., method_config: _Optional[str] = ..., config_sha256: _Optional[str] = ..., state_digest: _Optional[str] = ..., state_bytes: _Optional[int] = ..., seed: _Optional[int] = ..., privacy: _Optional[str] = ..., participants: _Optional[_Iterable[str]] = ..., disclosures: _Optional[_Iterable[str]] = ..., deadline_unix_ms: _Optional[int] = ..., secagg: _Optional[_Union[SecAggParameters, _Mapping]] = ..., disclosers: _Optional[_Iterable[str]] = ..., census: _Optional[_Union[Census, _Mapping]] = ...) -> None: ...
+    ckks: CkksParameters
+    def __init__(self, consortium_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., round_id: _Optional[str] = ..., method: _Optional[str] = ..., schema: _Optional[_Union[Schema, _Mapping]] = ..., method_config: _Optional[str] = ..., config_sha256: _Optional[str] = ..., state_digest: _Optional[str] = ..., state_bytes: _Optional[int] = ..., seed: _Optional[int] = ..., privacy: _Optional[str] = ..., participants: _Optional[_Iterable[str]] = ..., disclosures: _Optional[_Iterable[str]] = ..., deadline_unix_ms: _Optional[int] = ..., secagg: _Optional[_Union[SecAggParameters, _Mapping]] = ..., disclosers: _Optional[_Iterable[str]] = ..., census: _Optional[_Union[Census, _Mapping]] = ..., ckks: _Optional[_Union[CkksParameters, _Mapping]] = ...) -> None: ...
 
 class Census(_message.Message):
     __slots__ = ("silos", "silos_per_class")
@@ -85,6 +87,16 @@ class SecAggParameters(_message.Message):
     neighbours: int
     k_min: int
     def __init__(self, threshold: _Optional[int] = ..., neighbours: _Optional[int] = ..., k_min: _Optional[int] = ...) -> None: ...
+
+class CkksParameters(_message.Message):
+    __slots__ = ("k_min", "context_id", "key_holder")
+    K_MIN_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_HOLDER_FIELD_NUMBER: _ClassVar[int]
+    k_min: int
+    context_id: str
+    key_holder: str
+    def __init__(self, k_min: _Optional[int] = ..., context_id: _Optional[str] = ..., key_holder: _Optional[str] = ...) -> None: ...
 
 class SignedRoundSpec(_message.Message):
     __slots__ = ("spec", "signature")

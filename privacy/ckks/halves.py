@@ -21,12 +21,15 @@ from fedlt.aggregation.halves import (
     AggregatorSide,
     BadMessage,
     Released,
+    SettingsRefused,
     SiloHalf,
     SiloSide,
     SumSpec,
     WrongStage,
 )
 from privacy.ckks.keys import CkksKeyError, PublicContext, SecretContext, ciphertext_limit, scale_bits
+from privacy.ckks.relay import CkksRelay, NoKeyYet
+from privacy.ckks.settings import CkksParameters
 
 UPLOAD, DELIVERED, DONE = "upload", "delivered", "done"
 
@@ -133,7 +136,7 @@ class CkksAggregatorHalf(AggregatorHalf):
             raise BadMessage(
                 f"a ciphertext of {ciphertext.size()} values; the schema has {self.spec.schema.size}"
             )
-        self._total = ciphertext if self._total is None else self._total.plus(ciphertext)
+        self._total = ciphertext if self._total is None else self._total.add(ciphertext)
         self._uploads[silo] = message.blob
 
     def close(self) -> Mapping[str, object] | Released:
@@ -160,16 +163,42 @@ class CkksAggregatorHalf(AggregatorHalf):
 
 
 class CkksSiloSide(SiloSide):
-    def __init__(self, secret: SecretContext) -> None:
-        self.secret = secret
+    """`secret_for(settings)` is the secret context a round's signed parameters name (SettingsRefused if this
+    silo does not hold it); the simulator has one for the whole run."""
+
+    steps_model = True
+
+    def __init__(self, secret_for: Callable[[object], SecretContext]) -> None:
+        self.secret_for = secret_for
 
     def half(self, spec: SumSpec, me: str, *, may_release: Callable[[tuple[str, ...]], None]) -> SiloHalf:
-        return CkksSiloHalf(spec, self.secret, may_release)
+        return CkksSiloHalf(spec, self.secret_for(spec.settings), may_release)
+
+    def problems(self, spec: SumSpec) -> list[str]:
+        try:
+            self.secret_for(spec.settings)
+            scale_bits(spec.schema, len(spec.silos))
+        except SettingsRefused as exc:
+            return [str(exc)]
+        return []
 
 
 class CkksAggregatorSide(AggregatorSide):
-    def __init__(self, public: PublicContext) -> None:
-        self.public = public
+    """`keys` is the public context, or (a consortium) the key ceremony's relay, which receives it later."""
+
+    def __init__(self, keys: PublicContext | CkksRelay) -> None:
+        self.keys = keys
 
     def half(self, spec: SumSpec) -> AggregatorHalf:
-        return CkksAggregatorHalf(spec, self.public)
+        public = self.keys if isinstance(self.keys, PublicContext) else self.keys.public
+        if public is None:
+            raise NoKeyYet("the key holder has not shared the consortium's CKKS key yet")
+        return CkksAggregatorHalf(spec, public)
+
+    def eligible(self, silo: str) -> bool:
+        return isinstance(self.keys, PublicContext) or self.keys.eligible(silo)
+
+    def round_settings(self, settings: object) -> object:
+        if isinstance(self.keys, PublicContext):
+            return settings
+        return CkksParameters(settings.k_min, self.keys.context_id, self.keys.key_holder)

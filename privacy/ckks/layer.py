@@ -12,6 +12,7 @@ from fedlt.aggregation import SumLayer
 from fedlt.aggregation.halves import AggregatorSide, PartyKeys, SiloSide
 from privacy.ckks.halves import CkksAggregatorSide, CkksSiloSide
 from privacy.ckks.keys import PublicContext, SecretContext
+from privacy.ckks.relay import CkksRelay
 from privacy.ckks.settings import CkksSettings
 
 
@@ -27,15 +28,19 @@ class CkksSum(SumLayer):
         return self.settings.describe()
 
     def silo_side(self, keys: PartyKeys) -> SiloSide:
-        if not isinstance(keys.secret, SecretContext):
+        """`keys.secret`: the secret context, or (a consortium silo) its keyring's lookup by parameters."""
+        secret = keys.secret
+        if isinstance(secret, SecretContext):
+            return CkksSiloSide(lambda _: secret)
+        if not callable(secret):
             raise ValueError("a silo takes part in CKKS sums only with the consortium's secret context")
-        return CkksSiloSide(keys.secret)
+        return CkksSiloSide(secret)
 
     def aggregator_side(self, keys: PartyKeys) -> AggregatorSide:
-        if not isinstance(keys.secret, PublicContext):
+        if not isinstance(keys.secret, PublicContext | CkksRelay):
             raise ValueError("the aggregator adds CKKS ciphertexts with the public context")
         return CkksAggregatorSide(keys.secret)
 
     def in_process(self, silos: Sequence[str]) -> tuple[Mapping[str, SiloSide], AggregatorSide]:
         secret = SecretContext.new()
-        return dict.fromkeys(silos, CkksSiloSide(secret)), CkksAggregatorSide(secret.public)
+        return dict.fromkeys(silos, CkksSiloSide(lambda _: secret)), CkksAggregatorSide(secret.public)

@@ -27,3 +27,12 @@ class CkksSettings:
             f"ckks — the aggregator adds ciphertexts and sees no sum, no model; key made by {holder}, no "
             f"threshold decryption (a silo colluding with the aggregator reads every upload); {guard}"
         )
+
+
+@dataclass(frozen=True)
+class CkksParameters:
+    """What a RoundSpec signs for a CKKS round: the tail guard, and the key every silo must encrypt under."""
+
+    k_min: int
+    context_id: str
+    key_holder: str

@@ -1,0 +1,46 @@
+"""Zero-sum masks on what silos release after decrypting (their evaluation counts), from the consortium key.
+
+CKKS alone cannot show a silo that the ciphertext it is asked to decrypt is the sum it is said to be: the
+aggregator could hand it one silo's upload. For a sum whose total a silo then releases raw, every silo adds a
+pairwise mask for each other silo of the sum (+m at one end, −m at the other), drawn from a key derived from
+the CKKS secret key, which the aggregator lacks. The masks cancel only in the sum over exactly those silos;
+any other ciphertext decrypts to values plus masks of up to ±`MASK_RANGE` each, which are no counts (the
+releasing silo refuses them) and would hide the counts if it did not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Sequence
+
+import numpy as np
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from privacy.ckks.keys import SecretContext
+from privacy.secagg import prg
+from privacy.secagg.crypto import transcript
+
+MASK_INFO = b"fedlt/ckks/release-mask/v1"
+MASK_RANGE = 2**24
+
+
+def _mask_key(secret: SecretContext) -> bytes:
+    info = MASK_INFO + secret.context_id.encode()
+    return HKDF(hashes.SHA256(), length=32, salt=None, info=info).derive(secret.secret_bytes())
+
+
+def zero_sum_mask(secret: SecretContext, sum_id: str, me: str, silos: Sequence[str], size: int) -> np.ndarray:
+    """This silo's mask for the sum `sum_id` over `silos`: the masks of all of them add up to zero."""
+    key, total = _mask_key(secret), np.zeros(size, dtype=np.int64)
+    members = transcript(*sorted(silos))  # a pair's mask in one set never cancels one of another set
+    for other in silos:
+        if other == me:
+            continue
+        low, high = sorted((me, other))
+        seed = hmac.new(key, transcript(sum_id, members, low, high), hashlib.sha256).digest()
+        words = prg.mask(seed, size) % np.uint64(2 * MASK_RANGE + 1)
+        pair = words.astype(np.int64) - MASK_RANGE
+        total += pair if me == low else -pair
+    return total.astype(np.float64)

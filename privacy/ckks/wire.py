@@ -1,0 +1,98 @@
+"""The `ckks` layer's messages and key ceremony in their Protobuf form (fedlt/v1), for silo and aggregator.
+
+An encrypted upload is a Submit stream of kind CKKS. The encrypted sum is too large for the directive stream,
+so its `SumStep` only announces it (`SumReady`: who it counts, its size and SHA-256) and the silo fetches it
+(`fetch_sum`), reading no more than announced and checking the hash before it decrypts anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from fedlt.aggregation.halves import BadMessage
+from fedlt.v1 import consortium_pb2 as pb
+from fedlt.wire import SUM_OF_PURPOSE, submit_stream
+from privacy.ckks.ceremony import Announcement, SealedContext
+from privacy.ckks.halves import EncryptedSum, EncryptedUpload
+
+
+@dataclass(frozen=True)
+class SumReady:
+    """A SumStep's announcement of an encrypted sum, before the silo has fetched it."""
+
+    survivors: tuple[str, ...]
+    total_bytes: int
+    sha256: str
+
+
+def _submit_encrypted(stub, round_id: str, purpose: str, upload: EncryptedUpload, timeout: float) -> object:
+    stream = submit_stream(round_id, upload.blob, kind=pb.CONTRIBUTION_KIND_CKKS, purpose=purpose)
+    return stub.Submit(stream, timeout=timeout)
+
+
+def ready_to_pb(step: EncryptedSum) -> dict[str, object]:
+    announced = pb.EncryptedSumReady(
+        survivors=step.survivors, total_bytes=len(step.blob), sha256=hashlib.sha256(step.blob).hexdigest()
+    )
+    return {"encrypted_sum": announced}
+
+
+def ready_from_pb(step: pb.SumStep) -> SumReady:
+    ready = step.encrypted_sum
+    return SumReady(tuple(ready.survivors), ready.total_bytes, ready.sha256)
+
+
+def fetch_sum(stub, round_id: str, purpose: str, ready: SumReady, timeout: float) -> EncryptedSum:
+    request = pb.FetchEncryptedSumRequest(round_id=round_id, sum=SUM_OF_PURPOSE[purpose])
+    data = bytearray()
+    for part in stub.FetchEncryptedSum(request, timeout=timeout):
+        if part.offset != len(data) or len(data) + len(part.data) > ready.total_bytes:
+            raise BadMessage("the encrypted sum streamed does not fit the size announced")
+        data += part.data
+    if len(data) != ready.total_bytes or hashlib.sha256(data).hexdigest() != ready.sha256:
+        raise BadMessage("the encrypted sum fetched is not the one announced")
+    return EncryptedSum(bytes(data), ready.survivors)
+
+
+def sealed_to_pb(sealed: SealedContext) -> pb.SealedContext:
+    return pb.SealedContext(
+        sender=sealed.sender,
+        recipient=sealed.recipient,
+        context_id=sealed.context_id,
+        ephemeral_key=sealed.ephemeral,
+        ciphertext=sealed.ciphertext,
+        signature=sealed.signature,
+    )
+
+
+def sealed_from_pb(sealed: pb.SealedContext) -> SealedContext:
+    return SealedContext(
+        sealed.sender,
+        sealed.recipient,
+        sealed.context_id,
+        sealed.ephemeral_key,
+        sealed.ciphertext,
+        sealed.signature,
+    )
+
+
+def enrollment_to_pb(announcement: Announcement) -> pb.Enrollment:
+    return pb.Enrollment(
+        silo_id=announcement.silo,
+        public_key=announcement.public,
+        signature=announcement.signature,
+        certificate=announcement.certificate,
+    )
+
+
+def enrollment_from_pb(enrollment: pb.Enrollment) -> Announcement:
+    return Announcement(
+        enrollment.silo_id, enrollment.public_key, enrollment.signature, enrollment.certificate
+    )
+
+
+SENDERS = {EncryptedUpload: _submit_encrypted}
+STEP_ENCODERS = {EncryptedSum: ready_to_pb}
+STEP_DECODERS = {"encrypted_sum": ready_from_pb}
+FETCHERS = {SumReady: fetch_sum}

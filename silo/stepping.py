@@ -1,0 +1,169 @@
+"""Where only silos can read a round's sum (ckks): this silo opens the sealed state, steps the model itself,
+seals the next state for the aggregator to keep, and adds its evaluation counts to one more sum.
+
+The next state must be the same at every silo to the bit: the decrypted sum is already on each field's grid,
+and the server step runs on one torch thread here, so every silo on the same software computes the same
+numbers; the aggregator commits only if every silo reports the same digest. The state of round 1 is the
+method's seeded initial state, public anyway, so it comes unsealed, and is checked against the seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from fedlt.aggregation import SumLayer
+from fedlt.aggregation.halves import (
+    EVALUATION_BOUND,
+    SiloHalf,
+    SiloSide,
+    SumAborted,
+    SumSpec,
+    evaluation_schema,
+)
+from fedlt.data.arrays import LabeledImages
+from fedlt.methods import GlobalState, Method, ServerContext
+from fedlt.methods.state import pack_state, unpack_state
+from fedlt.metrics import predict
+from fedlt.v1 import consortium_pb2 as pb
+from fedlt.v1 import round_pb2
+from fedlt.wire import chunks, schema_to_pb
+from privacy.ckks.keys import SecretContext
+from privacy.ckks.masks import zero_sum_mask
+from privacy.ckks.sealed_state import open_state, seal_state
+from privacy.secagg.crypto import transcript
+from privacy.wire import payload_of
+from silo.participation import Participation
+
+
+class StateRefused(SumAborted):
+    """A state this silo will not start from: not the seeded initial one, or not sealed with the key."""
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Float sums in parallel kernels depend on the thread count; one thread makes every silo agree."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def opened_state(
+    data: bytes, spec: round_pb2.RoundSpec, secret: SecretContext, method: Method
+) -> GlobalState:
+    """The starting state from what FetchState streamed: sealed after round 1, the seeded one before."""
+    if spec.round == 1:
+        state = unpack_state(data, 0)
+        if state.digest() != method.init_state(seed=spec.seed).digest():
+            raise StateRefused("the first state is not the method's initial state for the signed seed")
+        return state
+    packed = open_state(
+        secret,
+        consortium=spec.consortium_id,
+        round_number=spec.round - 1,
+        digest=spec.state_digest,
+        sealed=data,
+    )
+    return unpack_state(packed, spec.round - 1)
+
+
+def evaluation_counts(method: Method, state: GlobalState, held_out: LabeledImages | None) -> torch.Tensor:
+    """Correct and total per class on the held-out slice (zeros without one), as one vector."""
+    classes = method.model_spec.num_classes
+    if held_out is None or not len(held_out):
+        return torch.zeros(2 * classes, dtype=torch.float64)
+    predicted = predict(method.eval_model(state), held_out.x)
+    correct = np.bincount(held_out.y[held_out.y == predicted], minlength=classes)
+    total = np.bincount(held_out.y, minlength=classes)
+    return torch.from_numpy(np.concatenate([correct, total]).astype(np.float64))
+
+
+def step_and_report(
+    stub,
+    taking_part: Participation,
+    *,
+    side: SiloSide,
+    secret: SecretContext,
+    state: GlobalState,
+    method: Method,
+    held_out: LabeledImages | None,
+    may_release,
+    timeout: float,
+) -> tuple[SiloHalf, str]:
+    """Run the server step on the decrypted sum, report the sealed next state; returns the half of the
+    evaluation sum the aggregator will send back (for `report_evaluation`) and the new state's digest."""
+    spec, sums = taking_part.spec, taking_part.sums
+    survivors = sums.half.counted
+    total = SumLayer.seal(sums.sums.schema, sums.result, len(survivors))
+    with one_thread():
+        following = method.server_step(state, total, ServerContext(spec.round, spec.seed))
+    digest = following.digest()
+    sealed = seal_state(
+        secret,
+        consortium=spec.consortium_id,
+        round_number=spec.round,
+        digest=digest,
+        packed=pack_state(following),
+    )
+    evaluation = side.half(
+        SumSpec(
+            spec.round_id,
+            "evaluation",
+            tuple(sorted(survivors)),
+            evaluation_schema(method.model_spec.num_classes),
+            settings=sums.sums.settings,
+        ),
+        taking_part.me,
+        may_release=may_release,
+    )
+    counts = evaluation_counts(method, following, held_out)
+    # bound to everything the round's release is pinned to, not only the round id the aggregator chooses
+    sum_id = transcript(
+        spec.consortium_id,
+        spec.state_digest,
+        spec.config_sha256,
+        str(spec.seed),
+        str(spec.round),
+        spec.round_id,
+    ).hex()
+    mask = zero_sum_mask(secret, f"{sum_id}/evaluation", taking_part.me, evaluation.spec.silos, len(counts))
+    (upload,) = evaluation.start(counts + torch.from_numpy(mask))
+    kind, payload = payload_of(upload)
+    header = pb.StateReportHeader(
+        round_id=spec.round_id,
+        state_digest=digest,
+        total_bytes=len(sealed),
+        sha256=hashlib.sha256(sealed).hexdigest(),
+        next_schema=schema_to_pb(method.schema(following)),
+        remaining_rounds=method.remaining_rounds(following),
+        next_trains=method.trains(following),
+        evaluation=payload,
+        evaluation_kind=kind,
+    )
+    parts = [pb.ReportStateRequest(header=header)] + [
+        pb.ReportStateRequest(chunk=c) for _, c in chunks(sealed)
+    ]
+    stub.ReportState(iter(parts), timeout=timeout)
+    return evaluation, digest
+
+
+def report_evaluation(stub, round_number: int, evaluation: SiloHalf, step: object, timeout: float) -> None:
+    """Decrypt the evaluation sum (the half's release check first) and report the per-class totals, only if
+    they are counts: anything but the sum over every silo that masked its counts still carries masks."""
+    evaluation.step(step)
+    counts = np.rint(evaluation.result.numpy()).astype(np.int64)
+    classes = len(counts) // 2
+    correct, total = counts[:classes], counts[classes:]
+    if (correct < 0).any() or (correct > total).any() or (total > EVALUATION_BOUND).any():
+        raise SumAborted("the evaluation sum decrypts to no counts (masks left over): not the sum it names")
+    stub.ReportEvaluation(
+        pb.ReportEvaluationRequest(round=round_number, correct=correct.tolist(), total=total.tolist()),
+        timeout=timeout,
+    )
