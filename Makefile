@@ -12,8 +12,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+PRIVACY ?= secagg
 demo: $(STAMP)
-	$(PY) -m aggregator demo --dir runs/consortium-demo
+	$(PY) -m aggregator demo --dir runs/consortium-demo --privacy $(PRIVACY)
 
 TOOLS := .tools/node_modules/.bin
 # buf is pinned exactly in .tools/package.json; no lock file, because npm records only this platform's binary.

@@ -32,19 +32,17 @@ from typing import TypeVar
 
 from aggregator.config import ConsortiumConfig
 from aggregator.evaluation import Evaluator
+from aggregator.evaluation_sum import EvaluationSum
 from aggregator.held_state import HeldState, StateReport
 from aggregator.picking import RoundPicker
 from aggregator.sessions import Session, Sessions
 from aggregator.store import Store, StoreError, now_ms
 from fedlt.aggregation import Schema, SumLayer, Sums, tail_guard
 from fedlt.aggregation.halves import (
-    AggregatorHalf,
     AggregatorSide,
     Released,
     SettingsRefused,
     SumAborted,
-    SumSpec,
-    evaluation_schema,
 )
 from fedlt.aggregation.round_sums import AggregatorRound
 from fedlt.errors import FedltError
@@ -106,18 +104,6 @@ class Attempt:
         return silo_id in self.participants or silo_id in self.disclosers
 
 
-@dataclass(frozen=True)
-class PendingEvaluation:
-    """A committed round's sum of the silos' evaluation counts, waiting for a silo to report its total."""
-
-    round: int
-    round_id: str
-    half: AggregatorHalf
-    contributors: list[str]
-    seconds: float
-    reported: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)  # silo -> its decryption
-
-
 class RoundEngine:
     """`layer` is the simulator's facade of the configured privacy layer (its name and settings); `side` its
     aggregator half-maker, with the consortium's keys."""
@@ -149,7 +135,7 @@ class RoundEngine:
         self.failure: Exception | None = None
         self.stage = Stage.GATHERING
         self.held = self._load_state()
-        self._evaluation: PendingEvaluation | None = None
+        self._evaluation: EvaluationSum | None = None  # where only silos hold the model
         self.picker = RoundPicker(config.plan.selection, config.consortium.seed, store, method)
         self.evaluator = Evaluator(
             recorder=recorder,
@@ -254,9 +240,8 @@ class RoundEngine:
     def download(self, silo_id: str, round_id: str, purpose: str) -> bytes:
         """What a silo fetches of an open sum (a CKKS sum), or of the last committed round's evaluations."""
         with self._lock:
-            pending = self._evaluation
-            if purpose == "evaluation" and pending is not None and pending.round_id == round_id:
-                return pending.half.download(silo_id)
+            if purpose == "evaluation" and self._evaluation is not None:
+                return self._evaluation.download(silo_id, round_id)
             return self._invited(silo_id, round_id).sums.download(silo_id, purpose)
 
     def report_state(self, silo_id: str, round_id: str, report: StateReport) -> None:
@@ -276,25 +261,11 @@ class RoundEngine:
         self, silo_id: str, round_number: int, correct: list[int], total: list[int]
     ) -> None:
         """A silo's decryption of the evaluation sum it was sent: the operator's only view of accuracy."""
-        classes = self.method.model_spec.num_classes
-        if (
-            len(correct) != classes
-            or len(total) != classes
-            or any(c > t for c, t in zip(correct, total, strict=True))
-        ):
-            raise BadContribution(
-                f"evaluation counts are {classes} correct and {classes} total, correct ≤ total"
-            )
         with self._lock:
             pending = self._evaluation
-            if pending is None or pending.round != round_number or silo_id not in pending.half.spec.silos:
-                raise WrongRound(f"no evaluation of round {round_number} is waiting for {silo_id}")
-            first = not pending.reported
-            if not first and next(iter(pending.reported.values())) != (correct, total):
-                log.warning(
-                    "round %d: %s decrypted other evaluation counts than the first", round_number, silo_id
-                )
-            pending.reported.setdefault(silo_id, (correct, total))
+            if pending is None:
+                raise WrongRound(f"no evaluation of round {round_number} is waiting")
+            first = pending.report(silo_id, round_number, correct, total)
             self._lock.notify_all()
         if first:
             self.evaluator.counted(round_number, correct, total, pending.contributors, pending.seconds)
@@ -396,10 +367,7 @@ class RoundEngine:
 
     def _evaluations_in(self) -> bool:
         """Every silo sent the last evaluation sum has reported its decryption, or is gone."""
-        pending = self._evaluation
-        if pending is None:
-            return True
-        return self._all_in(pending.half.spec.silos, pending.reported)
+        return self._evaluation is None or self._all_in(self._evaluation.waiting_for, ())
 
     def _all_in(self, expected: Collection[str], answered: Collection[str]) -> bool:
         """Every silo expected has answered, or is no longer connected (no one waits for the gone)."""
@@ -572,24 +540,22 @@ class RoundEngine:
     def _sum_evaluations(self, attempt: Attempt, contributors: list[str], seconds: float) -> None:
         """Add the reporting silos' evaluation counts under the layer; send the sum back for them to read."""
         self.evaluator.announce(attempt.round, contributors, seconds)
-        silos = tuple(sorted(attempt.reports))
-        spec = SumSpec(
-            attempt.round_id,
-            "evaluation",
-            silos,
-            evaluation_schema(self.method.model_spec.num_classes),
-            settings=self.side.round_settings(self.layer.settings),
-        )
         try:
-            half = self.side.half(spec)
-            for silo in silos:
-                half.receive(silo, attempt.reports[silo].evaluation)
-            steps = half.close()
+            pending, steps = EvaluationSum.start(
+                self.side,
+                self.side.round_settings(self.layer.settings),
+                self.method.model_spec.num_classes,
+                round_number=attempt.round,
+                round_id=attempt.round_id,
+                reports=attempt.reports,
+                contributors=contributors,
+                seconds=seconds,
+            )
         except FedltError as exc:
             log.warning("round %d: its evaluation counts could not be summed: %s", attempt.round, exc)
             return
         with self._lock:
-            self._evaluation = PendingEvaluation(attempt.round, attempt.round_id, half, contributors, seconds)
+            self._evaluation = pending
             for silo, step in steps.items():
                 self.sessions.step(silo, attempt.round_id, "evaluation", step)
 

@@ -2,6 +2,9 @@
 
 `python -m silo roster show|sign --config silo.toml`: show the roster this silo has pinned, or add this silo's
 signature to a roster draft the operator sent (a new version counts once a quorum of silos signed it).
+
+`python -m silo ckks rotate --config silo.toml`: as the consortium's CKKS key holder, make a new key; the
+running agent seals it to every silo at its next heartbeat, and the next RoundSpec names it.
 """
 
 from __future__ import annotations
@@ -34,9 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     sign = roster_commands.add_parser("sign", help="add this silo's signature to a roster draft, in place")
     sign.add_argument("--config", required=True, help="silo.toml")
     sign.add_argument("draft", type=Path, help="the roster draft (python -m aggregator roster draft)")
+    ckks = commands.add_parser("ckks", help="the CKKS key this silo holds as the consortium's key holder")
+    ckks_commands = ckks.add_subparsers(dest="ckks_command", required=True)
+    rotate = ckks_commands.add_parser("rotate", help="make a new consortium key (key holder only)")
+    rotate.add_argument("--config", required=True, help="silo.toml")
     args = parser.parse_args(argv)
     try:
         config = load_silo_config(args.config)
+        if args.command == "ckks":
+            return _rotate_ckks_key(config)
         if args.command == "roster":
             return _show_roster(config) if args.roster_command == "show" else _sign_roster(config, args.draft)
         return _run(config, args.log_level)
@@ -53,6 +62,17 @@ def _run(config: SiloConfig, log_level: str) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     return SiloAgent(config, stop=stop).run()
+
+
+def _rotate_ckks_key(config: SiloConfig) -> int:
+    from silo.ckks_keys import CkksKeyring  # TenSEAL loads only for this command
+
+    keyring = CkksKeyring.for_policy(config.path(config.state_dir), config.policy.privacy)
+    if keyring is None:
+        raise FedltError("policy.privacy does not list ckks: this silo holds no CKKS key to rotate")
+    secret = keyring.rotate()
+    print(f"new CKKS key {secret.context_id[:16]}; the running agent shares it at its next heartbeat")
+    return 0
 
 
 def _pinned(config: SiloConfig) -> Roster:

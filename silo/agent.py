@@ -518,7 +518,8 @@ class SiloAgent:
         steps_model = self.sides[spec.privacy].steps_model
         try:
             if steps_model:
-                state = opened_state(data, spec, self.ckks.secret_for(roundspec.settings_of(spec)), method)
+                secret = self.ckks.secret_for(roundspec.settings_of(spec))
+                state = opened_state(data, spec, secret, method, older=self.ckks.held())
             else:
                 state = unpack_state(data, spec.round - 1)
         except FedltError as exc:

@@ -61,6 +61,10 @@ class CkksKeyring:
             self._contexts[context_id] = SecretContext.from_secret_bytes(path.read_bytes())
         return self._contexts[context_id]
 
+    def held(self) -> list[SecretContext]:
+        """Every key this silo holds, the current one and those from before rotations."""
+        return [self.get(path.stem) for path in sorted(self.dir.glob("*.secret"))]
+
     def secret_for(self, parameters: CkksParameters) -> SecretContext:
         """What the ckks silo side encrypts and decrypts with: the key the signed parameters name."""
         secret = self.get(parameters.context_id)

@@ -10,7 +10,7 @@ method's seeded initial state, public anyway, so it comes unsealed, and is check
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import numpy as np
@@ -34,7 +34,7 @@ from fedlt.v1 import round_pb2
 from fedlt.wire import chunks, schema_to_pb
 from privacy.ckks.keys import SecretContext
 from privacy.ckks.masks import zero_sum_mask
-from privacy.ckks.sealed_state import open_state, seal_state
+from privacy.ckks.sealed_state import SealedStateError, open_state, seal_state
 from privacy.secagg.crypto import transcript
 from privacy.wire import payload_of
 from silo.participation import Participation
@@ -56,22 +56,28 @@ def one_thread() -> Iterator[None]:
 
 
 def opened_state(
-    data: bytes, spec: round_pb2.RoundSpec, secret: SecretContext, method: Method
+    data: bytes,
+    spec: round_pb2.RoundSpec,
+    secret: SecretContext,
+    method: Method,
+    *,
+    older: Sequence[SecretContext] = (),
 ) -> GlobalState:
-    """The starting state from what FetchState streamed: sealed after round 1, the seeded one before."""
+    """The starting state from what FetchState streamed: sealed after round 1, the seeded one before. A state
+    sealed before a key rotation opens with the old key (`older`: the other keys this silo holds)."""
     if spec.round == 1:
         state = unpack_state(data, 0)
         if state.digest() != method.init_state(seed=spec.seed).digest():
             raise StateRefused("the first state is not the method's initial state for the signed seed")
         return state
-    packed = open_state(
-        secret,
-        consortium=spec.consortium_id,
-        round_number=spec.round - 1,
-        digest=spec.state_digest,
-        sealed=data,
-    )
-    return unpack_state(packed, spec.round - 1)
+    bound = {"consortium": spec.consortium_id, "round_number": spec.round - 1, "digest": spec.state_digest}
+    for key in older:
+        if key.context_id != secret.context_id:
+            try:
+                return unpack_state(open_state(key, **bound, sealed=data), spec.round - 1)
+            except SealedStateError:
+                continue
+    return unpack_state(open_state(secret, **bound, sealed=data), spec.round - 1)
 
 
 def evaluation_counts(method: Method, state: GlobalState, held_out: LabeledImages | None) -> torch.Tensor:

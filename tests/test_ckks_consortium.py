@@ -41,7 +41,8 @@ def _windows(data: bytes, width: int = 48, count: int = 8) -> list[bytes]:
     return [data[i : i + width] for i in range(0, len(data) - width, step)][:count]
 
 
-@pytest.mark.parametrize("name", ["fedavg", "creff"])
+# CReFF (census, tail guard, a server step that retrains the classifier) is the longer run: `make test-all`
+@pytest.mark.parametrize("name", ["fedavg", pytest.param("creff", marks=pytest.mark.slow)])
 def test_a_ckks_consortium_trains_the_plaintext_model_without_the_aggregator_reading_it(
     make_consortium,  # noqa: F811
     tmp_path,

@@ -47,6 +47,7 @@ from privacy.ckks.masks import MASK_RANGE, zero_sum_mask
 from privacy.ckks.relay import CkksRelay, NoKeyYet
 from privacy.ckks.sealed_state import NONCE, STATE_INFO, SealedStateError, open_state, seal_state
 from privacy.wire import upload_of
+from silo.ckks_keys import CkksKeyring
 from silo.stepping import StateRefused, evaluation_counts, opened_state, report_evaluation, step_and_report
 from tests.consortium_harness import PLAN
 from tests.test_ckks import SECRET
@@ -554,3 +555,18 @@ def test_a_sealed_held_state_survives_the_store_without_a_model():
     with pytest.raises(ValueError, match="does not match its digest"):
         HeldState.from_stored(stored, 1, START.digest(), METHOD)
     assert replace(again, remaining=2) != held
+
+
+def test_after_a_key_rotation_the_state_sealed_under_the_old_key_still_opens_at_silos_holding_it(tmp_path):
+    """The round after a rotation names the new key, but its starting state was sealed under the old one:
+    a silo that holds both (its keyring keeps old keys) opens it; one given only the new key cannot."""
+    spec = round_spec(2, "r2.a1.rotated", following(START))
+    keyring = CkksKeyring(tmp_path)
+    old = keyring.rotate()
+    sealed = seal_state(old, consortium=CONSORTIUM, round_number=1, digest=DIGEST, packed=PACKED)
+    new = keyring.rotate()
+    with pytest.raises(SealedStateError):
+        opened_state(sealed, spec, new, METHOD)
+    assert opened_state(sealed, spec, new, METHOD, older=keyring.held()).digest() == DIGEST
+    assert {key.context_id for key in keyring.held()} == {old.context_id, new.context_id}
+    assert keyring.current().context_id == new.context_id

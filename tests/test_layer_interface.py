@@ -108,6 +108,7 @@ ABOVE_THE_LAYERS = [
     "aggregator/rounds.py",
     "aggregator/held_state.py",
     "aggregator/evaluation.py",
+    "aggregator/evaluation_sum.py",
     "aggregator/sessions.py",
     "aggregator/service.py",
     "silo/agent.py",
