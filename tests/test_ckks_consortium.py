@@ -114,3 +114,21 @@ def test_a_ckks_consortium_trains_the_plaintext_model_without_the_aggregator_rea
     for round_number, data in states[1:]:
         with pytest.raises(PackError):
             unpack_state(data, round_number)
+
+
+@pytest.mark.slow
+def test_a_ckks_consortium_goes_on_without_a_killed_silo_and_still_reports_accuracy(make_consortium):  # noqa: F811
+    """A silo killed after round 1: the rest decrypt, step and agree without it, and their evaluation sum,
+    masked over the silos that contributed, still adds up to counts."""
+    consortium = make_consortium(rounds=3, min_silos=3, silos=4, privacy="ckks")
+    consortium.start()
+    consortium.wait_for_output(lambda line: "round    1/3" in line and "acc" in line, timeout=180)
+    consortium.kill(consortium.silos[3])
+    assert consortium.wait_aggregator(timeout=400) == 0, "\n".join(consortium.output[-30:])
+    store = consortium.store()
+    try:
+        metrics = store.metrics_history()
+    finally:
+        store.close()
+    assert [m["round"] for m in metrics] == [1, 2, 3]
+    assert [len(m["contributors"]) for m in metrics] == [4, 3, 3]
