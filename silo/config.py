@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
@@ -10,7 +11,7 @@ import numpy as np
 
 from fedlt.config import parse_section, read_toml, resolve, setting
 from fedlt.data.arrays import LabeledImages
-from fedlt.data.federation import DataConfig, build_federation
+from fedlt.data.federation import DataConfig, Federation, build_federation
 from fedlt.data.files import load_dataset
 from fedlt.errors import ConfigError
 from fedlt.methods import METHODS
@@ -139,7 +140,7 @@ class SiloConfig:
     def load_data(self) -> LabeledImages:
         data = self.data
         if data.source == "embedded":
-            federation = build_federation(data.recipe, seed=data.seed)
+            federation = _federation(data.recipe, data.seed)
             return federation.silos[data.index]
         return self._files(data.path, data.format, data.labels)
 
@@ -149,7 +150,7 @@ class SiloConfig:
         if section.path:
             held_out = self._files(section.path, section.format, section.labels)
         elif self.data.source == "embedded":
-            held_out = build_federation(self.data.recipe, seed=self.data.seed).test
+            held_out = _federation(self.data.recipe, self.data.seed).test
         else:
             return None
         return held_out.subset(np.arange(section.part, len(held_out), section.parts))
@@ -157,6 +158,12 @@ class SiloConfig:
     def _files(self, path: str, format: str, labels: str) -> LabeledImages:
         options = {"labels": str(self.path(labels))} if labels else {}
         return load_dataset(self.path(path), format=format or None, **options)
+
+
+@functools.cache
+def _federation(recipe: DataConfig, seed: int) -> Federation:
+    """An embedded recipe's shards and test split, built once for the training data and the held-out slice."""
+    return build_federation(recipe, seed=seed)
 
 
 def load_silo_config(path: str | Path) -> SiloConfig:

@@ -71,13 +71,13 @@ def opened_state(
             raise StateRefused("the first state is not the method's initial state for the signed seed")
         return state
     bound = {"consortium": spec.consortium_id, "round_number": spec.round - 1, "digest": spec.state_digest}
-    for key in older:
-        if key.context_id != secret.context_id:
-            try:
-                return unpack_state(open_state(key, **bound, sealed=data), spec.round - 1)
-            except SealedStateError:
-                continue
-    return unpack_state(open_state(secret, **bound, sealed=data), spec.round - 1)
+    refusals = []
+    for key in (secret, *(k for k in older if k.context_id != secret.context_id)):  # older: after a rotation
+        try:
+            return unpack_state(open_state(key, **bound, sealed=data), spec.round - 1)
+        except SealedStateError as exc:
+            refusals.append(exc)
+    raise refusals[0]
 
 
 def evaluation_counts(method: Method, state: GlobalState, held_out: LabeledImages | None) -> torch.Tensor:

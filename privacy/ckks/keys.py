@@ -24,6 +24,8 @@ import struct
 
 import numpy as np
 import tenseal as ts
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from fedlt.aggregation import Schema
 from fedlt.aggregation.halves import SettingsRefused
@@ -76,10 +78,7 @@ class PublicContext:
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> PublicContext:
-        try:
-            return cls(ts.context_from(raw))
-        except (ValueError, RuntimeError, TypeError) as exc:
-            raise CkksKeyError(f"not a public CKKS context: {exc}") from None
+        return cls(_context_from(raw, "public"))
 
     def add(self, ciphertexts: list[bytes]) -> bytes:
         total = self.read(ciphertexts[0])
@@ -102,6 +101,7 @@ class SecretContext:
         # names the key, not the parameters (a symmetric public context is the same for every key): the key
         # holder announces it, every silo checks the key it holds against the RoundSpec's
         self.context_id = hashlib.sha256(b"fedlt/ckks/key-id/v1" + self.secret_bytes()).hexdigest()
+        self._derived: dict[bytes, bytes] = {}
 
     @classmethod
     def new(cls) -> SecretContext:
@@ -115,14 +115,20 @@ class SecretContext:
 
     @classmethod
     def from_secret_bytes(cls, raw: bytes) -> SecretContext:
-        try:
-            return cls(ts.context_from(raw))
-        except (ValueError, RuntimeError, TypeError) as exc:
-            raise CkksKeyError(f"not a secret CKKS context: {exc}") from None
+        return cls(_context_from(raw, "secret"))
 
     def secret_bytes(self) -> bytes:
         """The context with its secret key: only ever sealed to another silo or written to a 0600 file."""
         return self._context.serialize(save_secret_key=True, save_galois_keys=False, save_relin_keys=False)
+
+    def derived_key(self, purpose: bytes) -> bytes:
+        """A 32-byte key for `purpose` (sealing states, release masks), HKDF-SHA256 from the secret key and
+        bound to its id; derived once per purpose, not on every round."""
+        if purpose not in self._derived:
+            info = purpose + self.context_id.encode()
+            hkdf = HKDF(hashes.SHA256(), length=32, salt=None, info=info)
+            self._derived[purpose] = hkdf.derive(self.secret_bytes())
+        return self._derived[purpose]
 
     def encrypt(self, values: np.ndarray, *, scale_bits: int) -> bytes:
         values = np.asarray(values, dtype=np.float64)
@@ -137,6 +143,13 @@ class SecretContext:
         if ciphertext.size() != size:
             raise CkksKeyError(f"a ciphertext of {ciphertext.size()} values, where {size} were summed")
         return np.concatenate([np.asarray(c.decrypt(), dtype=np.float64) for c in ciphertext.chunks])
+
+
+def _context_from(raw: bytes, kind: str) -> ts.Context:
+    try:
+        return ts.context_from(raw)
+    except (ValueError, RuntimeError, TypeError) as exc:
+        raise CkksKeyError(f"not a {kind} CKKS context: {exc}") from None
 
 
 class Ciphertext:

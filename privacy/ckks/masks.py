@@ -15,8 +15,6 @@ import hmac
 from collections.abc import Sequence
 
 import numpy as np
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from privacy.ckks.keys import SecretContext
 from privacy.secagg import prg
@@ -26,14 +24,9 @@ MASK_INFO = b"fedlt/ckks/release-mask/v1"
 MASK_RANGE = 2**24
 
 
-def _mask_key(secret: SecretContext) -> bytes:
-    info = MASK_INFO + secret.context_id.encode()
-    return HKDF(hashes.SHA256(), length=32, salt=None, info=info).derive(secret.secret_bytes())
-
-
 def zero_sum_mask(secret: SecretContext, sum_id: str, me: str, silos: Sequence[str], size: int) -> np.ndarray:
     """This silo's mask for the sum `sum_id` over `silos`: the masks of all of them add up to zero."""
-    key, total = _mask_key(secret), np.zeros(size, dtype=np.int64)
+    key, total = secret.derived_key(MASK_INFO), np.zeros(size, dtype=np.int64)
     members = transcript(*sorted(silos))  # a pair's mask in one set never cancels one of another set
     for other in silos:
         if other == me:

@@ -12,9 +12,7 @@ from __future__ import annotations
 import os
 
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from fedlt.errors import FedltError
 from privacy.ckks.keys import SecretContext
@@ -29,10 +27,7 @@ class SealedStateError(FedltError):
 
 
 def _aead(secret: SecretContext) -> ChaCha20Poly1305:
-    info = STATE_INFO + secret.context_id.encode()
-    return ChaCha20Poly1305(
-        HKDF(hashes.SHA256(), length=32, salt=None, info=info).derive(secret.secret_bytes())
-    )
+    return ChaCha20Poly1305(secret.derived_key(STATE_INFO))
 
 
 def seal_state(
