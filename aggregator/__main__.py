@@ -42,7 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         help="ckks: the aggregator adds ciphertexts and never sees the model (silo-0 makes the key)",
     )
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # force: Opacus configures the root logger when imported (opacus/utils/module_utils.py)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True
+    )
     try:
         if args.command in ("ca", "roster"):
             return run_command(args)

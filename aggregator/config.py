@@ -99,7 +99,7 @@ class ConsortiumConfig:
 def load_consortium_config(path: str | Path) -> ConsortiumConfig:
     path = Path(path)
     tree = read_toml(path)
-    plan_tree = {k: tree.pop(k) for k in ("model", "train", "method", "selection") if k in tree}
+    plan_tree = {k: tree.pop(k) for k in ("model", "train", "method", "selection", "dp") if k in tree}
     problems: list[str] = []
     sections = {
         name: parse_section(cls, tree.pop(name, {}), name, problems)

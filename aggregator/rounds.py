@@ -190,8 +190,8 @@ class RoundEngine:
     def disconnect(self, session: Session) -> None:
         self.sessions.close(session)
 
-    def heartbeat(self, silo_id: str, activity: str) -> None:
-        self.sessions.heartbeat(silo_id, activity)
+    def heartbeat(self, silo_id: str, activity: str, privacy_remaining: float | None = None) -> None:
+        self.sessions.heartbeat(silo_id, activity, privacy_remaining)
 
     def state_for(self, silo_id: str, round_id: str) -> bytes:
         with self._lock:

@@ -403,8 +403,9 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
     @_abort_on_refusal
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         silo = self.identity.silo(context)
+        remaining = request.privacy_remaining if request.HasField("privacy_remaining") else None
         self.engine.heartbeat(
-            silo, pb.SiloActivity.Name(request.activity).removeprefix("SILO_ACTIVITY_").lower()
+            silo, pb.SiloActivity.Name(request.activity).removeprefix("SILO_ACTIVITY_").lower(), remaining
         )
         self.store.touch_silo(silo)
         return pb.HeartbeatResponse(server_time_unix_ms=now_ms())

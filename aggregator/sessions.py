@@ -27,6 +27,7 @@ class Session:
     activity: str = "idle"
     last_seen_ms: int = field(default_factory=now_ms)
     closed: bool = False
+    privacy_remaining: float | None = None  # only if the silo reports it
 
 
 class Sessions:
@@ -51,12 +52,13 @@ class Sessions:
                 del self._open[session.silo_id]
             self._lock.notify_all()
 
-    def heartbeat(self, silo_id: str, activity: str) -> None:
+    def heartbeat(self, silo_id: str, activity: str, privacy_remaining: float | None = None) -> None:
         with self._lock:
             session = self._open.get(silo_id)
             if session is not None:
                 session.activity = activity
                 session.last_seen_ms = now_ms()
+                session.privacy_remaining = privacy_remaining
 
     def connected(self) -> set[str]:
         return set(self._open)
@@ -83,8 +85,11 @@ class Sessions:
 
     def describe(self, silo_id: str, last_seen_ms: int) -> dict:
         session = self._open.get(silo_id)
-        return {
+        described = {
             "connected": session is not None,
             "last_seen_unix_ms": session.last_seen_ms if session else last_seen_ms,
             "activity": session.activity if session else "offline",
         }
+        if session is not None and session.privacy_remaining is not None:
+            described["privacy_remaining"] = session.privacy_remaining
+        return described

@@ -47,11 +47,14 @@ def render(status: operator_pb2.StatusResponse) -> str:
             f"in flight: {status.round_id}, {len(status.submitted)}/{len(status.participants)} "
             f"contributions, deadline in {left:.0f} s"
         )
-    lines += ["", f"{'silo':<20} {'connected':<10} {'activity':<10} {'last seen':>10} {'last round':>10}"]
+    header = (
+        f"{'silo':<20} {'connected':<10} {'activity':<10} {'last seen':>10} {'last round':>10} {'ε left':>8}"
+    )
+    lines += ["", header]
     for s in status.silos:
         seen = f"{(now - s.last_seen_unix_ms) / 1000:.0f} s ago" if s.last_seen_unix_ms else "never"
         connected = "yes" if s.connected else "no"
-        lines.append(
-            f"{s.silo_id:<20} {connected:<10} {s.activity:<10} {seen:>10} {s.last_contributed_round:>10}"
-        )
+        left = f"{s.privacy_remaining:.3g}" if s.HasField("privacy_remaining") else "-"  # the silo's choice
+        row = f"{s.silo_id:<20} {connected:<10} {s.activity:<10} {seen:>10} {s.last_contributed_round:>10}"
+        lines.append(f"{row} {left:>8}")
     return "\n".join(lines)

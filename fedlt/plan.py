@@ -13,6 +13,7 @@ import tomllib
 from dataclasses import dataclass, field
 
 from fedlt.config import as_toml, parse_section, setting
+from fedlt.dp import DPSettings
 from fedlt.errors import ConfigError
 from fedlt.methods import Method, MethodChoice, ModelSpec, TrainConfig, method_class
 from fedlt.models import MODELS
@@ -35,6 +36,7 @@ class RoundPlan:
     train: TrainConfig = field(default_factory=TrainConfig)
     method: MethodChoice = field(default_factory=MethodChoice)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
+    dp: DPSettings = field(default_factory=DPSettings)
 
     def problems(self) -> list[str]:
         """What the field-by-field checks cannot see."""
@@ -48,7 +50,7 @@ class RoundPlan:
         channels, height, width = self.model.image_shape
         spec = ModelSpec(self.model.name, (channels, height, width), len(self.model.classes))
         return method_class(self.method.name)(
-            options=self.method.options, train=self.train, model=spec, rounds=self.rounds
+            options=self.method.options, train=self.train, model=spec, rounds=self.rounds, dp=self.dp
         )
 
     def to_toml(self) -> str:

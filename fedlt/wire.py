@@ -34,7 +34,12 @@ PURPOSE_OF_SUM = {v: k for k, v in SUM_OF_PURPOSE.items()}
 def schema_to_pb(schema: Schema) -> round_pb2.Schema:
     fields = [
         round_pb2.FieldSpec(
-            name=f.name, shape=f.shape, bound=f.bound, frac_bits=f.frac_bits, per_class=f.per_class
+            name=f.name,
+            shape=f.shape,
+            bound=f.bound,
+            frac_bits=f.frac_bits,
+            per_class=f.per_class,
+            sensitivity=f.sensitivity,
         )
         for f in schema.fields
     ]
@@ -43,7 +48,14 @@ def schema_to_pb(schema: Schema) -> round_pb2.Schema:
 
 def schema_from_pb(schema: round_pb2.Schema) -> Schema:
     fields = tuple(
-        Field(f.name, tuple(f.shape), f.bound, frac_bits=f.frac_bits, per_class=f.per_class)
+        Field(
+            f.name,
+            tuple(f.shape),
+            f.bound,
+            frac_bits=f.frac_bits,
+            per_class=f.per_class,
+            sensitivity=f.sensitivity,
+        )
         for f in schema.fields
     )
     return Schema(fields, phase=schema.phase)

@@ -5,6 +5,9 @@ signature to a roster draft the operator sent (a new version counts once a quoru
 
 `python -m silo ckks rotate --config silo.toml`: as the consortium's CKKS key holder, make a new key; the
 running agent seals it to every silo at its next heartbeat, and the next RoundSpec names it.
+
+`python -m silo budget --config silo.toml`: this silo's differential-privacy budget, what it has spent and on
+what (its ledger, which the agent charges before any private work).
 """
 
 from __future__ import annotations
@@ -41,9 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     ckks_commands = ckks.add_subparsers(dest="ckks_command", required=True)
     rotate = ckks_commands.add_parser("rotate", help="make a new consortium key (key holder only)")
     rotate.add_argument("--config", required=True, help="silo.toml")
+    budget = commands.add_parser("budget", help="this silo's privacy budget, spending and ledger")
+    budget.add_argument("--config", required=True, help="silo.toml")
     args = parser.parse_args(argv)
     try:
         config = load_silo_config(args.config)
+        if args.command == "budget":
+            from silo.budget import show_budget  # NumPy and Opacus' accountant load only for this command
+
+            return show_budget(config)
         if args.command == "ckks":
             return _rotate_ckks_key(config)
         if args.command == "roster":
@@ -57,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(config: SiloConfig, log_level: str) -> int:
     from silo.agent import SiloAgent  # torch and gRPC load only for the agent
 
-    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # force: Opacus configures the root logger when imported (opacus/utils/module_utils.py)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

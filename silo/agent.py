@@ -46,12 +46,14 @@ from fedlt.wire import schema_from_pb
 from privacy import roundspec
 from privacy.ckks.ceremony import CeremonyError
 from privacy.ckks.settings import CkksParameters
+from privacy.dp import Budget, BudgetExceeded, PrivacyLedger, SiloPrivacy
 from privacy.pki.errors import PkiError
 from privacy.pki.identity import load_certificate, silo_id_of
 from privacy.pki.signing import load_private_key, sign
 from privacy.roundspec import RoundSpecError
 from privacy.secagg.peers import ConsortiumPeers
 from privacy.wire import DRILL_NAMES, UPLOADS, fetched, step_from_pb
+from silo.budget import PRIVACY_LEDGER
 from silo.ckks_keys import CkksKeyring
 from silo.config import LAYERS_IMPLEMENTED, SiloConfig
 from silo.participation import Participation
@@ -110,6 +112,8 @@ class SiloAgent:
         self.activity = pb.SILO_ACTIVITY_IDLE
         self.round_id = ""
         self._method: tuple[str, Method] | None = None
+        self._privacy: tuple[str, SiloPrivacy] | None = None
+        self.privacy_ledger_path = self.state_dir / PRIVACY_LEDGER
         self._signing_key = load_private_key(config.path(conn.key))
         self.me = silo_id_of(load_certificate(config.path(conn.certificate).read_bytes()))
         self.ckks = CkksKeyring.for_policy(self.state_dir, config.policy.privacy)
@@ -304,14 +308,19 @@ class SiloAgent:
         except grpc.RpcError as exc:
             log.warning("%s: the CKKS key could not be fetched: %s", spec.round_id, exc.details())
 
+    def _heartbeat(self) -> pb.HeartbeatRequest:
+        """Activity, and the ε left in this silo's budget if (and only if) its dp.report says to tell."""
+        request = pb.HeartbeatRequest(round_id=self.round_id, activity=self.activity)
+        if self.config.dp.report:
+            request.privacy_remaining = self._privacy_ledger().remaining()
+        return request
+
     def _heartbeats(
         self, stub: consortium_pb2_grpc.ConsortiumServiceStub, session_over: threading.Event
     ) -> None:
         while not session_over.wait(self.config.connection.heartbeat_seconds) and not self.stop.is_set():
             try:
-                stub.Heartbeat(
-                    pb.HeartbeatRequest(round_id=self.round_id, activity=self.activity), timeout=10
-                )
+                stub.Heartbeat(self._heartbeat(), timeout=10)
                 if self.key_holder:
                     self._share_ckks_key(stub, again=False)
             except grpc.RpcError:
@@ -334,7 +343,7 @@ class SiloAgent:
         self.round_id = spec.round_id
         self._taking_part = None
         trains = self.silo_id in spec.participants
-        payload = self._pending(spec.round_id) if trains else None
+        payload = self._pending(spec) if trains else None
         if payload is not None and self.sides[spec.privacy].steps_model:
             self._checked_state(stub, spec, plan)  # the server step after the sum needs the starting state
         payload = payload or self._work(stub, spec, plan, trains)
@@ -353,6 +362,7 @@ class SiloAgent:
                 stub=stub,
                 timeout=CALL_TIMEOUT,
                 on_sent=lambda purpose, message: self._sent(spec, purpose, message),
+                noise=self._privacy_for(plan, spec.config_sha256),
             )
             self._taking_part.start()
 
@@ -475,6 +485,10 @@ class SiloAgent:
             ) from None
         if plan.method.name != spec.method:
             raise RefusedRound(f"{spec.round_id}: plan runs {plan.method.name!r}, spec says {spec.method!r}")
+        if self.config.dp.require and not plan.dp.enabled:
+            raise RefusedRound(
+                f"{spec.round_id}: its plan does not enable [dp], which this silo's dp.require asks"
+            )
         if (
             tuple(plan.model.image_shape) != self.data.image_shape
             or len(plan.model.classes) != self.data.num_classes
@@ -551,10 +565,18 @@ class SiloAgent:
             return None
         self.activity = pb.SILO_ACTIVITY_TRAINING
         started = time.perf_counter()
-        contribution = method.local_round(state, self.data, SiloContext(spec.round, self.silo_id, spec.seed))
+        private = self._privacy_for(plan, spec.config_sha256)
+        try:
+            contribution = method.local_round(
+                state, self.data, SiloContext(spec.round, self.silo_id, spec.seed, private)
+            )
+        except BudgetExceeded as exc:
+            log.error("%s: not training: %s", spec.round_id, exc)
+            self.activity = pb.SILO_ACTIVITY_IDLE
+            return None
         payload = np.ascontiguousarray(contribution.flat().numpy(), dtype="<f8").tobytes()
         atomic_write(self.state_dir / "pending.bin", lambda fh: fh.write(payload))
-        atomic_write_text(self.state_dir / "pending.json", json.dumps({"round_id": spec.round_id}))
+        atomic_write_text(self.state_dir / "pending.json", json.dumps({"round": _round_key(spec)}))
         log.info(
             "round %d: trained on %d samples in %.1f s",
             spec.round,
@@ -600,6 +622,25 @@ class SiloAgent:
             atomic_write(path, lambda fh: fh.write(secrets.token_bytes(32)))  # mkstemp: mode 0600
         return path.read_bytes()
 
+    def _privacy_ledger(self) -> PrivacyLedger:
+        """The ledger of the run in progress, or (before any private work) as it stands on disk."""
+        if self._privacy is not None:
+            return self._privacy[1].ledger
+        return PrivacyLedger(Budget(self.config.dp.epsilon, self.config.dp.delta), self.privacy_ledger_path)
+
+    def _privacy_for(self, plan: RoundPlan, config_sha256: str) -> SiloPrivacy | None:
+        """Under a plan with [dp]: this silo's DP for it, charged to the one ledger in its state folder."""
+        if not plan.dp.enabled:
+            return None
+        if self._privacy is None or self._privacy[0] != config_sha256:
+            budget = Budget(self.config.dp.epsilon, self.config.dp.delta)
+            method = self._method_for(plan, config_sha256)
+            self._privacy = (
+                config_sha256,
+                SiloPrivacy.open(plan.dp, method=method, ledger=self.privacy_ledger_path, budget=budget),
+            )
+        return self._privacy[1]
+
     def _method_for(self, plan: RoundPlan, config_sha256: str) -> Method:
         """The same plan from round to round reuses one method (and its working model)."""
         if self._method is None or self._method[0] != config_sha256:
@@ -608,10 +649,12 @@ class SiloAgent:
 
     # --- what survives a restart ----------------------------------------------------------------
 
-    def _pending(self, round_id: str) -> bytes | None:
+    def _pending(self, spec: round_pb2.RoundSpec) -> bytes | None:
+        """The contribution this silo trained for this round (same state, plan and seed) in an earlier attempt
+        or before a restart: resent, not retrained, so a retry costs no privacy budget again."""
         meta = self.state_dir / "pending.json"
-        if meta.exists() and json.loads(meta.read_text()).get("round_id") == round_id:
-            log.info("resending the contribution saved for %s", round_id)
+        if meta.exists() and json.loads(meta.read_text()).get("round") == _round_key(spec):
+            log.info("%s: resending the contribution trained for round %d", spec.round_id, spec.round)
             return (self.state_dir / "pending.bin").read_bytes()
         return None
 
@@ -625,6 +668,12 @@ class SiloAgent:
 
     def _save_progress(self, **facts: object) -> None:
         atomic_write_text(self.state_dir / "progress.json", json.dumps({**self._progress(), **facts}))
+
+
+def _round_key(spec: round_pb2.RoundSpec) -> str:
+    """One round of one run, whatever the attempt: what a silo trains on is fixed by these alone."""
+    computed = [spec.consortium_id, spec.state_digest, spec.config_sha256, spec.seed, spec.round]
+    return hashlib.sha256(json.dumps(computed).encode()).hexdigest()
 
 
 def _fetch_state(stub: consortium_pb2_grpc.ConsortiumServiceStub, spec: round_pb2.RoundSpec) -> bytes | None:

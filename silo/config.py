@@ -120,6 +120,19 @@ class EvaluationSection:
 
 
 @dataclass(frozen=True)
+class DPSection:
+    """This silo's differential-privacy budget for its records, kept in its ledger across runs and restarts.
+
+    A plan's `[dp]` settings (noise, clipping, rounds) are the aggregator's word; the ledger is the silo's:
+    whatever a plan says, work that would take the silo past this budget is refused."""
+
+    epsilon: float = setting(8.0, gt=0.0, doc="the most ε this silo ever spends on its records")
+    delta: float = setting(1e-5, gt=0.0, le=0.1, doc="δ of the budget; keep it below 1 / (records)")
+    require: bool = setting(False, doc="refuse every round whose plan does not enable [dp]")
+    report: bool = setting(False, doc="tell the aggregator the remaining ε (operators see it in status)")
+
+
+@dataclass(frozen=True)
 class ComputeSection:
     threads: int = setting(0, ge=0, doc="CPU threads for training; 0 uses every core")
 
@@ -130,6 +143,7 @@ class SiloConfig:
     data: DataSection = field(default_factory=DataSection)
     policy: PolicySection = field(default_factory=PolicySection)
     compute: ComputeSection = field(default_factory=ComputeSection)
+    dp: DPSection = field(default_factory=DPSection)
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)
     state_dir: str = setting("silo-state", doc="progress and pending uploads survive restarts here")
     base_dir: Path = Path()

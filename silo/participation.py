@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from fedlt.aggregation import tail_guard
-from fedlt.aggregation.halves import SiloSide
+from fedlt.aggregation.halves import ReleaseNoise, SiloSide
 from fedlt.aggregation.round_sums import SiloRound
 from fedlt.aggregation.tail_guard import Census, CensusError
 from fedlt.v1 import consortium_pb2 as pb
@@ -44,6 +44,7 @@ class Participation:
         stub,
         timeout: float,
         on_sent: Callable[[str, object], None],
+        noise: ReleaseNoise | None = None,
     ) -> None:
         self.spec, self.me, self._ledger = spec, me, ledger
         self._stub, self._timeout, self._on_sent = stub, timeout, on_sent
@@ -65,6 +66,7 @@ class Participation:
             me=me,
             on_census=lambda census: ledger.record_census(self.phase, census),
             on_release=self._pin,
+            noise=noise,
         )
 
     @property

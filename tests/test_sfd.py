@@ -101,7 +101,7 @@ def test_adaptive_ce_gives_missing_classes_a_repulsive_gradient_only_when_beta_p
     for beta_pi, expect_gradient in ((1.0, True), (0.5, True), (0.0, False)):
         logits.grad = None
         prior = local_prior(y, 4, beta_pi)
-        adaptive_cross_entropy(logits, y, prior, gamma=0.1).backward()
+        adaptive_cross_entropy(logits, y, prior, gamma=0.1).mean().backward()
         missing = logits.grad[:, 2:]
         assert bool((missing > 0).all()) == expect_gradient
         assert bool((missing == 0).all()) == (not expect_gradient)

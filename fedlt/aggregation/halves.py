@@ -16,6 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -193,6 +194,21 @@ class SiloSide(ABC):
     def problems(self, spec: SumSpec) -> list[str]:
         """What in this sum's signed parameters this silo's policy refuses (checked before any work)."""
         return []
+
+    def min_counted(self, spec: SumSpec) -> int:
+        """The fewest silos whose inputs a completed sum counts: distributed DP noise is calibrated so that
+        this many silos' shares already give the released sum its target noise. Every silo of the sum, for
+        layers without dropout recovery."""
+        return len(spec.silos)
+
+
+class ReleaseNoise(Protocol):
+    """A silo's differential privacy for what it releases in sums (`privacy.dp.SiloPrivacy`)."""
+
+    def noised(self, spec: SumSpec, vector: torch.Tensor, *, counted: int) -> torch.Tensor:
+        """`vector` with this silo's share of noise on every field with a sensitivity, for a sum that will
+        count at least `counted` silos; the release is in the silo's ledger (or refused) before it returns."""
+        ...
 
 
 class AggregatorSide(ABC):

@@ -7,6 +7,10 @@ every per-class field, the classes fewer than k_min of them hold, and every per-
 round's silos are exactly the census set. If per-class rows went out, a silo releases its contribution only
 for the whole census set (`SiloRound.may_release`, which each layer's silo half asks at its point of release).
 
+Under differential privacy (a silo with `noise`) per-class rows are noised instead of guarded: the silo claims
+every class in the census, so the census says nothing about its records and zeroes no class, and it adds its
+share of noise to its contribution, calibrated for the fewest silos the sum can count.
+
 Messages travel as (purpose, message) pairs: `purpose` names the sum, "census" or "contribution".
 """
 
@@ -24,6 +28,7 @@ from fedlt.aggregation.halves import (
     AggregatorHalf,
     AggregatorSide,
     Released,
+    ReleaseNoise,
     SiloHalf,
     SiloSide,
     SumAborted,
@@ -99,9 +104,11 @@ class SiloRound:
         me: str,
         on_census: Callable[[Census], None] = lambda _: None,
         on_release: Callable[[str, tuple[str, ...]], None] = lambda *_: None,
+        noise: ReleaseNoise | None = None,
     ) -> None:
         self.side, self.sums, self.me = side, sums, me
         self.contribution = contribution
+        self.noise = noise
         self.on_census, self.on_release = on_census, on_release
         self.census = sums.census
         self.purpose = ""
@@ -118,10 +125,7 @@ class SiloRound:
 
     def start(self) -> Outgoing:
         if self.sums.census_due:
-            presence = torch.from_numpy(
-                tail_guard.presence(self.sums.schema, self.contribution).astype(np.float64)
-            )
-            return self._begin(self.sums.census_spec(), presence)
+            return self._begin(self.sums.census_spec(), torch.from_numpy(self._presence().astype(np.float64)))
         return self._begin_contribution(self.sums.participants)
 
     def step(self, purpose: str, step: object) -> Outgoing:
@@ -161,7 +165,17 @@ class SiloRound:
             if zeroed:
                 log.info("%s: tail guard zeroes classes %s", self.sums.round_id, zeroed)
             vector = tail_guard.zero_classes(self.sums.schema, vector, zeroed)
-        return self._begin(self.sums.contribution_spec(silos, self.census), vector)
+        spec = self.sums.contribution_spec(silos, self.census)
+        if self.noise is not None:
+            counted = len(spec.silos) if self.whole else self.side.min_counted(spec)
+            vector = self.noise.noised(spec, vector, counted=counted)
+        return self._begin(spec, vector)
+
+    def _presence(self) -> np.ndarray:
+        """The classes this silo says it holds; under DP every class, so the census is no release."""
+        if self.noise is not None:
+            return np.ones(self.sums.schema.classes, dtype=np.uint64)
+        return tail_guard.presence(self.sums.schema, self.contribution)
 
     def _after_census(self, result: CensusResult) -> Outgoing:
         """Check and keep the phase's census, then start the contribution among the silos it counted."""
@@ -170,9 +184,7 @@ class SiloRound:
             np.rint(self.half.result.numpy()).astype(np.uint64) if result.counts is None else result.counts
         )
         counts = np.asarray(counts, dtype=np.uint64)
-        tail_guard.check_census(
-            counts, tail_guard.presence(self.sums.schema, self.contribution), len(survivors)
-        )
+        tail_guard.check_census(counts, self._presence(), len(survivors))
         self.census = Census.of(survivors, counts)
         self.on_census(self.census)
         log.info(

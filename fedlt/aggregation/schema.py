@@ -22,6 +22,9 @@ class Field:
 
     `frac_bits` is the fixed-point precision secure aggregation encodes the field with (0 for counts);
     `per_class` says the first axis indexes classes, which the tail guard may zero class by class.
+    `sensitivity`, under DP, is the most one record can move the field (L2 norm; of one class row when per
+    class, as a record belongs to one class): the field is a statistic of records that silos noise before
+    release (`privacy.dp.release`). 0: not such a statistic (a model change DP-SGD made, a noised count).
     """
 
     name: str
@@ -30,6 +33,12 @@ class Field:
     doc: str = field(default="", compare=False)
     frac_bits: int = 24
     per_class: bool = False
+    sensitivity: float = 0.0
+
+    @property
+    def row_size(self) -> int:
+        """Values one record can touch: a class row of a per-class field, else the whole field."""
+        return self.size // self.shape[0] if self.per_class else self.size
 
     @property
     def size(self) -> int:
@@ -58,6 +67,11 @@ class Schema:
             f"field {f.name!r} needs 0 <= frac_bits <= 62, got {f.frac_bits}"
             for f in self.fields
             if not 0 <= f.frac_bits <= 62
+        ]
+        problems += [
+            f"field {f.name!r} needs a finite sensitivity >= 0, got {f.sensitivity}"
+            for f in self.fields
+            if not (math.isfinite(f.sensitivity) and f.sensitivity >= 0)
         ]
         classes = {f.shape[0] if f.shape else 0 for f in self.fields if f.per_class}
         if len(classes) > 1 or 0 in classes:

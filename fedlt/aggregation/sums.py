@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from fedlt.aggregation.halves import AggregatorSide, PartyKeys, Released, SiloSide
+from fedlt.aggregation.halves import AggregatorSide, PartyKeys, Released, ReleaseNoise, SiloSide
 from fedlt.aggregation.round_sums import AggregatorRound, RoundSums, SiloRound
 from fedlt.aggregation.schema import Contribution, Schema
 from fedlt.aggregation.tail_guard import Census
@@ -83,12 +83,18 @@ class SumLayer(ABC):
         """Both sides for silos that all live in this process (keys made here, for this run only)."""
 
     def aggregate(
-        self, schema: Schema, contributions: Sequence[Contribution], *, silos: Sequence[str] = ()
+        self,
+        schema: Schema,
+        contributions: Sequence[Contribution],
+        *,
+        silos: Sequence[str] = (),
+        noise: Mapping[str, ReleaseNoise] | None = None,
     ) -> Sums:
         """Sum the contributions of one round, or raise; never return a partial sum.
 
         `silos` names the contributors, in order; without names they are numbered. Every silo answers every
-        stage: the simulator has no dropouts (tests drive the halves themselves for those).
+        stage: the simulator has no dropouts (tests drive the halves themselves for those). `noise` holds
+        each silo's differential privacy, under DP.
         """
         self.check_round(schema, contributions)
         names = list(silos) or [f"silo-{i:04d}" for i in range(len(contributions))]
@@ -103,7 +109,8 @@ class SumLayer(ABC):
         silo_sides, aggregator_side = self.in_process(names)
         aggregator = AggregatorRound(aggregator_side, sums)
         vectors = dict(zip(names, (c.flat() for c in contributions), strict=True))
-        rounds = {u: SiloRound(silo_sides[u], sums, v, me=u) for u, v in vectors.items()}
+        noise = noise or {}
+        rounds = {u: SiloRound(silo_sides[u], sums, v, me=u, noise=noise.get(u)) for u, v in vectors.items()}
         released = run_round(aggregator, rounds)
         if aggregator.census_taken is not None:
             self.censuses[schema.phase] = aggregator.census_taken

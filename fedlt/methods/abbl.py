@@ -13,7 +13,11 @@ import torch.nn.functional as F
 
 def local_prior(y: torch.Tensor, classes: int, beta_pi: float) -> torch.Tensor:
     """π_k (Eq. 6): local counts; missing classes get β_π · min non-zero count (0 when β_π = 0)."""
-    counts = torch.bincount(y, minlength=classes).float()
+    return prior_of_counts(torch.bincount(y, minlength=classes).float(), beta_pi)
+
+
+def prior_of_counts(counts: torch.Tensor, beta_pi: float) -> torch.Tensor:
+    """π_k of given class counts (noised ones, under DP)."""
     smallest = counts[counts > 0].min() if (counts > 0).any() else torch.tensor(1.0)
     return torch.where(counts > 0, counts, beta_pi * smallest)
 
@@ -21,8 +25,8 @@ def local_prior(y: torch.Tensor, classes: int, beta_pi: float) -> torch.Tensor:
 def adaptive_cross_entropy(
     logits: torch.Tensor, y: torch.Tensor, prior: torch.Tensor, gamma: float
 ) -> torch.Tensor:
-    """L_A-CE (Eq. 5): cross-entropy of logits + γ·log π."""
-    return F.cross_entropy(logits + gamma * torch.log(prior), y)
+    """L_A-CE (Eq. 5): cross-entropy of logits + γ·log π, per record."""
+    return F.cross_entropy(logits + gamma * torch.log(prior), y, reduction="none")
 
 
 def adaptive_contrastive(

@@ -12,40 +12,56 @@ to stop.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
-from fedlt.aggregation import Contribution, Schema, Sums
+from fedlt.aggregation import Contribution, Field, Schema, Sums
 from fedlt.data.arrays import LabeledImages
+from fedlt.dp import DPSettings
 from fedlt.errors import ContributionError
-from fedlt.methods.local import GradHook, TrainConfig
+from fedlt.methods.local import GradHook, PrivateRound, TrainConfig
 from fedlt.methods.state import GlobalState
-from fedlt.models import SplitModel, build_model
+from fedlt.models import SplitModel, build_model, dp_compatible
 from fedlt.seeding import derive_seed, torch_generator
 
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """`private`: the model trains with DP-SGD, so layers that mix a batch's samples are replaced."""
+
     name: str
     image_shape: tuple[int, int, int]
     num_classes: int
+    private: bool = False
 
     def build(self, seed: int) -> SplitModel:
-        return build_model(self.name, image_shape=self.image_shape, num_classes=self.num_classes, seed=seed)
+        model = build_model(self.name, image_shape=self.image_shape, num_classes=self.num_classes, seed=seed)
+        return dp_compatible(model) if self.private else model
 
 
 @dataclass(frozen=True)
 class SiloContext:
-    """Where a silo's randomness comes from: the run seed, its identity and the round, nothing global."""
+    """Where a silo's randomness comes from: the run seed, its identity and the round, nothing global —
+    except under DP (`private`), whose noise and batches come from the silo's own CSPRNG."""
 
     round: int
     silo_id: str
     seed: int
+    private: PrivateRound | None = None
 
     def generator(self, purpose: str) -> torch.Generator:
         return torch_generator(self.seed, "silo", self.silo_id, self.round, purpose)
+
+
+def reported_counts(counts: np.ndarray, ctx: SiloContext) -> torch.Tensor:
+    """A silo's per-class record counts as it may report them: exact, or under DP noised once per run
+    (float64, never negative)."""
+    if ctx.private is not None:
+        counts = ctx.private.reported_counts(counts)
+    return torch.as_tensor(counts, dtype=torch.float64).clamp(min=0)
 
 
 @dataclass(frozen=True)
@@ -60,18 +76,28 @@ class Method(ABC):
     name: ClassVar[str]
     Options: ClassVar[type]
 
-    def __init__(self, *, options: Any, train: TrainConfig, model: ModelSpec, rounds: int) -> None:
+    def __init__(
+        self, *, options: Any, train: TrainConfig, model: ModelSpec, rounds: int, dp: DPSettings | None = None
+    ) -> None:
         """`rounds` is the planned number of training rounds; a method with a closing phase (a post-hoc
-        statistics round) runs it after them, so it must know when training ends."""
+        statistics round) runs it after them, so it must know when training ends. With `dp` enabled the
+        model trains with DP-SGD and every statistic of records is clipped per record and declared with its
+        sensitivity, for the silos to noise."""
         if not isinstance(options, self.Options):
             raise TypeError(f"{self.name} takes {self.Options.__name__}, got {type(options).__name__}")
         if rounds < 1:
             raise ValueError(f"a run needs at least one training round, got {rounds}")
         self.options = options
         self.train = train
-        self.model_spec = model
+        self.dp = dp if dp is not None and dp.enabled else None
+        self.model_spec = replace(model, private=True) if self.dp else model
         self.rounds = rounds
         self._work: SplitModel | None = None
+
+    def statistics_plan(self) -> tuple[tuple[Field, ...], int]:
+        """The statistics of records the plan releases besides the model change, and in how many rounds:
+        a silo under DP budgets their noise before it picks its DP-SGD σ. None by default."""
+        return (), 0
 
     def trained_rounds(self, state: GlobalState) -> int:
         """Training rounds `state` has been through (every round, unless the method has a closing phase)."""

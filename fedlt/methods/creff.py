@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fedlt.aggregation import Contribution, Schema, Sums
+from fedlt.aggregation import Contribution, Field, Schema, Sums
 from fedlt.config import setting
 from fedlt.data.arrays import LabeledImages
-from fedlt.methods.base import ServerContext, SiloContext
+from fedlt.methods.base import ServerContext, SiloContext, reported_counts
 from fedlt.methods.fedavg import FedAvg, FedAvgOptions
 from fedlt.methods.heads import (
     class_gradient_fields,
@@ -75,13 +75,27 @@ class CReFF(FedAvg):
 
     def schema(self, state: GlobalState) -> Schema:
         classes, dim = state.extra["head.weight"].shape
-        grads = class_gradient_fields(classes, dim, self.options.grad_bound, "the re-trained head (Eq. 3)")
-        return Schema((*self.model_fields(state), *grads))
+        return Schema((*self.model_fields(state), *self.gradient_fields(classes, dim)))
+
+    def gradient_fields(self, classes: int, dim: int) -> tuple[Field, ...]:
+        return class_gradient_fields(
+            classes,
+            dim,
+            self.options.grad_bound,
+            "the re-trained head (Eq. 3)",
+            dp=self.dp,
+            n_max=float(self.options.max_silo_samples),
+        )
+
+    def statistics_plan(self) -> tuple[tuple[Field, ...], int]:
+        return self.gradient_fields(self.model_spec.num_classes, self.feature_dim), self.rounds
 
     def local_round(self, state: GlobalState, data: LabeledImages, ctx: SiloContext) -> Contribution:
         # the gradients are taken on the received backbone, before local training moves it
         model = self.load(with_head(state.model, state.extra["head.weight"], state.extra["head.bias"]))
-        grads = class_gradient_values(model, data)
+        grads = class_gradient_values(
+            model, data, dp=self.dp, counts=reported_counts(data.class_counts(), ctx)
+        )
         return self.schema(state).contribution(**self.trained_delta(state, data, ctx), **grads)
 
     def _server_step(self, state: GlobalState, sums: Sums, ctx: ServerContext) -> GlobalState:

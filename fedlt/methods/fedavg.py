@@ -60,12 +60,16 @@ class FedAvg(Method):
         self.train_model(model, torch.from_numpy(data.x), torch.from_numpy(data.y), state, ctx)
         delta = flatten(model.state_dict(), keys) - flatten(state.model, keys)
         delta = delta.double().clamp(-self.options.delta_bound, self.options.delta_bound)
+        if ctx.private is not None:  # the weight is released too: counts noised once per run (DP)
+            noisy = float(ctx.private.reported_counts(data.class_counts()).sum())  # unclamped: unbiased
+            n = min(max(1, round(noisy)), self.options.max_silo_samples)
         return {"delta": n * delta, "n": float(n)}
 
     def train_model(
         self, model: SplitModel, x: torch.Tensor, y: torch.Tensor, state: GlobalState, ctx: SiloContext
     ) -> None:
-        train_local(model, x, y, self.train, ctx.generator("shuffle"), before_step=self.before_step(model))
+        hook = self.before_step(model)
+        train_local(model, x, y, self.train, ctx.generator("shuffle"), before_step=hook, private=ctx.private)
 
     def _server_step(self, state: GlobalState, sums: Sums, ctx: ServerContext) -> GlobalState:
         return GlobalState(state.round + 1, self.averaged_model(state, sums), state.extra)

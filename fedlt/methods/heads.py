@@ -17,6 +17,7 @@ from torch import nn
 
 from fedlt.aggregation import Field
 from fedlt.data.arrays import LabeledImages
+from fedlt.dp import DPSettings
 from fedlt.models import SplitModel
 
 FEATURE_BATCH = 256
@@ -58,41 +59,88 @@ def head_gradient(weight: torch.Tensor, bias: torch.Tensor, z: torch.Tensor, y: 
 
 
 def class_head_gradients(
-    weight: torch.Tensor, bias: torch.Tensor, z: torch.Tensor, y: torch.Tensor
+    weight: torch.Tensor, bias: torch.Tensor, z: torch.Tensor, y: torch.Tensor, *, mean: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per class c, the head gradient averaged over the samples of class c (CReFF's Eq. 3, RedGrape's Eq. 11).
 
     Returns (present, grads): present[c] = 1 where the class has samples, grads (C, C, d + 1) with zeros
-    elsewhere — the two fields whose sums give the mean over the silos holding each class.
+    elsewhere — the two fields whose sums give the mean over the silos holding each class. With
+    `mean=False`, grads are sums over the class's samples (under DP: a sum has a per-record sensitivity).
     """
     classes = weight.shape[0]
     z64, residual = z.double(), logit_residuals(weight.double(), bias.double(), z.double(), y)
     counts = torch.bincount(y, minlength=classes).double()
-    members = F.one_hot(y, classes).double() / counts.clamp(min=1)  # (N, C): 1/n_c for the sample's class
+    members = F.one_hot(y, classes).double()  # (N, C)
+    if mean:
+        members = members / counts.clamp(min=1)  # 1/n_c for the sample's class
     grad_w = torch.einsum("nc,nj,nk->cjk", members, residual, z64)
     grad_b = members.T @ residual
     return (counts > 0).double(), torch.cat([grad_w, grad_b[:, :, None]], dim=2)
 
 
-def class_gradient_fields(classes: int, dim: int, bound: float, what: str) -> tuple[Field, Field]:
-    """`grad` (per class held, the head's [∇W | ∇b] flattened) and `present`, per class for the tail guard."""
+def class_gradient_fields(
+    classes: int, dim: int, bound: float, what: str, *, dp: DPSettings | None = None, n_max: float = 1.0
+) -> tuple[Field, Field]:
+    """`grad` (per class held, the head's [∇W | ∇b] flattened) and `present`, per class for the tail guard.
+
+    Under DP (`dp`) `grad` is the sum over the class's records, whose features are clipped to
+    `dp.feature_norm` (which bounds one record's gradient, `head_gradient_sensitivity`), and `present` the
+    silo's noised record count of the class, so that summed gradients over summed counts give the pooled
+    mean: a per-silo mean has no bounded sensitivity."""
+    if dp is None:
+        return (
+            Field(
+                "grad",
+                (classes, classes * (dim + 1)),
+                bound,
+                f"per class held: [∇W | ∇b] of {what}",
+                per_class=True,
+            ),
+            Field("present", (classes,), 1.0, "1 for each class the silo holds", frac_bits=0, per_class=True),
+        )
     return (
         Field(
             "grad",
             (classes, classes * (dim + 1)),
-            bound,
-            f"per class held: [∇W | ∇b] of {what}",
+            n_max * bound,
+            f"per class: Σ over records of [∇W | ∇b] of {what}",
             per_class=True,
+            sensitivity=head_gradient_sensitivity(dp.feature_norm),
         ),
-        Field("present", (classes,), 1.0, "1 for each class the silo holds", frac_bits=0, per_class=True),
+        Field(
+            "present", (classes,), n_max, "per class, the noised record count", frac_bits=0, per_class=True
+        ),
     )
 
 
-def class_gradient_values(model: SplitModel, data: LabeledImages) -> dict[str, torch.Tensor]:
-    """The values of `class_gradient_fields` for `model`'s head over the silo's features."""
+def head_gradient_sensitivity(feature_norm: float) -> float:
+    """The largest L2 norm of one record's [∇W | ∇b] = (p − e_y)·[zᵀ | 1] when ‖z‖ ≤ feature_norm:
+    ‖p − e_y‖ ≤ √2 and ‖[z | 1]‖ ≤ √(feature_norm² + 1)."""
+    return math.sqrt(2.0 * (feature_norm**2 + 1.0))
+
+
+def clip_features(z: torch.Tensor, norm: float) -> torch.Tensor:
+    """Each feature vector scaled down to L2 norm at most `norm` (per-record clipping under DP)."""
+    scale = (norm / z.norm(dim=1, keepdim=True).clamp(min=1e-12)).clamp(max=1.0)
+    return z * scale
+
+
+def class_gradient_values(
+    model: SplitModel,
+    data: LabeledImages,
+    *,
+    dp: DPSettings | None = None,
+    counts: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The values of `class_gradient_fields` for `model`'s head over the silo's features; under DP with
+    `counts`, the silo's reported (noised) class counts."""
     z = extract_features(model, torch.from_numpy(data.x))
-    present, grads = class_head_gradients(*head_of(model), z, torch.from_numpy(data.y))
-    return {"grad": grads.flatten(1), "present": present}
+    if dp is None:
+        present, grads = class_head_gradients(*head_of(model), z, torch.from_numpy(data.y))
+        return {"grad": grads.flatten(1), "present": present}
+    z = clip_features(z, dp.feature_norm)
+    _, grads = class_head_gradients(*head_of(model), z, torch.from_numpy(data.y), mean=False)
+    return {"grad": grads.flatten(1), "present": counts}
 
 
 def mean_over_holders(summed: torch.Tensor, holders: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

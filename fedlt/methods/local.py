@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,7 +29,35 @@ class TrainConfig:
 
 
 GradHook = Callable[[], None]
+# per-record losses, shape (N,): plain training takes their mean; DP-SGD needs them apart to clip each record
 Loss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y, reduction="none")
+
+
+class PrivateRound(Protocol):
+    """What DP-SGD needs from a silo's privacy side (`privacy.dp.SiloPrivacy`): noise and Poisson sampling
+    from a CSPRNG, and a budget ledger that admits the round's steps before any of them is taken."""
+
+    max_grad_norm: float
+
+    def admit_sgd(self, *, sample_rate: float, steps: int) -> float:
+        """Record `steps` of DP-SGD at `sample_rate` in the ledger (or refuse); the noise multiplier σ."""
+        ...
+
+    def reported_counts(self, counts: np.ndarray) -> np.ndarray:
+        """The silo's per-class record counts noised once per data set and reused (a count is released by
+        nearly every method, and each fresh noisy copy would cost budget again)."""
+        ...
+
+    def noise_stream(self) -> Callable[[int, float], torch.Tensor]:
+        """A draw of `count` N(0, std²) float32 values, from a stream of its own (it may run on a worker
+        thread while the main one samples batches)."""
+        ...
+
+    def bernoulli(self, count: int, p: float) -> np.ndarray: ...
 
 
 def train_local(
@@ -40,11 +70,19 @@ def train_local(
     loss: Loss | None = None,
     before_step: GradHook | None = None,
     after_step: GradHook | None = None,
+    private: PrivateRound | None = None,
 ) -> None:
-    """SGD over (x, y) on `loss(model, x, y)`, by default the cross-entropy of `model(x)`.
+    """SGD over (x, y) on the mean of `loss(model, x, y)`, by default the cross-entropy of `model(x)`; DP-SGD
+    when `private` is given (`fedlt.methods.dpsgd`).
 
     `before_step` may edit gradients (FedProx's proximal term); `after_step` may move parameters after the
-    optimizer has (RedGrape's re-balancing step)."""
+    optimizer has (RedGrape's re-balancing step). Under DP-SGD both see only privatised gradients."""
+    if private is not None:
+        from fedlt.methods.dpsgd import train_private  # Opacus loads only for private training
+
+        loss = loss or cross_entropy
+        train_private(model, x, y, config, private, loss=loss, before_step=before_step, after_step=after_step)
+        return
     optimizer = torch.optim.SGD(
         model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
     )
@@ -55,7 +93,7 @@ def train_local(
         for start in range(0, n, config.batch_size):
             idx = order[start : start + config.batch_size]
             xb, yb = x[idx], y[idx]
-            value = F.cross_entropy(model(xb), yb) if loss is None else loss(model, xb, yb)
+            value = F.cross_entropy(model(xb), yb) if loss is None else loss(model, xb, yb).mean()
             optimizer.zero_grad(set_to_none=True)
             value.backward()
             if before_step is not None:

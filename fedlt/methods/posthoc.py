@@ -20,10 +20,10 @@ from fedlt.aggregation import Contribution, Field, Schema, Sums
 from fedlt.config import setting
 from fedlt.data.arrays import LabeledImages
 from fedlt.errors import ContributionError
-from fedlt.methods.base import ServerContext, SiloContext
+from fedlt.methods.base import ServerContext, SiloContext, reported_counts
 from fedlt.methods.feature_stats import ClassGaussians, class_sums, upper_size
 from fedlt.methods.fedavg import FedAvg, FedAvgOptions
-from fedlt.methods.heads import extract_features, with_head
+from fedlt.methods.heads import clip_features, extract_features, with_head
 from fedlt.methods.state import GlobalState
 from fedlt.models import SplitModel
 
@@ -36,7 +36,11 @@ class StatisticsOptions(FedAvgOptions):
 
 
 class PostHocHead(FedAvg):
-    """FedAvg training, a closing statistics round, and a head fitted to the pooled statistics."""
+    """FedAvg training, a closing statistics round, and a head fitted to the pooled statistics.
+
+    Under DP each record's feature vector is clipped to `dp.feature_norm` (L2) before the sums, which bounds
+    one record's reach: Σz by the norm, the upper triangle of Σzzᵀ by its square; the counts are the silo's
+    noised counts, released once per run."""
 
     def init_state(self, *, seed: int) -> GlobalState:
         state = super().init_state(seed=seed)
@@ -71,8 +75,11 @@ class PostHocHead(FedAvg):
     def statistics_fields(self) -> tuple[Field, ...]:
         classes, dim = self.model_spec.num_classes, self.feature_dim
         n_max, bound = float(self.options.max_silo_samples), self.options.feature_bound
+        norm = self.dp.feature_norm if self.dp else 0.0
         return (
-            Field("feature_sum", (classes, dim), n_max * bound, "per class Σz", per_class=True),
+            Field(
+                "feature_sum", (classes, dim), n_max * bound, "per class Σz", per_class=True, sensitivity=norm
+            ),
             Field(
                 "outer_sum",
                 (classes, upper_size(dim)),
@@ -80,16 +87,24 @@ class PostHocHead(FedAvg):
                 "per class Σzzᵀ, upper triangle",
                 frac_bits=16,
                 per_class=True,
+                sensitivity=norm**2,
             ),
             Field("count", (classes,), n_max, "per class sample count", frac_bits=0, per_class=True),
         )
+
+    def statistics_plan(self) -> tuple[tuple[Field, ...], int]:
+        return self.statistics_fields(), 1 if self.closes_after_training() else self.rounds
 
     def local_round(self, state: GlobalState, data: LabeledImages, ctx: SiloContext) -> Contribution:
         values = {}
         if self.with_statistics(state):
             z = extract_features(self.load(state.model), torch.from_numpy(data.x))
+            if self.dp:
+                z = clip_features(z, self.dp.feature_norm)
             bound = self.options.feature_bound
             values = self.statistics(z.clamp(-bound, bound), torch.from_numpy(data.y), ctx)
+            if self.dp:
+                values["count"] = reported_counts(data.class_counts(), ctx)
         if not self.closing(state):
             values.update(self.trained_delta(state, data, ctx))
         return self.schema(state).contribution(**values)

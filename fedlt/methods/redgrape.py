@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedlt.aggregation import Contribution, Schema, Sums
+from fedlt.aggregation import Contribution, Field, Schema, Sums
 from fedlt.config import setting
 from fedlt.data.arrays import LabeledImages
-from fedlt.methods.base import ServerContext, SiloContext
+from fedlt.methods.base import ServerContext, SiloContext, reported_counts
 from fedlt.methods.fedavg import FedAvg, FedAvgOptions
 from fedlt.methods.heads import class_gradient_fields, class_gradient_values, head_gradient, mean_over_holders
 from fedlt.methods.local import train_local
@@ -66,21 +66,44 @@ class RedGrape(FedAvg):
         return GlobalState(0, state.model, extra)
 
     def schema(self, state: GlobalState) -> Schema:
-        classes, dim = self.model_spec.num_classes, self.feature_dim
-        grads = class_gradient_fields(classes, dim, self.options.grad_bound, "the main head W (Eq. 11)")
-        return Schema((*self.model_fields(state), *grads))
+        return Schema((*self.model_fields(state), *self.statistics_plan()[0]))
+
+    def statistics_plan(self) -> tuple[tuple[Field, ...], int]:
+        grads = class_gradient_fields(
+            self.model_spec.num_classes,
+            self.feature_dim,
+            self.options.grad_bound,
+            "the main head W (Eq. 11)",
+            dp=self.dp,
+            n_max=float(self.options.max_silo_samples),
+        )
+        return grads, self.rounds
 
     def local_round(self, state: GlobalState, data: LabeledImages, ctx: SiloContext) -> Contribution:
-        grads = class_gradient_values(self.load(state.model), data)  # on the received model
+        counts = reported_counts(data.class_counts(), ctx)
+        grads = class_gradient_values(
+            self.load(state.model), data, dp=self.dp, counts=counts
+        )  # received model
         return self.schema(state).contribution(**self.trained_delta(state, data, ctx), **grads)
 
     def train_model(
         self, model: SplitModel, x: torch.Tensor, y: torch.Tensor, state: GlobalState, ctx: SiloContext
     ) -> None:
         balanced = balanced_indices(y, self.options.threshold, ctx.generator("balanced-set"))
+        if ctx.private is not None:  # under DP the step may use released prototypes only, no local records
+            balanced = balanced[:0]
         step = Rebalancing(model, x[balanced], y[balanced], state.extra, self.options.lam, self.train.lr)
         hooks = {"before_step": step.capture, "after_step": step.apply} if step.active else {}
-        train_local(model, x, y, self.train, ctx.generator("shuffle"), loss=two_stream_loss, **hooks)
+        train_local(
+            model,
+            x,
+            y,
+            self.train,
+            ctx.generator("shuffle"),
+            loss=two_stream_loss,
+            private=ctx.private,
+            **hooks,
+        )
 
     def _server_step(self, state: GlobalState, sums: Sums, ctx: ServerContext) -> GlobalState:
         prototypes = state.extra["prototypes"]
@@ -99,7 +122,7 @@ def two_stream(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def two_stream_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(two_stream(model, x), y)
+    return F.cross_entropy(two_stream(model, x), y, reduction="none")
 
 
 def balanced_indices(y: torch.Tensor, threshold: int, generator: torch.Generator) -> torch.Tensor:

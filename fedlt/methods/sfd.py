@@ -33,8 +33,13 @@ from torch import nn
 from fedlt.aggregation import Field, Sums
 from fedlt.config import setting
 from fedlt.errors import ConfigError
-from fedlt.methods.abbl import adaptive_contrastive, adaptive_cross_entropy, contrastive_weight, local_prior
-from fedlt.methods.base import ServerContext, SiloContext
+from fedlt.methods.abbl import (
+    adaptive_contrastive,
+    adaptive_cross_entropy,
+    contrastive_weight,
+    prior_of_counts,
+)
+from fedlt.methods.base import ServerContext, SiloContext, reported_counts
 from fedlt.methods.feature_stats import class_sums
 from fedlt.methods.heads import head_of, retrain_head
 from fedlt.methods.local import train_local
@@ -90,6 +95,11 @@ class SFD(PostHocHead):
                 f"method.synthetic_fewest: the aligner needs more synthetic features per class than the "
                 f"{self.feature_dim} feature dimensions (a full-rank covariance), got {o.synthetic_fewest}"
             )
+        if self.dp and o.local_loss != "ce" and o.scl_weight > 0:
+            problems.append(
+                "method.scl_weight: must be 0 under [dp]: the supervised contrastive loss ties each record's "
+                "gradient to the other records of its batch, so DP-SGD's clipping cannot bound one record"
+            )
         if problems:
             raise ConfigError("method", problems)
 
@@ -113,7 +123,9 @@ class SFD(PostHocHead):
             super().train_model(model, x, y, state, ctx)
             return
         o = self.options
-        prior = local_prior(y, model.num_classes, o.beta_pi)
+        # the prior is a statistic of every record: under DP, of the counts noised once per run
+        counts = reported_counts(torch.bincount(y, minlength=model.num_classes).numpy(), ctx)
+        prior = prior_of_counts(counts.float(), o.beta_pi)
         weight = contrastive_weight(
             o.scl_weight, min(self.trained_rounds(state) + 1, self.rounds), self.rounds
         )
@@ -125,7 +137,7 @@ class SFD(PostHocHead):
                 loss = loss + weight * adaptive_contrastive(model.projector(h), yb, prior, o.temperature)
             return loss
 
-        train_local(model, x, y, self.train, ctx.generator("shuffle"), loss=abbl)
+        train_local(model, x, y, self.train, ctx.generator("shuffle"), loss=abbl, private=ctx.private)
 
     def random_features(self, seed: int) -> RandomFourierFeatures:
         o = self.options
@@ -144,7 +156,15 @@ class SFD(PostHocHead):
             self.options.rff_features,
         )
         bound = n_max * (2.0 / features) ** 0.5  # |φ| ≤ √(2/D) per element
-        rff = Field("rff_sum", (classes, features), bound, "per class Σφ(z)", frac_bits=32, per_class=True)
+        rff = Field(
+            "rff_sum",
+            (classes, features),
+            bound,
+            "per class Σφ(z)",
+            frac_bits=32,
+            per_class=True,
+            sensitivity=1.0 if self.dp else 0.0,  # ‖φ(z)‖ = 1: D/2 pairs of √(2/D)·(cos, sin)
+        )
         return (*super().statistics_fields(), rff)
 
     def statistics(self, z: torch.Tensor, y: torch.Tensor, ctx: SiloContext) -> dict[str, torch.Tensor]:

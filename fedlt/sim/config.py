@@ -10,6 +10,7 @@ from typing import Any
 from fedlt.aggregation import LAYERS
 from fedlt.config import as_toml, parse_section, read_toml, setting
 from fedlt.data.federation import DataConfig
+from fedlt.dp import DPSettings
 from fedlt.errors import ConfigError
 from fedlt.methods import TrainConfig
 from fedlt.methods.choice import MethodChoice
@@ -34,6 +35,7 @@ class SimConfig:
     method: MethodChoice = field(default_factory=MethodChoice)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     metrics: ShotThresholds = field(default_factory=ShotThresholds)
+    dp: DPSettings = field(default_factory=DPSettings)
 
     def fingerprint(self) -> str:
         """Identifies the run a checkpoint belongs to; `rounds` is left out so a run can be extended."""
@@ -54,6 +56,7 @@ FLAG_KEYS: dict[str, tuple[str, ...]] = {
     "method": ("method", "name"),
     "per_round": ("selection", "per_round"),
     "selection": ("selection", "strategy"),
+    "epsilon": ("dp", "epsilon"),
 }
 
 

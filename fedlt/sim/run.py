@@ -7,6 +7,7 @@ killed run loses at most the round in flight and the same command resumes it. Al
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from fedlt.aggregation import make_layer
 from fedlt.atomic import atomic_write, atomic_write_text
 from fedlt.config import as_table, as_toml
 from fedlt.data.federation import Federation, build_federation
+from fedlt.dp import silo_privacy
 from fedlt.errors import FedltError
 from fedlt.methods import GlobalState, Method, ModelSpec, ServerContext, SiloContext, method_class
 from fedlt.models import DEFAULT_FOR_SIDE
@@ -57,10 +59,11 @@ def run_simulation(
     method = make_method(config, federation.test.image_shape, len(federation.classes))
     layer = make_layer(config.privacy)
     out.mkdir(parents=True, exist_ok=True)
-    state, rounds, book, layer_saved = _resume(out, config, method) or (
+    state, rounds, book, layer_saved, ledgers = _resume(out, config, method) or (
         method.init_state(seed=config.seed),
         [],
         SelectionBook(),
+        {},
         {},
     )
     layer.restore(layer_saved)
@@ -77,6 +80,7 @@ def run_simulation(
     )
     atomic_write_text(out / "config.toml", as_toml(config))
     silos = {f"silo-{k}": silo for k, silo in enumerate(federation.silos)}
+    private = _silo_privacy(config, method, silos, ledgers)
     while method.remaining_rounds(state) > 0:
         r, total = state.round + 1, state.round + method.remaining_rounds(state)
         started = time.perf_counter()
@@ -98,12 +102,14 @@ def run_simulation(
                     min_samples=config.selection.min_samples,
                 )
         contributions = [
-            method.local_round(state, silos[silo_id], SiloContext(r, silo_id, config.seed))
+            method.local_round(
+                state, silos[silo_id], SiloContext(r, silo_id, config.seed, private.get(silo_id))
+            )
             for silo_id in picked
         ]
         if trains:
             book.record(r, picked)
-        sums = layer.aggregate(method.schema(state), contributions, silos=picked)
+        sums = layer.aggregate(method.schema(state), contributions, silos=picked, noise=private)
         state = method.server_step(state, sums, ServerContext(r, config.seed))
         entry = recorder.evaluate(
             r,
@@ -116,8 +122,11 @@ def run_simulation(
             entry["participants"] = picked
         if config.selection.discloses:
             entry["coverage_error"] = _coverage_error(book, silos, config.selection.separation)
+        if private:
+            entry["epsilon_spent"] = max(p.ledger.spent() for p in private.values())
         recorder.append(entry)
-        _save_checkpoint(out, config, state, recorder.rounds, book, layer.saved())
+        ledgers = {silo_id: p.ledger.entries for silo_id, p in private.items()}
+        _save_checkpoint(out, config, state, recorder.rounds, book, layer.saved(), ledgers)
         echo(round_line(entry, total))
         if on_round is not None:
             on_round(r, total, entry)
@@ -131,7 +140,21 @@ def make_method(config: SimConfig, image_shape: tuple[int, int, int], num_classe
     name = config.model.name if config.model.name != "auto" else auto
     cls = method_class(config.method.name)
     spec = ModelSpec(name, image_shape, num_classes)
-    return cls(options=config.method.options, train=config.train, model=spec, rounds=config.rounds)
+    return cls(
+        options=config.method.options, train=config.train, model=spec, rounds=config.rounds, dp=config.dp
+    )
+
+
+def _silo_privacy(config: SimConfig, method: Method, silos: dict, saved: dict[str, list[dict]]) -> dict:
+    """Each simulated silo's DP side with its own ledger, as the consortium's silos keep theirs on disk;
+    restored from the checkpoint so a resumed run remembers what its silos spent."""
+    if not config.dp.enabled:
+        return {}
+    made = {}
+    for silo_id in silos:
+        made[silo_id] = silo_privacy(config.dp, method=method, ledger=None)
+        made[silo_id].ledger.restore(saved.get(silo_id, []))
+    return made
 
 
 def run_title(config: SimConfig) -> str:
@@ -163,7 +186,13 @@ def _coverage_error(book: SelectionBook, silos: dict, separation: float) -> floa
 
 
 def _save_checkpoint(
-    out: Path, config: SimConfig, state: GlobalState, rounds: list[dict], book: SelectionBook, layer: dict
+    out: Path,
+    config: SimConfig,
+    state: GlobalState,
+    rounds: list[dict],
+    book: SelectionBook,
+    layer: dict,
+    ledgers: dict[str, list[dict]],
 ) -> None:
     checkpoint = {
         "fingerprint": config.fingerprint(),
@@ -173,13 +202,14 @@ def _save_checkpoint(
         "rounds": rounds,
         "selection": book.as_dict(),
         "layer": layer,
+        "ledgers": json.dumps(ledgers),
     }
     atomic_write(out / CHECKPOINT, lambda fh: torch.save(checkpoint, fh))
 
 
 def _resume(
     out: Path, config: SimConfig, method: Method
-) -> tuple[GlobalState, list[dict], SelectionBook, dict] | None:
+) -> tuple[GlobalState, list[dict], SelectionBook, dict, dict] | None:
     path = out / CHECKPOINT
     if not path.exists():
         return None
@@ -195,4 +225,5 @@ def _resume(
             f"{out} already holds {method.trained_rounds(state)} training rounds, more than the "
             f"{config.rounds} asked for; ask for at least as many, choose another --out, or pass --fresh"
         )
-    return state, saved["rounds"], SelectionBook.from_dict(saved["selection"]), saved.get("layer", {})
+    book = SelectionBook.from_dict(saved["selection"])
+    return state, saved["rounds"], book, saved.get("layer", {}), json.loads(saved.get("ledgers", "{}"))

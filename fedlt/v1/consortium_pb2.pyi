@@ -200,12 +200,14 @@ class Finished(_message.Message):
     def __init__(self, rounds: _Optional[int] = ..., state_digest: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("round_id", "activity")
+    __slots__ = ("round_id", "activity", "privacy_remaining")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     ACTIVITY_FIELD_NUMBER: _ClassVar[int]
+    PRIVACY_REMAINING_FIELD_NUMBER: _ClassVar[int]
     round_id: str
     activity: SiloActivity
-    def __init__(self, round_id: _Optional[str] = ..., activity: _Optional[_Union[SiloActivity, str]] = ...) -> None: ...
+    privacy_remaining: float
+    def __init__(self, round_id: _Optional[str] = ..., activity: _Optional[_Union[SiloActivity, str]] = ..., privacy_remaining: _Optional[float] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("server_time_unix_ms",)

@@ -11,18 +11,20 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SiloStatus(_message.Message):
-    __slots__ = ("silo_id", "connected", "last_seen_unix_ms", "activity", "last_contributed_round")
+    __slots__ = ("silo_id", "connected", "last_seen_unix_ms", "activity", "last_contributed_round", "privacy_remaining")
     SILO_ID_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     ACTIVITY_FIELD_NUMBER: _ClassVar[int]
     LAST_CONTRIBUTED_ROUND_FIELD_NUMBER: _ClassVar[int]
+    PRIVACY_REMAINING_FIELD_NUMBER: _ClassVar[int]
     silo_id: str
     connected: bool
     last_seen_unix_ms: int
     activity: str
     last_contributed_round: int
-    def __init__(self, silo_id: _Optional[str] = ..., connected: _Optional[bool] = ..., last_seen_unix_ms: _Optional[int] = ..., activity: _Optional[str] = ..., last_contributed_round: _Optional[int] = ...) -> None: ...
+    privacy_remaining: float
+    def __init__(self, silo_id: _Optional[str] = ..., connected: _Optional[bool] = ..., last_seen_unix_ms: _Optional[int] = ..., activity: _Optional[str] = ..., last_contributed_round: _Optional[int] = ..., privacy_remaining: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("consortium_id", "method", "privacy", "committed_rounds", "total_rounds", "round_id", "stage", "stage_deadline_unix_ms", "participants", "submitted", "silos", "state_digest")

@@ -166,6 +166,9 @@ class SecAggSiloSide(SiloSide):
     def problems(self, spec: SumSpec) -> list[str]:
         return [] if self.policy is None else self.policy.problems(session_of(spec))
 
+    def min_counted(self, spec: SumSpec) -> int:
+        return session_of(spec).t  # a session with fewer survivors aborts
+
 
 class SecAggAggregatorSide(AggregatorSide):
     def __init__(self, *, peers: Peers) -> None:

@@ -1,0 +1,51 @@
+"""The `[dp]` section every party reads alike (the simulator's config and the consortium's signed plan), and
+the one door to `privacy.dp`, which implements it.
+
+`fedlt` never imports `privacy` at module level (imports point one way); `silo_privacy` resolves it only when
+a run asks for differential privacy, as the privacy-layer table does for layers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedlt.config import setting
+
+
+@dataclass(frozen=True)
+class DPSettings:
+    """Sample-level DP for every silo's records: DP-SGD in local training, a noised record count, and one
+    (ε, δ) ledger per silo that refuses work beyond its budget."""
+
+    enabled: bool = setting(False, doc="DP-SGD in local training, with a privacy ledger per silo")
+    epsilon: float = setting(
+        8.0, gt=0.0, doc="the ε each silo spends over the planned rounds (its budget in the simulator)"
+    )
+    delta: float = setting(1e-5, gt=0.0, le=0.1, doc="δ; keep it well below 1 / (records of a silo)")
+    noise_multiplier: float = setting(
+        0.0, ge=0.0, doc="DP-SGD σ; 0: each silo picks the smallest σ that keeps the plan within ε"
+    )
+    max_grad_norm: float = setting(1.0, gt=0.0, doc="C: every record's gradient is clipped to this L2 norm")
+    count_noise: float = setting(
+        10.0,
+        gt=0.0,
+        doc="std of the Gaussian noise on a silo's per-class record counts, released once per run",
+    )
+    feature_norm: float = setting(
+        5.0, gt=0.0, doc="every record's feature vector is clipped to this L2 norm before any statistic of it"
+    )
+    statistics_noise: float = setting(
+        5.0,
+        gt=0.0,
+        doc="noise on released statistics: its std at the sum over a field's per-record sensitivity",
+    )
+
+
+def silo_privacy(settings: DPSettings, *, method: Any, ledger: Path | None, budget: Any = None) -> Any:
+    """A silo's `privacy.dp.SiloPrivacy` for `method`'s plan under `settings`; its ledger lives at `ledger`
+    (in memory if None) with `budget` (a `privacy.dp.Budget`; the settings' ε and δ if None)."""
+    module = importlib.import_module("privacy.dp.silo_privacy")
+    return module.SiloPrivacy.open(settings, method=method, ledger=ledger, budget=budget)

@@ -1,0 +1,182 @@
+"""A silo's privacy ledger: every DP mechanism it ran on its records, with its RDP curve, on disk.
+
+The ledger is asked before the work, not after: `charge` writes the entry (atomically) and only then does the
+silo train or release, so a silo killed half-way remembers the spending it may already have done; work that
+would take the total past the budget is refused with `BudgetExceeded`. Totals are composed in Rényi DP over
+`privacy.dp.accountant.ORDERS` and converted to (ε, δ) once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedlt.atomic import atomic_write_text
+from fedlt.errors import FedltError
+from privacy.dp.accountant import ORDERS, epsilon
+
+FORMAT = 1
+
+
+class BudgetExceeded(FedltError):
+    """The work asked for would spend more than the silo's (ε, δ) budget; the silo refuses it."""
+
+
+class LedgerError(FedltError):
+    """A ledger file that cannot be read as this silo's ledger; never silently replaced."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    epsilon: float
+    delta: float
+
+    def __post_init__(self) -> None:
+        if not self.epsilon > 0 or not 0 < self.delta < 1:
+            raise ValueError(f"a budget needs ε > 0 and 0 < δ < 1, got ε = {self.epsilon}, δ = {self.delta}")
+
+
+class PrivacyLedger:
+    """Thread-safe; `path` None keeps the ledger in memory (the simulator saves it with its checkpoint)."""
+
+    def __init__(self, budget: Budget, path: Path | None = None, entries: list[dict] | None = None) -> None:
+        self.budget = budget
+        self.path = path
+        self._lock = threading.Lock()
+        self._entries: list[dict] = list(entries or [])
+        if path is not None and path.exists():
+            self._entries = _read(path)
+
+    def restore(self, entries: list[dict]) -> None:
+        """Replace the in-memory entries with saved ones (a simulator resuming from its checkpoint)."""
+        with self._lock:
+            self._entries = [dict(e) for e in entries]
+
+    @property
+    def entries(self) -> list[dict]:
+        with self._lock:
+            return [dict(e) for e in self._entries]
+
+    def spent_rdp(self) -> np.ndarray:
+        with self._lock:
+            return self._total(self._entries)
+
+    def spent(self) -> float:
+        """ε spent so far at the budget's δ."""
+        return epsilon(self.spent_rdp(), self.budget.delta)
+
+    def remaining(self) -> float:
+        return max(self.budget.epsilon - self.spent(), 0.0)
+
+    def would_spend(self, rdp: np.ndarray) -> float:
+        """ε of everything recorded plus `rdp`."""
+        return epsilon(self.spent_rdp() + rdp, self.budget.delta)
+
+    def charge(self, mechanism: str, rdp: np.ndarray, *, what: str, **params: Any) -> dict:
+        """Record one mechanism run before it runs; BudgetExceeded (nothing recorded) if it would not fit."""
+        rdp = np.asarray(rdp, dtype=np.float64)
+        if rdp.shape != (len(ORDERS),):
+            raise ValueError(f"an RDP curve has {len(ORDERS)} orders, got shape {rdp.shape}")
+        if not np.all(rdp >= 0):  # a cost is >= 0 at every order (inf: unbounded, refused below); no NaN
+            raise ValueError("an RDP curve is >= 0 at every order (no negative values, no NaN)")
+        with self._lock:
+            before = epsilon(self._total(self._entries), self.budget.delta)
+            after = epsilon(self._total(self._entries) + rdp, self.budget.delta)
+            if after > self.budget.epsilon:
+                raise BudgetExceeded(
+                    f"refusing {what}: it would take this silo's privacy spending from ε = {before:.3g} to "
+                    f"ε = {_show(after)} (δ = {self.budget.delta:g}), past its budget of ε = "
+                    f"{self.budget.epsilon:g}; the silo has done all the private work its budget allows"
+                )
+            entry = {
+                "when": round(time.time(), 3),
+                "mechanism": mechanism,
+                "what": what,
+                "params": dict(params),
+                "epsilon_after": after,
+                "rdp": [float(v) for v in rdp],
+            }
+            self._entries.append(entry)
+            self._save()
+        return dict(entry)
+
+    def find(self, what: str) -> dict | None:
+        """The latest entry recorded for `what` (a release made once and reused, such as a noised count)."""
+        with self._lock:
+            return next((dict(e) for e in reversed(self._entries) if e["what"] == what), None)
+
+    def describe(self) -> str:
+        entries = self.entries
+        lines = [
+            f"budget ε = {self.budget.epsilon:g} at δ = {self.budget.delta:g}; spent ε = {self.spent():.4g}; "
+            f"remaining ε = {self.remaining():.4g}; {len(entries)} entries"
+        ]
+        for e in entries:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["when"]))
+            params = ", ".join(f"{k} {_show(v)}" for k, v in e["params"].items())
+            lines.append(
+                f"  {when}  {e['mechanism']:<9} {e['what']:<28} {params}  → ε {e['epsilon_after']:.4g}"
+            )
+        return "\n".join(lines)
+
+    def _total(self, entries: list[dict]) -> np.ndarray:
+        total = np.zeros(len(ORDERS))
+        for e in entries:
+            total += np.asarray(e["rdp"], dtype=np.float64)
+        return total
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(
+            self.path, json.dumps({"format": FORMAT, "orders": ORDERS, "entries": self._entries})
+        )
+
+
+def _read(path: Path) -> list[dict]:
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise LedgerError(
+            f"{path}: not a readable privacy ledger ({exc}); restore it from a backup"
+        ) from None
+    if (
+        not isinstance(saved, Mapping)
+        or saved.get("format") != FORMAT
+        or tuple(saved.get("orders", ())) != ORDERS
+    ):
+        raise LedgerError(f"{path}: a privacy ledger of another format; restore it from a backup")
+    entries = saved.get("entries")
+    if not isinstance(entries, list) or not all(_readable(e) for e in entries):
+        raise LedgerError(f"{path}: a privacy ledger with damaged entries; restore it from a backup")
+    return entries
+
+
+_ENTRY_KEYS = {"when", "mechanism", "what", "params", "epsilon_after", "rdp"}
+
+
+def _readable(entry: Any) -> bool:
+    """An entry as `charge` writes it: its keys, and an RDP curve of one cost >= 0 per order."""
+    if not isinstance(entry, Mapping) or not entry.keys() >= _ENTRY_KEYS:
+        return False
+    if not isinstance(entry["params"], Mapping):
+        return False
+    rdp = entry["rdp"]
+    return (
+        isinstance(rdp, list)
+        and len(rdp) == len(ORDERS)
+        and all(isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 for v in rdp)
+    )
+
+
+def _show(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) and math.isfinite(value) else str(value)

@@ -1,0 +1,142 @@
+"""One silo's differential privacy for a run: DP-SGD's noise, sampling and budget (`PrivateRound`, for
+`train_local`), its per-class record counts noised once, its share of noise on every statistic it releases in
+a sum (`ReleaseNoise`, for the round driver), and the ledger that all of them are charged to first.
+
+With `noise_multiplier = 0` the silo picks DP-SGD's σ itself: the smallest that keeps its whole plan within
+min(plan ε, its budget ε) — the count release, the plan's statistics releases (`Method.statistics_plan`) at
+their set noise, then every planned round's DP-SGD steps at its own sampling rate. That is a pure function of
+the plan and the silo's data size, so a restarted silo picks the same σ; a plan that asks for more rounds than
+it announced is still stopped by the ledger.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedlt.aggregation.halves import SumSpec
+from privacy.dp.accountant import gaussian_rdp, sgd_noise_for, sgd_rdp
+from privacy.dp.ledger import Budget, PrivacyLedger
+from privacy.dp.noise import SecureRandom
+from privacy.dp.release import add_shares, noised_fields, release_rdp
+
+COUNTS = "class counts"
+
+
+class SiloPrivacy:
+    def __init__(
+        self, settings: Any, *, method: Any, ledger: PrivacyLedger, rng: SecureRandom | None = None
+    ) -> None:
+        self.settings = settings
+        self.rounds = method.rounds
+        self.statistics, self.releases = method.statistics_plan()
+        self.ledger = ledger
+        self.rng = rng or SecureRandom()
+
+    @classmethod
+    def open(
+        cls, settings: Any, *, method: Any, ledger: Path | None, budget: Budget | None = None
+    ) -> SiloPrivacy:
+        budget = budget or Budget(settings.epsilon, settings.delta)
+        return cls(settings, method=method, ledger=PrivacyLedger(budget, ledger))
+
+    @property
+    def max_grad_norm(self) -> float:
+        return self.settings.max_grad_norm
+
+    @property
+    def target_epsilon(self) -> float:
+        return min(self.settings.epsilon, self.ledger.budget.epsilon)
+
+    # --- DP-SGD ---------------------------------------------------------------------------------
+
+    def admit_sgd(self, *, sample_rate: float, steps: int) -> float:
+        sigma = self.noise_multiplier(sample_rate=sample_rate, steps=steps)
+        self.ledger.charge(
+            "dp-sgd",
+            sgd_rdp(sample_rate=sample_rate, noise_multiplier=sigma, steps=steps),
+            what=f"local training ({steps} steps)",
+            sample_rate=round(sample_rate, 6),
+            noise_multiplier=round(sigma, 4),
+            max_grad_norm=self.max_grad_norm,
+            steps=steps,
+        )
+        return sigma
+
+    def noise_multiplier(self, *, sample_rate: float, steps: int) -> float:
+        """σ of DP-SGD: the plan's, or the smallest that fits the planned rounds in the target ε."""
+        if self.settings.noise_multiplier > 0:
+            return self.settings.noise_multiplier
+        planned = self._counts_rdp() + self.releases * release_rdp(
+            self.statistics, self.settings.statistics_noise
+        )
+        return _calibrated(
+            self.target_epsilon, self.ledger.budget.delta, sample_rate, steps * self.rounds, tuple(planned)
+        )
+
+    def noise_stream(self) -> Callable[[int, float], torch.Tensor]:
+        stream = self.rng.spawn()
+        return lambda count, std: stream.gaussian((count,), std)
+
+    def bernoulli(self, count: int, p: float) -> np.ndarray:
+        return self.rng.bernoulli(count, p)
+
+    # --- what the silo reports -------------------------------------------------------------------
+
+    def reported_counts(self, counts: np.ndarray) -> np.ndarray:
+        records = [int(c) for c in counts]
+        entry = self.ledger.find(COUNTS)
+        if entry is not None and entry["params"]["records"] == records:
+            return np.array(entry["params"]["reported"], dtype=np.float64)
+        noise = self.rng.gaussian(torch.Size([len(records)]), self.settings.count_noise, torch.float64)
+        reported = [round(r + float(e), 1) for r, e in zip(records, noise, strict=True)]
+        self.ledger.charge(
+            "gaussian",
+            self._counts_rdp(),
+            what=COUNTS,
+            std=self.settings.count_noise,
+            records=records,
+            reported=reported,
+        )
+        return np.array(reported, dtype=np.float64)
+
+    def _counts_rdp(self) -> np.ndarray:
+        """A record changes one class's count by one: L2 sensitivity 1."""
+        return gaussian_rdp(noise_multiplier=self.settings.count_noise)
+
+    def noised(self, spec: SumSpec, vector: torch.Tensor, *, counted: int) -> torch.Tensor:
+        noised = noised_fields(spec.schema.fields, self.settings.statistics_noise)
+        if not noised:
+            return vector
+        self.ledger.charge(
+            "skellam",
+            release_rdp(spec.schema.fields, self.settings.statistics_noise),
+            what=f"statistics of {spec.round_id}",
+            fields=[n.field.name for n in noised],
+            noise=self.settings.statistics_noise,
+            counted=counted,
+            silos=len(spec.silos),
+        )
+        return add_shares(
+            spec.schema,
+            vector,
+            multiplier=self.settings.statistics_noise,
+            counted=counted,
+            participants=len(spec.silos),
+            rng=self.rng,
+        )
+
+
+@functools.lru_cache(maxsize=64)
+def _calibrated(target: float, delta: float, rate: float, steps: int, planned: tuple[float, ...]) -> float:
+    if not math.isfinite(target):
+        raise ValueError("a finite ε is needed to pick σ")
+    return sgd_noise_for(
+        target_epsilon=target, delta=delta, sample_rate=rate, steps=steps, spent=np.array(planned)
+    )
