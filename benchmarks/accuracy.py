@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 import tomllib
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
@@ -106,26 +107,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     jobs = [(m, f, s) for f in args.imbalance for s in args.seeds for m in args.methods]
     started = time.perf_counter()
-    results = []
-    with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        futures = {
-            pool.submit(
-                run_one, m, args.set, f, s, args.rounds, args.runs / f"if{f:g}" / folder(m) / f"s{s}"
-            ): (
-                m,
-                f,
-                s,
-            )
-            for m, f, s in jobs
-        }
-        for done, future in enumerate(as_completed(futures), 1):
-            r = future.result()
-            results.append(r)
-            print(
-                f"[{done}/{len(jobs)}] {r['method']:>9} IF {r['imbalance']:>5g} seed {r['seed']}: "
-                f"overall {r['accuracy']:.1%}, few {_pct(r['few'])} ({r['seconds']:.0f} s)",
-                flush=True,
-            )
+    calls = [
+        (run_one, (m, args.set, f, s, args.rounds, args.runs / f"if{f:g}" / folder(m) / f"s{s}"))
+        for m, f, s in jobs
+    ]
+    results = run_in_pool(
+        calls,
+        args.workers,
+        lambda r: (
+            f"{r['method']:>9} IF {r['imbalance']:>5g} seed {r['seed']}: overall {r['accuracy']:.1%}, "
+            f"few {pct(r['few'])} ({r['seconds']:.0f} s)"
+        ),
+    )
     minutes = (time.perf_counter() - started) / 60
     args.runs.mkdir(parents=True, exist_ok=True)
     (args.runs / f"{args.section}.json").write_text(json.dumps(results, indent=1))
@@ -138,8 +131,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run_in_pool(calls: list[tuple[Callable, tuple]], workers: int, line: Callable[[dict], str]) -> list[dict]:
+    """Each (function, arguments) in a worker process; prints `line(result)` as each run finishes."""
+    results = []
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(function, *arguments) for function, arguments in calls]
+        try:
+            for done, future in enumerate(as_completed(futures), 1):
+                results.append(future.result())
+                print(f"[{done}/{len(futures)}] {line(results[-1])}", flush=True)
+        except BaseException:  # a failed run stops the benchmark now, not after every other run
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+    return results
+
+
 def summary(results: list[dict], method: str, imbalance: float, group: str) -> tuple[float, float] | None:
-    values = [r[group] for r in results if r["method"] == method and r["imbalance"] == imbalance]
+    return mean_sd([r[group] for r in results if r["method"] == method and r["imbalance"] == imbalance])
+
+
+def mean_sd(values: list[float | None]) -> tuple[float, float] | None:
+    """Mean and sample standard deviation over seeds; None if any run has no value."""
     if not values or any(v is None for v in values):
         return None
     return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
@@ -168,7 +180,7 @@ def render(results: list[dict], args: argparse.Namespace, minutes: float) -> str
     for f in args.imbalance:
         base = summary(results, "fedavg", f, "accuracy")
         for m in args.methods:
-            cells = [_cell(summary(results, m, f, g)) for g in GROUPS]
+            cells = [cell(summary(results, m, f, g)) for g in GROUPS]
             mark = ""
             if base and m != "fedavg":
                 mine = summary(results, m, f, "accuracy")
@@ -227,11 +239,11 @@ def folder(label: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in label)
 
 
-def _cell(stat: tuple[float, float] | None) -> str:
+def cell(stat: tuple[float, float] | None) -> str:
     return "—" if stat is None else f"{stat[0]:.1%} ± {stat[1] * 100:.1f}"
 
 
-def _pct(value: float | None) -> str:
+def pct(value: float | None) -> str:
     return "—" if value is None else f"{value:.1%}"
 
 

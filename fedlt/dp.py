@@ -38,10 +38,20 @@ class DPSettings:
         5.0, gt=0.0, doc="every record's feature vector is clipped to this L2 norm before any statistic of it"
     )
     statistics_noise: float = setting(
-        5.0,
-        gt=0.0,
-        doc="noise on released statistics: its std at the sum over a field's per-record sensitivity",
+        0.0,
+        ge=0.0,
+        doc="noise on released statistics, its std at the sum over a field's per-record sensitivity; "
+        "0: the smallest that keeps the plan's statistics releases within half of ε",
     )
+
+    def problems(self, *, discloses: bool) -> list[str]:
+        """What the field-by-field checks cannot see: a plan that also discloses per-silo statistics."""
+        if self.enabled and discloses:
+            return [
+                "selection.strategy: mfsc discloses each silo's class means outside any sum, which [dp] does "
+                "not cover; under [dp] pick silos at random"
+            ]
+        return []
 
 
 def silo_privacy(settings: DPSettings, *, method: Any, ledger: Path | None, budget: Any = None) -> Any:

@@ -40,7 +40,7 @@ class RoundPlan:
 
     def problems(self) -> list[str]:
         """What the field-by-field checks cannot see."""
-        problems = self.selection.problems()
+        problems = self.selection.problems() + self.dp.problems(discloses=self.selection.discloses)
         shape = self.model.image_shape
         if len(shape) != 3 or min(shape, default=0) < 1:
             problems.append(f"model.image_shape: expected [channels, height, width], got {list(shape)}")

@@ -82,7 +82,8 @@ def round_line(entry: dict, total: int) -> str:
     """One progress line; a round re-evaluated after a restart has no known duration."""
     seconds = entry.get("seconds")
     took = f"  ({seconds:.1f} s)" if seconds is not None else ""
+    spent = f"  ε {entry['epsilon_spent']:.2f}" if "epsilon_spent" in entry else ""  # the most any silo spent
     return (
         f"round {entry['round']:>4}/{total}  acc {percent(entry['accuracy'])}  many {percent(entry['many'])}"
-        f"  medium {percent(entry['medium'])}  few {percent(entry['few'])}{took}"
+        f"  medium {percent(entry['medium'])}  few {percent(entry['few'])}{spent}{took}"
     )

@@ -485,10 +485,8 @@ class SiloAgent:
             ) from None
         if plan.method.name != spec.method:
             raise RefusedRound(f"{spec.round_id}: plan runs {plan.method.name!r}, spec says {spec.method!r}")
-        if self.config.dp.require and not plan.dp.enabled:
-            raise RefusedRound(
-                f"{spec.round_id}: its plan does not enable [dp], which this silo's dp.require asks"
-            )
+        if self.config.dp.problems(plan.dp):
+            raise RefusedRound(f"{spec.round_id}: " + "; ".join(self.config.dp.problems(plan.dp)))
         if (
             tuple(plan.model.image_shape) != self.data.image_shape
             or len(plan.model.classes) != self.data.num_classes

@@ -13,6 +13,7 @@ from fedlt.config import parse_section, read_toml, resolve, setting
 from fedlt.data.arrays import LabeledImages
 from fedlt.data.federation import DataConfig, Federation, build_federation
 from fedlt.data.files import load_dataset
+from fedlt.dp import DPSettings
 from fedlt.errors import ConfigError
 from fedlt.methods import METHODS
 from privacy.secagg.policy import SessionPolicy
@@ -130,6 +131,12 @@ class DPSection:
     delta: float = setting(1e-5, gt=0.0, le=0.1, doc="δ of the budget; keep it below 1 / (records)")
     require: bool = setting(False, doc="refuse every round whose plan does not enable [dp]")
     report: bool = setting(False, doc="tell the aggregator the remaining ε (operators see it in status)")
+
+    def problems(self, plan: DPSettings) -> list[str]:
+        """What in a plan's [dp] this silo refuses before any work (its ledger guards the rest)."""
+        if self.require and not plan.enabled:
+            return ["its plan does not enable [dp], which this silo's dp.require asks for"]
+        return []
 
 
 @dataclass(frozen=True)

@@ -119,8 +119,14 @@ class Method(ABC):
         """The method's network; methods with an extra head (RedGrape) add it here."""
         return self.model_spec.build(seed)
 
+    def network(self, seed: int) -> SplitModel:
+        """`build_model`'s network, under DP with the layers Opacus cannot clip per record replaced (extra
+        heads included: SFD's projector has BatchNorm too)."""
+        model = self.build_model(seed)
+        return dp_compatible(model) if self.dp else model
+
     def init_state(self, *, seed: int) -> GlobalState:
-        return GlobalState(0, self.build_model(derive_seed(seed, "model-init")).state_dict())
+        return GlobalState(0, self.network(derive_seed(seed, "model-init")).state_dict())
 
     @abstractmethod
     def schema(self, state: GlobalState) -> Schema:
@@ -153,7 +159,7 @@ class Method(ABC):
 
     def working_model(self) -> SplitModel:
         if self._work is None:
-            self._work = self.build_model(0)
+            self._work = self.network(0)
         return self._work
 
     @property

@@ -14,8 +14,9 @@ CSPRNG: a batch drawn from the run seed, which the aggregator knows, would void 
 sampling. The noise comes from a CSPRNG stream too (`add_noise` is replaced: Opacus' own `secure_mode` needs
 torchcsprng, which does not install here); it depends on no record, so a worker thread draws the next
 step's noise while this step's gradients are computed. An epoch is ⌈n / batch_size⌉ steps, as in Opacus'
-`DPDataLoader`; an empty batch is still a step (noise only), as the accounting counts it. A parameter the
-loss does not reach (SFD's projector without its contrastive term) gets a zero gradient and the same noise.
+`DPDataLoader`; an empty batch is still a step (noise only), as the accounting counts it. Every trainable
+parameter must be reached by the loss (ghost clipping needs each one's per-record norms): SFD freezes its
+projector under DP.
 
 A gradient edit (`before_step`: FedProx's proximal term) runs after clipping and noise, on the privatised
 gradient: it reads no record, so it is post-processing and costs nothing; an edit that read records would
@@ -115,8 +116,8 @@ def train_private(
                 if len(idx):
                     per_record = loss(model, x[idx], y[idx])
                     DPTensorFastGradientClipping(wrapped, optimizer, per_record, "mean").backward()
-                for p in params:
-                    if p.grad is None:
+                else:  # an empty batch is a step too: no gradient, only noise
+                    for p in params:
                         p.grad = torch.zeros_like(p)
                 optimizer.step()
                 if after_step is not None:

@@ -125,11 +125,15 @@ class PostHocHead(FedAvg):
             extra["head.weight"], extra["head.bias"] = self.fit_head(model, sums, ctx)
         return GlobalState(state.round + 1, model, extra)
 
-    @staticmethod
-    def pooled(sums: Sums, *, unbiased: bool = True) -> ClassGaussians:
-        """The class Gaussians of the summed statistics; refuses sums in which no class has any."""
+    def pooled(self, sums: Sums, *, unbiased: bool = True) -> ClassGaussians:
+        """The class Gaussians of the summed statistics (noisy under DP); refuses sums in which no class has
+        any."""
         gaussians = ClassGaussians.from_sums(
-            sums["feature_sum"], sums["outer_sum"], sums["count"], unbiased=unbiased
+            sums["feature_sum"],
+            sums["outer_sum"],
+            sums["count"],
+            unbiased=unbiased,
+            noisy=self.dp is not None,
         )
         if not gaussians.present.any():
             raise ContributionError("no class has any feature statistics; no head can be fitted to them")

@@ -119,6 +119,7 @@ class SFD(PostHocHead):
     def train_model(
         self, model: SplitModel, x: torch.Tensor, y: torch.Tensor, state: GlobalState, ctx: SiloContext
     ) -> None:
+        model.projector.requires_grad_(not self.dp)  # under DP the contrastive term is off: nothing trains it
         if self.options.local_loss == "ce":
             super().train_model(model, x, y, state, ctx)
             return

@@ -39,6 +39,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--privacy", help="privacy layer")
     p.add_argument("--per-round", type=int, help="silos that train in a round (0: all)")
     p.add_argument("--selection", help="how they are picked: random or mfsc (a per-silo disclosure)")
+    p.add_argument(
+        "--epsilon",
+        type=float,
+        help="differential privacy: each silo's (ε, δ = [dp] delta) budget; turns [dp] on",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -62,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             "privacy",
             "per_round",
             "selection",
+            "epsilon",
         )
     }
     try:

@@ -58,6 +58,8 @@ FLAG_KEYS: dict[str, tuple[str, ...]] = {
     "selection": ("selection", "strategy"),
     "epsilon": ("dp", "epsilon"),
 }
+# flags that also switch a section on
+FLAG_ENABLES: dict[str, tuple[str, ...]] = {"epsilon": ("dp", "enabled")}
 
 
 def load_sim_config(
@@ -79,16 +81,20 @@ def load_sim_config(
     for flag, value in flags.items():
         if value is None:
             continue
-        *sections, key = FLAG_KEYS[flag]
-        node = tree
-        for section in sections:
-            node = node.setdefault(section, {})
-            if not isinstance(node, dict):
-                raise ConfigError(path or "flags", [f"{section}: expected a table"])
-        node[key] = value
+        for keys, set_to in ((FLAG_KEYS[flag], value), (FLAG_ENABLES.get(flag), True)):
+            if keys is None:
+                continue
+            *sections, key = keys
+            node = tree
+            for section in sections:
+                node = node.setdefault(section, {})
+                if not isinstance(node, dict):
+                    raise ConfigError(path or "flags", [f"{section}: expected a table"])
+            node[key] = set_to
     problems: list[str] = []
     config = parse_section(SimConfig, tree, "", problems)
     problems += config.selection.problems()
+    problems += config.dp.problems(discloses=config.selection.discloses)
     if config.selection.per_round > config.data.silos:
         problems.append(
             f"selection.per_round: {config.selection.per_round} silos a round, "

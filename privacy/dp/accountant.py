@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 from opacus.accountants.analysis import rdp as opacus_rdp
@@ -77,11 +78,17 @@ def sgd_noise_for(
         rdp = base + sgd_rdp(sample_rate=sample_rate, noise_multiplier=sigma, steps=steps)
         return epsilon(rdp, delta) <= target_epsilon
 
+    return smallest_noise(fits, limit=1e6, what=f"no noise multiplier reaches ε = {target_epsilon:g}")
+
+
+def smallest_noise(fits: Callable[[float], bool], *, limit: float, what: str) -> float:
+    """The smallest noise (to 0.1%, rounded up) that `fits`, which must be monotone: doubling from 1 to
+    bracket it, then bisecting; never returns a value that does not fit. ValueError(`what`) past `limit`."""
     low, high = 0.0, 1.0
     while not fits(high):
         low, high = high, 2 * high
-        if high > 1e6:
-            raise ValueError(f"no noise multiplier reaches ε = {target_epsilon:g}")
+        if high > limit:
+            raise ValueError(what)
     while high - low > 1e-3 * high:
         mid = (low + high) / 2
         low, high = (low, mid) if fits(mid) else (mid, high)

@@ -94,7 +94,7 @@ class PrivacyLedger:
                 raise BudgetExceeded(
                     f"refusing {what}: it would take this silo's privacy spending from ε = {before:.3g} to "
                     f"ε = {_show(after)} (δ = {self.budget.delta:g}), past its budget of ε = "
-                    f"{self.budget.epsilon:g}; the silo has done all the private work its budget allows"
+                    f"{self.budget.epsilon:g}; it does not fit in what is left of the silo's budget"
                 )
             entry = {
                 "when": round(time.time(), 3),

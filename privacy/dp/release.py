@@ -5,9 +5,9 @@ target noise once any `counted` silos' shares are in it.
 Target: at the sum, per coordinate, a standard deviation of `multiplier` × the field's per-record L2
 sensitivity Δ (as DP-SGD's σ is to its clip norm). Each field is noised on its own grid of 2^−g, g chosen so
 that Δ spans about 2^16 grid units (never finer than the field's fixed-point grid, so the codec encodes the
-noisy value exactly): fine enough that rounding adds little to the sensitivity (`rounded_l2`'s √d/2 units),
+noisy value exactly): fine enough that rounding adds little to the sensitivity (√d units: the silo rounds its sum of records),
 coarse enough that the Poisson means stay far inside int64. A silo rounds its own values to the grid before
-adding noise, the premise of that rounding bound. The release's RDP is the sum over noised fields of the
+adding noise, so the codec encodes them exactly. The release's RDP is the sum over noised fields of the
 Skellam bound (`skellam_rdp`) for the rounded sensitivity of one record's row.
 """
 
@@ -46,7 +46,9 @@ class FieldNoise:
     def of(cls, f: Field, multiplier: float) -> FieldNoise:
         bits = grid_bits(f)
         units = f.sensitivity * 2.0**bits
-        l2 = rounded_l2(units, f.row_size)
+        # a silo rounds the sum of its records, so one record moves the rounded row by up to ‖x‖ + √d units
+        # (`rounded_l2`'s √d/2 holds only for a record rounded on its own)
+        l2 = rounded_l2(units, f.row_size) + math.sqrt(f.row_size) / 2
         return cls(f, bits, (multiplier * units) ** 2, l2_to_l1(l2, f.row_size), l2)
 
     def rdp(self) -> np.ndarray:

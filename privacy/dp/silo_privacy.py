@@ -4,9 +4,14 @@ a sum (`ReleaseNoise`, for the round driver), and the ledger that all of them ar
 
 With `noise_multiplier = 0` the silo picks DP-SGD's σ itself: the smallest that keeps its whole plan within
 min(plan ε, its budget ε) — the count release, the plan's statistics releases (`Method.statistics_plan`) at
-their set noise, then every planned round's DP-SGD steps at its own sampling rate. That is a pure function of
+their noise, then every planned round's DP-SGD steps at its own sampling rate. That is a pure function of
 the plan and the silo's data size, so a restarted silo picks the same σ; a plan that asks for more rounds than
 it announced is still stopped by the ledger.
+
+The statistics' noise multiplier must be the same at every silo (each adds a share of one target, and each
+one's guarantee rests on the others' shares), so with `statistics_noise = 0` it is derived from the plan
+alone: the smallest that keeps the count release and the plan's statistics releases within half of the
+plan's ε, leaving the other half to DP-SGD.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import numpy as np
 import torch
 
 from fedlt.aggregation.halves import SumSpec
-from privacy.dp.accountant import gaussian_rdp, sgd_noise_for, sgd_rdp
+from privacy.dp.accountant import epsilon, gaussian_rdp, sgd_noise_for, sgd_rdp, smallest_noise
 from privacy.dp.ledger import Budget, PrivacyLedger
 from privacy.dp.noise import SecureRandom
 from privacy.dp.release import add_shares, noised_fields, release_rdp
@@ -38,6 +43,9 @@ class SiloPrivacy:
         self.statistics, self.releases = method.statistics_plan()
         self.ledger = ledger
         self.rng = rng or SecureRandom()
+        self.statistics_noise = settings.statistics_noise or _statistics_noise(
+            settings.epsilon / 2, settings.delta, self.statistics, self.releases, tuple(self._counts_rdp())
+        )
 
     @classmethod
     def open(
@@ -73,9 +81,7 @@ class SiloPrivacy:
         """σ of DP-SGD: the plan's, or the smallest that fits the planned rounds in the target ε."""
         if self.settings.noise_multiplier > 0:
             return self.settings.noise_multiplier
-        planned = self._counts_rdp() + self.releases * release_rdp(
-            self.statistics, self.settings.statistics_noise
-        )
+        planned = self._counts_rdp() + self.releases * release_rdp(self.statistics, self.statistics_noise)
         return _calibrated(
             self.target_epsilon, self.ledger.budget.delta, sample_rate, steps * self.rounds, tuple(planned)
         )
@@ -111,26 +117,46 @@ class SiloPrivacy:
         return gaussian_rdp(noise_multiplier=self.settings.count_noise)
 
     def noised(self, spec: SumSpec, vector: torch.Tensor, *, counted: int) -> torch.Tensor:
-        noised = noised_fields(spec.schema.fields, self.settings.statistics_noise)
+        noised = noised_fields(spec.schema.fields, self.statistics_noise)
         if not noised:
             return vector
         self.ledger.charge(
             "skellam",
-            release_rdp(spec.schema.fields, self.settings.statistics_noise),
+            release_rdp(spec.schema.fields, self.statistics_noise),
             what=f"statistics of {spec.round_id}",
             fields=[n.field.name for n in noised],
-            noise=self.settings.statistics_noise,
+            noise=round(self.statistics_noise, 4),
             counted=counted,
             silos=len(spec.silos),
         )
         return add_shares(
             spec.schema,
             vector,
-            multiplier=self.settings.statistics_noise,
+            multiplier=self.statistics_noise,
             counted=counted,
             participants=len(spec.silos),
             rng=self.rng,
         )
+
+
+@functools.lru_cache(maxsize=64)
+def _statistics_noise(
+    target: float, delta: float, fields: tuple, releases: int, counts_rdp: tuple[float, ...]
+) -> float:
+    """The smallest multiplier (to 0.1%) whose `releases` releases of `fields`, after the count release,
+    stay within `target`; 1 when the plan releases no statistics (it is never used then)."""
+    if not releases or not noised_fields(fields, 1.0):
+        return 1.0
+    base = np.array(counts_rdp)
+    if epsilon(base, delta) >= target:
+        raise ValueError(f"the count release alone spends more than ε = {target:g}")
+
+    def fits(multiplier: float) -> bool:
+        return epsilon(base + releases * release_rdp(fields, multiplier), delta) <= target
+
+    return smallest_noise(
+        fits, limit=1e6, what=f"no noise on the statistics keeps them within ε = {target:g}"
+    )
 
 
 @functools.lru_cache(maxsize=64)

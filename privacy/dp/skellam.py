@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from privacy.dp.accountant import ORDERS, epsilon, orders
+from privacy.dp.accountant import ORDERS, epsilon, orders, smallest_noise
 from privacy.dp.noise import SecureRandom
 
 
@@ -87,15 +87,7 @@ def skellam_variance_for(
         rdp = base + releases * skellam_rdp(l1=l1, l2=l2, variance=variance)
         return epsilon(rdp, delta) <= target_epsilon
 
-    low, high = 0.0, 1.0
-    while not fits(high):
-        low, high = high, 2 * high
-        if high > 1e30:
-            raise ValueError(f"no Skellam variance reaches ε = {target_epsilon:g}")
-    while high - low > 1e-3 * high:
-        mid = (low + high) / 2
-        low, high = (low, mid) if fits(mid) else (mid, high)
-    return high
+    return smallest_noise(fits, limit=1e30, what=f"no Skellam variance reaches ε = {target_epsilon:g}")
 
 
 def l2_to_l1(l2: float, dims: int) -> float:
