@@ -424,3 +424,18 @@ def test_the_same_round_without_dp_shows_the_holdings_and_guards_the_rare_classe
     layer.aggregate(ROUND, _round_contributions(), silos=["a", "b", "c"])
     assert layer.censuses[ROUND.phase].counts == (3, 2, 1, 1)
     assert layer.zeroed == [2, 3]
+
+
+def test_the_ckks_layer_carries_the_same_noise_from_before_encryption():
+    """Guards the CKKS path under DP: every silo's share goes in before encryption, calibrated for every
+    silo of the sum (CKKS has no dropout recovery), and the decrypted sum carries it on the field's grid."""
+    silos = ["a", "b", "c"]
+    noise = {u: _silo(Plan(ROUND.fields), _settings(statistics_noise=2.0), seed=f"ckks/{u}") for u in silos}
+    sums = make_layer("ckks").aggregate(ROUND, _round_contributions(), silos=silos, noise=noise)
+    plain = make_layer("plaintext").aggregate(ROUND, _round_contributions(), silos=silos)
+    for p in noise.values():
+        (entry,) = p.ledger.entries
+        assert entry["params"]["counted"] == 3
+    residual = (sums["grad"] - plain["grad"]).flatten()
+    assert 0.5 * 2.0 < float(residual.std()) < 1.6 * 2.0
+    assert float((sums["w"] - plain["w"]).abs().max()) <= 3 * 2.0**-20

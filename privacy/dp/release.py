@@ -4,11 +4,11 @@ target noise once any `counted` silos' shares are in it.
 
 Target: at the sum, per coordinate, a standard deviation of `multiplier` × the field's per-record L2
 sensitivity Δ (as DP-SGD's σ is to its clip norm). Each field is noised on its own grid of 2^−g, g chosen so
-that Δ spans about 2^16 grid units (never finer than the field's fixed-point grid, so the codec encodes the
-noisy value exactly): fine enough that rounding adds little to the sensitivity (√d units: the silo rounds its sum of records),
-coarse enough that the Poisson means stay far inside int64. A silo rounds its own values to the grid before
-adding noise, so the codec encodes them exactly. The release's RDP is the sum over noised fields of the
-Skellam bound (`skellam_rdp`) for the rounded sensitivity of one record's row.
+that Δ spans about 2^16 grid units, never finer than the field's fixed-point grid: fine enough that rounding
+adds little to the sensitivity (at most √d units, as a silo rounds its sum of records), coarse enough that
+the Poisson means stay far inside int64. A silo rounds its own values to the grid before adding noise, so the
+codec encodes them exactly. The release's RDP is the sum over noised fields of the Skellam bound
+(`skellam_rdp`) for the rounded sensitivity of one record's row.
 """
 
 from __future__ import annotations
