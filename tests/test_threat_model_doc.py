@@ -59,4 +59,17 @@ def test_the_ckks_section_says_who_can_decrypt_what():
         "when to pick which",
     ):
         assert statement in ckks, statement
-    assert "ckks (issue 13)" not in section("Not yet built")
+
+
+def test_the_dp_section_says_what_the_guarantee_covers_and_what_it_does_not():
+    dp = section("Differential privacy")
+    for statement in (
+        "add/remove one record",
+        "the ledger refuses work past the budget",
+        "never from the run seed",
+        "c colluders who withhold their noise",
+        "group privacy",
+        "the census is empty",
+        "only if its `[dp] report = true`",
+    ):
+        assert statement in dp, statement
