@@ -3,6 +3,7 @@
     python benchmarks/dp.py [--epsilons 1 4 8 inf] [--seeds 0 1 2]
         [--methods fedavg creff sfd:scl_weight=0 dflfs] [--rounds 10] [--silos 4] [--lr 0.2] [--workers 2]
         [--runs benchmarks/runs/dp] [--write docs/BENCHMARKS.md] [--timing-repeats 5]
+        [--timing-only | --from-results]
 
 Every run is `fedlt.sim` with `configs/demo.toml` (LT MNIST-5k, IF 100, α 0.5, the demo's local training)
 with `--silos` silos, one local epoch at learning rate `--lr`, `--rounds` rounds, and `[dp] enabled = true,
@@ -19,7 +20,9 @@ are kept in --runs and resumed from their checkpoints.
 
 The timing part trains one silo's data (the largest of seed 0's split) with the demo's McMahan CNN, plainly
 and with DP-SGD (σ = 1, the same batches' expected size), alternating the two `--timing-repeats` times in
-this one process, with 1 and then 2 torch threads, and reports the medians and their ratio.
+this one process, with 1 and then 2 torch threads, and reports the medians and their ratio. `--timing-only`
+measures (and writes) just that, on a machine left quiet for it; `--from-results` writes the accuracy table
+again from the runs' saved results without running anything.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from privacy.dp import Budget, PrivacyLedger, SiloPrivacy
 from privacy.dp.noise import SecureRandom
 
 SECTION = "dp"
+TIMING_SECTION = "dp-timing"
 GROUPS = ("accuracy", "few")
 
 
@@ -65,7 +69,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--timing-repeats", type=int, default=5)
     p.add_argument("--runs", type=Path, default=ROOT / "benchmarks" / "runs" / "dp")
-    p.add_argument("--write", type=Path, help="Markdown file whose DP section to replace")
+    p.add_argument("--write", type=Path, help="Markdown file whose DP sections to replace")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--timing-only", action="store_true", help="only time DP-SGD against plain training")
+    mode.add_argument("--from-results", action="store_true", help="re-render the saved accuracy results")
     args = p.parse_args(argv)
     try:
         for label in args.methods:
@@ -141,14 +148,32 @@ class _Plan:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    started = time.perf_counter()
-    timings = [timing(args.timing_repeats, threads) for threads in (1, 2)]
-    for t in timings:
-        print(
-            f"{t['threads']} thread(s), {t['records']} records: plain {t['plain']:.2f} s, "
-            f"DP-SGD {t['dp-sgd']:.2f} s, ratio {t['ratio']:.2f}",
-            flush=True,
-        )
+    if not args.from_results:
+        timings = [timing(args.timing_repeats, threads) for threads in (1, 2)]
+        section = render_timing(timings, args)
+        print(section)
+        if args.write:
+            replace_section(args.write, section, TIMING_SECTION)
+        if args.timing_only:
+            return 0
+    saved = args.runs / "results.json"
+    if args.from_results:
+        results, minutes = json.loads(saved.read_text())["runs"], None
+    else:
+        started = time.perf_counter()
+        results = run_all(args)
+        minutes = (time.perf_counter() - started) / 60
+        saved.write_text(json.dumps({"runs": results}, indent=1))
+    section = render(results, args, minutes)
+    print("\n" + section)
+    plot(results, args, ROOT / "docs" / "img" / "dp-accuracy.png")
+    if args.write:
+        replace_section(args.write, section, SECTION)
+        print(f"wrote the tables into {args.write}")
+    return 0
+
+
+def run_all(args: argparse.Namespace) -> list[dict]:
     jobs = [(m, e, s) for e in args.epsilons for s in args.seeds for m in args.methods]
     calls = [(run_one, (m, e, s, args, args.runs / f"eps{e:g}" / folder(m) / f"s{s}")) for m, e, s in jobs]
     results = run_in_pool(
@@ -159,37 +184,29 @@ def main(argv: list[str] | None = None) -> int:
             f"few {pct(r['few'])}, spent ε {r['spent']:.3g} ({r['seconds']:.0f} s)"
         ),
     )
-    minutes = (time.perf_counter() - started) / 60
     args.runs.mkdir(parents=True, exist_ok=True)
-    (args.runs / "results.json").write_text(json.dumps({"runs": results, "timing": timings}, indent=1))
-    section = render(results, timings, args, minutes)
-    print("\n" + section)
-    plot(results, args, ROOT / "docs" / "img" / "dp-accuracy.png")
-    if args.write:
-        replace_section(args.write, section, SECTION)
-        print(f"wrote the table into {args.write}")
-    return 0
+    return results
 
 
 def summary(results: list[dict], method: str, epsilon: float, key: str) -> tuple[float, float] | None:
     return mean_sd([r[key] for r in results if r["method"] == method and r["epsilon"] == epsilon])
 
 
-def render(results: list[dict], timings: list[dict], args: argparse.Namespace, minutes: float) -> str:
-    command = (
-        f"python benchmarks/dp.py --epsilons {' '.join(f'{e:g}' for e in args.epsilons)}"
-        f" --seeds {' '.join(map(str, args.seeds))} --methods {' '.join(args.methods)}"
-        f" --rounds {args.rounds} --silos {args.silos} --lr {args.lr:g} --workers {args.workers}"
-        f" --timing-repeats {args.timing_repeats}"
+def machine() -> str:
+    return (
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"torch {torch.__version__}. Date: {datetime.date.today().isoformat()}."
     )
+
+
+def render_timing(timings: list[dict], args: argparse.Namespace) -> str:
     lines = [
-        f"<!-- {SECTION}:start -->",
-        f"Command: `{command}` ({minutes:.0f} min of wall time). Machine: {platform.machine()}, "
-        f"{os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
-        f"one torch thread per run. Date: {datetime.date.today().isoformat()}.",
+        f"<!-- {TIMING_SECTION}:start -->",
+        f"Command: `python benchmarks/dp.py --timing-only --timing-repeats {args.timing_repeats}`. "
+        + machine(),
         "",
-        "**DP-SGD against plain local training** (one silo's data, the McMahan CNN, one local epoch, "
-        f"median of {args.timing_repeats} alternated runs each, in one process):",
+        "**DP-SGD against plain local training** (one silo's data, the McMahan CNN, one local epoch, median "
+        f"of {args.timing_repeats} alternated runs each, in one process):",
         "",
         "| torch threads | records | plain | DP-SGD | DP-SGD / plain |",
         "|---|---|---|---|---|",
@@ -197,7 +214,20 @@ def render(results: list[dict], timings: list[dict], args: argparse.Namespace, m
     for t in timings:
         times = f"{t['plain']:.2f} s | {t['dp-sgd']:.2f} s | {t['ratio']:.2f}"
         lines.append(f"| {t['threads']} | {t['records']} | {times} |")
-    lines += [
+    lines.append(f"<!-- {TIMING_SECTION}:end -->")
+    return "\n".join(lines)
+
+
+def render(results: list[dict], args: argparse.Namespace, minutes: float | None) -> str:
+    command = (
+        f"python benchmarks/dp.py --epsilons {' '.join(f'{e:g}' for e in args.epsilons)}"
+        f" --seeds {' '.join(map(str, args.seeds))} --methods {' '.join(args.methods)}"
+        f" --rounds {args.rounds} --silos {args.silos} --lr {args.lr:g} --workers {args.workers}"
+    )
+    took = f" ({minutes:.0f} min of wall time)" if minutes is not None else ""
+    lines = [
+        f"<!-- {SECTION}:start -->",
+        f"Command: `{command}`{took}. {machine()} One torch thread per run.",
         "",
         f"**Accuracy** on LT MNIST-5k (IF 100, {args.silos} silos, {args.rounds} rounds), mean ± standard "
         f"deviation over seeds {', '.join(map(str, args.seeds))}; few-shot = classes with fewer than 20 "
@@ -211,8 +241,9 @@ def render(results: list[dict], timings: list[dict], args: argparse.Namespace, m
         for e in args.epsilons:
             overall, few = summary(results, m, e, "accuracy"), summary(results, m, e, "few")
             spent = summary(results, m, e, "spent") if math.isfinite(e) else None
+            budget = f"{e:g}" if math.isfinite(e) else "∞ (no DP)"
             lines.append(
-                f"| {m} | {e:g} | {cell(overall)} | {cell(few)} | "
+                f"| {m} | {budget} | {cell(overall)} | {cell(few)} | "
                 f"{'—' if spent is None else f'{spent[0]:.2f}'} |"
             )
     lines.append(f"<!-- {SECTION}:end -->")
