@@ -3,7 +3,7 @@
     python benchmarks/dp.py [--epsilons 1 4 8 inf] [--seeds 0 1 2]
         [--methods fedavg creff sfd:scl_weight=0 dflfs] [--rounds 10] [--silos 4] [--lr 0.2] [--workers 2]
         [--runs benchmarks/runs/dp] [--write docs/BENCHMARKS.md] [--timing-repeats 5]
-        [--timing-only | --from-results]
+        [--timing-only | --runs-only | --from-results]
 
 Every run is `fedlt.sim` with `configs/demo.toml` (LT MNIST-5k, IF 100, α 0.5, the demo's local training)
 with `--silos` silos, one local epoch at learning rate `--lr`, `--rounds` rounds, and `[dp] enabled = true,
@@ -21,8 +21,8 @@ are kept in --runs and resumed from their checkpoints.
 The timing part trains one silo's data (the largest of seed 0's split) with the demo's McMahan CNN, plainly
 and with DP-SGD (σ = 1, the same batches' expected size), alternating the two `--timing-repeats` times in
 this one process, with 1 and then 2 torch threads, and reports the medians and their ratio. `--timing-only`
-measures (and writes) just that, on a machine left quiet for it; `--from-results` writes the accuracy table
-again from the runs' saved results without running anything.
+measures (and writes) just that, on a machine left quiet for it, and `--runs-only` just the accuracy runs;
+`--from-results` writes the accuracy table again from the runs' saved results without running anything.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--write", type=Path, help="Markdown file whose DP sections to replace")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--timing-only", action="store_true", help="only time DP-SGD against plain training")
+    mode.add_argument("--runs-only", action="store_true", help="only the accuracy runs, no timing")
     mode.add_argument("--from-results", action="store_true", help="re-render the saved accuracy results")
     args = p.parse_args(argv)
     try:
@@ -148,7 +149,7 @@ class _Plan:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not args.from_results:
+    if not (args.from_results or args.runs_only):
         timings = [timing(args.timing_repeats, threads) for threads in (1, 2)]
         section = render_timing(timings, args)
         print(section)
