@@ -1,16 +1,18 @@
 """Differential privacy: accuracy of the methods at several budgets, and what DP-SGD costs in time.
 
     python benchmarks/dp.py [--epsilons 1 4 8 inf] [--seeds 0 1 2]
-        [--methods fedavg creff sfd:scl_weight=0 dflfs] [--rounds 10] [--silos 4] [--lr 0.2] [--workers 2]
+        [--methods fedavg creff sfd:scl_weight=0 dflfs] [--rounds 10] [--silos 4]
+        [--lr 0.2] [--lr-no-dp 0.05] [--workers 2]
         [--runs benchmarks/runs/dp] [--write docs/BENCHMARKS.md] [--timing-repeats 5]
-        [--timing-only | --runs-only | --from-results]
+        [--timing-only | --runs-only | --from-runs]
 
 Every run is `fedlt.sim` with `configs/demo.toml` (LT MNIST-5k, IF 100, α 0.5, the demo's local training)
-with `--silos` silos, one local epoch at learning rate `--lr`, `--rounds` rounds, and `[dp] enabled = true,
-epsilon = ε` (`inf`: no DP, the same settings otherwise). Four silos rather than the demo's ten: DP guards
-each silo's records with that silo's own noise, and ten silos of LT MNIST-5k hold 20 to 300 records each,
-too few for any useful model at these budgets; the learning rate is four times the demo's because DP-SGD's
-clipped updates are smaller (with 0.05 the model barely left the majority class at ε = 4).
+with `--silos` silos, one local epoch, `--rounds` rounds, and `[dp] enabled = true, epsilon = ε` (`inf`: no
+DP). Four silos rather than the demo's ten: DP guards each silo's records with that silo's own noise, and ten
+silos of LT MNIST-5k hold 20 to 300 records each, too few for any useful model at these budgets. Under DP the
+learning rate is `--lr`, four times the demo's, because DP-SGD's clipped updates are smaller (with 0.05 the
+model barely left the majority class at ε = 4); without DP it is the demo's `--lr-no-dp` (0.2 with momentum
+0.9 made some runs without DP diverge).
 
 Each silo picks its DP-SGD σ so that its whole plan — its noised class counts, the method's statistics
 releases (noised to half of ε) and every round's DP-SGD steps — spends ε at δ = 1e-5; the table reports the
@@ -22,7 +24,7 @@ The timing part trains one silo's data (the largest of seed 0's split) with the 
 and with DP-SGD (σ = 1, the same batches' expected size), alternating the two `--timing-repeats` times in
 this one process, with 1 and then 2 torch threads, and reports the medians and their ratio. `--timing-only`
 measures (and writes) just that, on a machine left quiet for it, and `--runs-only` just the accuracy runs;
-`--from-results` writes the accuracy table again from the runs' saved results without running anything.
+`--from-runs` tabulates the finished runs without running anything (an interrupted grid has gaps).
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ from matplotlib.figure import Figure
 
 from fedlt.data.federation import build_federation
 from fedlt.dp import DPSettings
+from fedlt.methods import METHODS
 from fedlt.methods.local import train_local
+from fedlt.methods.posthoc import PostHocHead
 from fedlt.models import build_model
 from fedlt.seeding import torch_generator
 from fedlt.sim.config import load_sim_config
@@ -65,7 +69,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", default=["fedavg", "creff", "sfd:scl_weight=0", "dflfs"])
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--silos", type=int, default=4)
-    p.add_argument("--lr", type=float, default=0.2, help="local learning rate, at every ε")
+    p.add_argument("--lr", type=float, default=0.2, help="local learning rate under DP")
+    p.add_argument("--lr-no-dp", type=float, default=0.05, help="local learning rate without DP (the demo's)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--timing-repeats", type=int, default=5)
     p.add_argument("--runs", type=Path, default=ROOT / "benchmarks" / "runs" / "dp")
@@ -73,7 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--timing-only", action="store_true", help="only time DP-SGD against plain training")
     mode.add_argument("--runs-only", action="store_true", help="only the accuracy runs, no timing")
-    mode.add_argument("--from-results", action="store_true", help="re-render the saved accuracy results")
+    mode.add_argument("--from-runs", action="store_true", help="tabulate the finished runs, run nothing")
     args = p.parse_args(argv)
     try:
         for label in args.methods:
@@ -87,7 +92,9 @@ def run_one(method: str, epsilon: float, seed: int, args: argparse.Namespace, ou
     """One simulation in a worker process: its final accuracy and the largest ε a silo spent."""
     torch.set_num_threads(1)
     table, tables = settings_of(method, [])
-    tables.setdefault("train", {}).update(local_epochs=1, lr=args.lr)
+    tables.setdefault("train", {}).update(
+        local_epochs=1, lr=args.lr if math.isfinite(epsilon) else args.lr_no_dp
+    )
     tables["dp"] = {
         "enabled": math.isfinite(epsilon),
         **({"epsilon": epsilon} if math.isfinite(epsilon) else {}),
@@ -149,7 +156,7 @@ class _Plan:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not (args.from_results or args.runs_only):
+    if not (args.from_runs or args.runs_only):
         timings = [timing(args.timing_repeats, threads) for threads in (1, 2)]
         section = render_timing(timings, args)
         print(section)
@@ -157,14 +164,13 @@ def main(argv: list[str] | None = None) -> int:
             replace_section(args.write, section, TIMING_SECTION)
         if args.timing_only:
             return 0
-    saved = args.runs / "results.json"
-    if args.from_results:
-        results, minutes = json.loads(saved.read_text())["runs"], None
+    if args.from_runs:
+        results, minutes = finished_runs(args), None
     else:
         started = time.perf_counter()
         results = run_all(args)
         minutes = (time.perf_counter() - started) / 60
-        saved.write_text(json.dumps({"runs": results}, indent=1))
+        (args.runs / "results.json").write_text(json.dumps({"runs": results}, indent=1))
     section = render(results, args, minutes)
     print("\n" + section)
     plot(results, args, ROOT / "docs" / "img" / "dp-accuracy.png")
@@ -174,9 +180,40 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def finished_runs(args: argparse.Namespace) -> list[dict]:
+    """The runs of this grid that have finished, read from their folders (an interrupted benchmark's
+    table has gaps, never guesses); the unfinished ones are listed."""
+    results = []
+    for m, e, s in jobs_of(args):
+        path = run_folder(args, m, e, s) / "metrics.json"
+        rounds = json.loads(path.read_text())["rounds"] if path.exists() else []
+        closing = issubclass(METHODS[m.partition(":")[0]], PostHocHead)
+        if len(rounds) < args.rounds + closing:
+            print(f"not finished: {m} ε {e:g} seed {s}")
+            continue
+        spent = max((r.get("epsilon_spent", 0.0) for r in rounds), default=0.0)
+        results.append(
+            {
+                "method": m,
+                "epsilon": e,
+                "seed": s,
+                "spent": spent if math.isfinite(e) else math.inf,
+                **{g: rounds[-1][g] for g in GROUPS},
+            }
+        )
+    return results
+
+
+def jobs_of(args: argparse.Namespace) -> list[tuple[str, float, int]]:
+    return [(m, e, s) for e in args.epsilons for s in args.seeds for m in args.methods]
+
+
+def run_folder(args: argparse.Namespace, method: str, epsilon: float, seed: int) -> Path:
+    return args.runs / f"eps{epsilon:g}" / folder(method) / f"s{seed}"
+
+
 def run_all(args: argparse.Namespace) -> list[dict]:
-    jobs = [(m, e, s) for e in args.epsilons for s in args.seeds for m in args.methods]
-    calls = [(run_one, (m, e, s, args, args.runs / f"eps{e:g}" / folder(m) / f"s{s}")) for m, e, s in jobs]
+    calls = [(run_one, (m, e, s, args, run_folder(args, m, e, s))) for m, e, s in jobs_of(args)]
     results = run_in_pool(
         calls,
         args.workers,
@@ -223,7 +260,8 @@ def render(results: list[dict], args: argparse.Namespace, minutes: float | None)
     command = (
         f"python benchmarks/dp.py --epsilons {' '.join(f'{e:g}' for e in args.epsilons)}"
         f" --seeds {' '.join(map(str, args.seeds))} --methods {' '.join(args.methods)}"
-        f" --rounds {args.rounds} --silos {args.silos} --lr {args.lr:g} --workers {args.workers}"
+        f" --rounds {args.rounds} --silos {args.silos} --lr {args.lr:g} --lr-no-dp {args.lr_no_dp:g}"
+        f" --workers {args.workers}"
     )
     took = f" ({minutes:.0f} min of wall time)" if minutes is not None else ""
     lines = [
