@@ -17,8 +17,8 @@ from fedlt.config import setting
 
 @dataclass(frozen=True)
 class DPSettings:
-    """Sample-level DP for every silo's records: DP-SGD in local training, a noised record count, and one
-    (ε, δ) ledger per silo that refuses work beyond its budget."""
+    """Sample-level DP for every silo's records: DP-SGD in local training, noise on every released statistic,
+    per-class counts noised once per run, and one (ε, δ) ledger per silo that refuses work past its budget."""
 
     enabled: bool = setting(False, doc="DP-SGD in local training, with a privacy ledger per silo")
     epsilon: float = setting(

@@ -46,17 +46,17 @@ from fedlt.wire import schema_from_pb
 from privacy import roundspec
 from privacy.ckks.ceremony import CeremonyError
 from privacy.ckks.settings import CkksParameters
-from privacy.dp import Budget, BudgetExceeded, PrivacyLedger, SiloPrivacy
+from privacy.dp import BudgetExceeded, SiloPrivacy
 from privacy.pki.errors import PkiError
 from privacy.pki.identity import load_certificate, silo_id_of
 from privacy.pki.signing import load_private_key, sign
 from privacy.roundspec import RoundSpecError
 from privacy.secagg.peers import ConsortiumPeers
 from privacy.wire import DRILL_NAMES, UPLOADS, fetched, step_from_pb
-from silo.budget import PRIVACY_LEDGER
+from silo.budget import open_ledger
 from silo.ckks_keys import CkksKeyring
 from silo.config import LAYERS_IMPLEMENTED, SiloConfig
-from silo.participation import Participation
+from silo.participation import Participation, round_key
 from silo.releases import ReleaseLedger
 from silo.stepping import opened_state, report_evaluation, step_and_report
 from silo.tls_probe import server_certificate
@@ -113,7 +113,7 @@ class SiloAgent:
         self.round_id = ""
         self._method: tuple[str, Method] | None = None
         self._privacy: tuple[str, SiloPrivacy] | None = None
-        self.privacy_ledger_path = self.state_dir / PRIVACY_LEDGER
+        self.privacy_ledger = open_ledger(config)  # one per silo, across plans; read once, then kept in step
         self._signing_key = load_private_key(config.path(conn.key))
         self.me = silo_id_of(load_certificate(config.path(conn.certificate).read_bytes()))
         self.ckks = CkksKeyring.for_policy(self.state_dir, config.policy.privacy)
@@ -312,7 +312,7 @@ class SiloAgent:
         """Activity, and the ε left in this silo's budget if (and only if) its dp.report says to tell."""
         request = pb.HeartbeatRequest(round_id=self.round_id, activity=self.activity)
         if self.config.dp.report:
-            request.privacy_remaining = self._privacy_ledger().remaining()
+            request.privacy_remaining = self.privacy_ledger.remaining()
         return request
 
     def _heartbeats(
@@ -485,8 +485,9 @@ class SiloAgent:
             ) from None
         if plan.method.name != spec.method:
             raise RefusedRound(f"{spec.round_id}: plan runs {plan.method.name!r}, spec says {spec.method!r}")
-        if self.config.dp.problems(plan.dp):
-            raise RefusedRound(f"{spec.round_id}: " + "; ".join(self.config.dp.problems(plan.dp)))
+        refused = self.config.dp.problems(plan.dp)
+        if refused:
+            raise RefusedRound(f"{spec.round_id}: " + "; ".join(refused))
         if (
             tuple(plan.model.image_shape) != self.data.image_shape
             or len(plan.model.classes) != self.data.num_classes
@@ -574,7 +575,7 @@ class SiloAgent:
             return None
         payload = np.ascontiguousarray(contribution.flat().numpy(), dtype="<f8").tobytes()
         atomic_write(self.state_dir / "pending.bin", lambda fh: fh.write(payload))
-        atomic_write_text(self.state_dir / "pending.json", json.dumps({"round": _round_key(spec)}))
+        atomic_write_text(self.state_dir / "pending.json", json.dumps({"round": round_key(spec)}))
         log.info(
             "round %d: trained on %d samples in %.1f s",
             spec.round,
@@ -620,23 +621,13 @@ class SiloAgent:
             atomic_write(path, lambda fh: fh.write(secrets.token_bytes(32)))  # mkstemp: mode 0600
         return path.read_bytes()
 
-    def _privacy_ledger(self) -> PrivacyLedger:
-        """The ledger of the run in progress, or (before any private work) as it stands on disk."""
-        if self._privacy is not None:
-            return self._privacy[1].ledger
-        return PrivacyLedger(Budget(self.config.dp.epsilon, self.config.dp.delta), self.privacy_ledger_path)
-
     def _privacy_for(self, plan: RoundPlan, config_sha256: str) -> SiloPrivacy | None:
         """Under a plan with [dp]: this silo's DP for it, charged to the one ledger in its state folder."""
         if not plan.dp.enabled:
             return None
         if self._privacy is None or self._privacy[0] != config_sha256:
-            budget = Budget(self.config.dp.epsilon, self.config.dp.delta)
             method = self._method_for(plan, config_sha256)
-            self._privacy = (
-                config_sha256,
-                SiloPrivacy.open(plan.dp, method=method, ledger=self.privacy_ledger_path, budget=budget),
-            )
+            self._privacy = (config_sha256, SiloPrivacy(plan.dp, method=method, ledger=self.privacy_ledger))
         return self._privacy[1]
 
     def _method_for(self, plan: RoundPlan, config_sha256: str) -> Method:
@@ -651,7 +642,7 @@ class SiloAgent:
         """The contribution this silo trained for this round (same state, plan and seed) in an earlier attempt
         or before a restart: resent, not retrained, so a retry costs no privacy budget again."""
         meta = self.state_dir / "pending.json"
-        if meta.exists() and json.loads(meta.read_text()).get("round") == _round_key(spec):
+        if meta.exists() and json.loads(meta.read_text()).get("round") == round_key(spec):
             log.info("%s: resending the contribution trained for round %d", spec.round_id, spec.round)
             return (self.state_dir / "pending.bin").read_bytes()
         return None
@@ -666,12 +657,6 @@ class SiloAgent:
 
     def _save_progress(self, **facts: object) -> None:
         atomic_write_text(self.state_dir / "progress.json", json.dumps({**self._progress(), **facts}))
-
-
-def _round_key(spec: round_pb2.RoundSpec) -> str:
-    """One round of one run, whatever the attempt: what a silo trains on is fixed by these alone."""
-    computed = [spec.consortium_id, spec.state_digest, spec.config_sha256, spec.seed, spec.round]
-    return hashlib.sha256(json.dumps(computed).encode()).hexdigest()
 
 
 def _fetch_state(stub: consortium_pb2_grpc.ConsortiumServiceStub, spec: round_pb2.RoundSpec) -> bytes | None:

@@ -31,6 +31,12 @@ from silo.releases import ReleaseLedger
 log = logging.getLogger("silo")
 
 
+def round_key(spec: round_pb2.RoundSpec) -> str:
+    """One round of one run, whatever the attempt: what a silo trains on, and so releases, is fixed by it."""
+    computed = [spec.consortium_id, spec.state_digest, spec.config_sha256, spec.seed, spec.round]
+    return hashlib.sha256(json.dumps(computed).encode()).hexdigest()
+
+
 class Participation:
     def __init__(
         self,
@@ -52,11 +58,7 @@ class Participation:
         self.phase = tail_guard.phase_key(
             spec.consortium_id, spec.config_sha256, spec.seed, sums.schema.phase
         )
-        computed = [spec.consortium_id, spec.state_digest, spec.config_sha256, spec.seed, spec.round]
-        self._releases = {
-            "census": f"census/{self.phase}",
-            "contribution": "round/" + hashlib.sha256(json.dumps(computed).encode()).hexdigest(),
-        }
+        self._releases = {"census": f"census/{self.phase}", "contribution": f"round/{round_key(spec)}"}
         if sums.census is not None and me in sums.census.silos:
             self._check_census_claim(sums, sums.census, contribution)
         self.sums = SiloRound(

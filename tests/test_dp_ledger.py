@@ -266,7 +266,7 @@ def test_calibrated_sigma_spends_the_plan_and_no_more(tmp_path, plan_eps, budget
     settings = _settings(epsilon=plan_eps, noise_multiplier=0.0)
     budget = Budget(budget_eps or plan_eps, 1e-5)
     path = tmp_path / "ledger.json"
-    rate, steps, rounds = 0.05, 20, 3
+    rate, steps, rounds = 1 / 20, 20, 3  # a sampling rate of one record in twenty
     silo = _silo(settings, path, rounds=rounds, budget=budget)
     sigma = silo.noise_multiplier(sample_rate=rate, steps=steps)
     for r in range(rounds):

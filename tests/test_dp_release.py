@@ -383,39 +383,43 @@ def _round_contributions() -> list:
     return out
 
 
-def _secagg_round(settings: SecAggSettings, tag: str):
+def _dp_round(layer, tag: str):
     silos = ["a", "b", "c"]
-    layer = make_layer("secagg", settings)
     noise = {u: _silo(Plan(ROUND.fields), _settings(statistics_noise=2.0), seed=f"{tag}/{u}") for u in silos}
     sums = layer.aggregate(ROUND, _round_contributions(), silos=silos, noise=noise)
     plain = make_layer("plaintext").aggregate(ROUND, _round_contributions(), silos=silos)
-    return layer, noise, sums, plain
+    return noise, sums, plain
+
+
+def _assert_noised(noise, sums, plain, *, counted: int) -> None:
+    """Every silo charged one release with shares for `counted` silos; the noised field carries the target
+    noise times √(n / counted); the unnoised model field is exact to its grid."""
+    for p in noise.values():
+        (entry,) = p.ledger.entries
+        assert entry["params"]["counted"] == counted
+    scale = 2.0 * math.sqrt(3 / counted)
+    residual = (sums["grad"] - plain["grad"]).flatten()
+    assert 0.5 * scale < float(residual.std()) < 1.6 * scale
+    assert float((sums["w"] - plain["w"]).abs().max()) <= 3 * 2.0**-20
 
 
 def test_under_dp_the_census_says_nothing_and_the_sum_carries_the_noise():
     """Guards the secagg round under DP: census all 3s, nothing zeroed, shares for all 3, noise on the sum."""
-    layer, noise, sums, plain = _secagg_round(SecAggSettings(threshold=2), "census")
+    layer = make_layer("secagg", SecAggSettings(threshold=2))
+    noise, sums, plain = _dp_round(layer, "census")
     assert layer.censuses[ROUND.phase].counts == (3, 3, 3, 3)
     assert layer.zeroed == []
     assert sums.contributors == 3
-    for p in noise.values():
-        (entry,) = p.ledger.entries
-        assert entry["params"]["counted"] == 3
-    residual = (sums["grad"] - plain["grad"]).flatten()
-    assert 0.5 * 2.0 < float(residual.std()) < 1.6 * 2.0
-    assert float((sums["w"] - plain["w"]).abs().max()) <= 3 * 2.0**-20
+    _assert_noised(noise, sums, plain, counted=3)
     assert torch.equal(sums["count"], plain["count"])
 
 
 def test_without_the_guard_the_shares_are_calibrated_for_the_threshold():
     """Guards calibration without the tail guard: shares for t = 2 of 3 silos (3/2 the target at the sum)."""
-    layer, noise, sums, plain = _secagg_round(SecAggSettings(threshold=2, k_min=0), "threshold")
+    layer = make_layer("secagg", SecAggSettings(threshold=2, k_min=0))
+    noise, sums, plain = _dp_round(layer, "threshold")
     assert ROUND.phase not in layer.censuses
-    for p in noise.values():
-        (entry,) = p.ledger.entries
-        assert entry["params"]["counted"] == 2
-    residual = (sums["grad"] - plain["grad"]).flatten()
-    assert 0.5 * 2.0 * math.sqrt(1.5) < float(residual.std()) < 1.6 * 2.0 * math.sqrt(1.5)
+    _assert_noised(noise, sums, plain, counted=2)
 
 
 def test_the_same_round_without_dp_shows_the_holdings_and_guards_the_rare_classes():
@@ -429,13 +433,4 @@ def test_the_same_round_without_dp_shows_the_holdings_and_guards_the_rare_classe
 def test_the_ckks_layer_carries_the_same_noise_from_before_encryption():
     """Guards the CKKS path under DP: every silo's share goes in before encryption, calibrated for every
     silo of the sum (CKKS has no dropout recovery), and the decrypted sum carries it on the field's grid."""
-    silos = ["a", "b", "c"]
-    noise = {u: _silo(Plan(ROUND.fields), _settings(statistics_noise=2.0), seed=f"ckks/{u}") for u in silos}
-    sums = make_layer("ckks").aggregate(ROUND, _round_contributions(), silos=silos, noise=noise)
-    plain = make_layer("plaintext").aggregate(ROUND, _round_contributions(), silos=silos)
-    for p in noise.values():
-        (entry,) = p.ledger.entries
-        assert entry["params"]["counted"] == 3
-    residual = (sums["grad"] - plain["grad"]).flatten()
-    assert 0.5 * 2.0 < float(residual.std()) < 1.6 * 2.0
-    assert float((sums["w"] - plain["w"]).abs().max()) <= 3 * 2.0**-20
+    _assert_noised(*_dp_round(make_layer("ckks"), "ckks"), counted=3)

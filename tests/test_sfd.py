@@ -9,7 +9,12 @@ from fedlt.aggregation.plaintext import PlaintextSum
 from fedlt.data.arrays import LabeledImages
 from fedlt.errors import ConfigError
 from fedlt.methods import ModelSpec, ServerContext, SiloContext, TrainConfig
-from fedlt.methods.abbl import adaptive_contrastive, adaptive_cross_entropy, contrastive_weight, local_prior
+from fedlt.methods.abbl import (
+    adaptive_contrastive,
+    adaptive_cross_entropy,
+    contrastive_weight,
+    prior_of_counts,
+)
 from fedlt.methods.feature_stats import ClassGaussians
 from fedlt.methods.heads import extract_features
 from fedlt.methods.rff import RandomFourierFeatures
@@ -100,12 +105,12 @@ def test_adaptive_ce_gives_missing_classes_a_repulsive_gradient_only_when_beta_p
     logits = torch.randn(5, 4, requires_grad=True)
     for beta_pi, expect_gradient in ((1.0, True), (0.5, True), (0.0, False)):
         logits.grad = None
-        prior = local_prior(y, 4, beta_pi)
+        prior = prior_of_counts(torch.bincount(y, minlength=4).float(), beta_pi)
         adaptive_cross_entropy(logits, y, prior, gamma=0.1).mean().backward()
         missing = logits.grad[:, 2:]
         assert bool((missing > 0).all()) == expect_gradient
         assert bool((missing == 0).all()) == (not expect_gradient)
-    assert local_prior(y, 4, 0.5).tolist() == [2.0, 3.0, 1.0, 1.0]
+    assert prior_of_counts(torch.bincount(y, minlength=4).float(), 0.5).tolist() == [2.0, 3.0, 1.0, 1.0]
 
 
 def test_adaptive_contrastive_loss_is_eq_7_per_sample():

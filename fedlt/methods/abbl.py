@@ -11,13 +11,9 @@ import torch
 import torch.nn.functional as F
 
 
-def local_prior(y: torch.Tensor, classes: int, beta_pi: float) -> torch.Tensor:
-    """π_k (Eq. 6): local counts; missing classes get β_π · min non-zero count (0 when β_π = 0)."""
-    return prior_of_counts(torch.bincount(y, minlength=classes).float(), beta_pi)
-
-
 def prior_of_counts(counts: torch.Tensor, beta_pi: float) -> torch.Tensor:
-    """π_k of given class counts (noised ones, under DP)."""
+    """π_k (Eq. 6): the local class counts (noised ones under DP); missing classes get β_π · the smallest
+    non-zero count (0 when β_π = 0)."""
     smallest = counts[counts > 0].min() if (counts > 0).any() else torch.tensor(1.0)
     return torch.where(counts > 0, counts, beta_pi * smallest)
 

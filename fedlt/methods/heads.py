@@ -87,28 +87,25 @@ def class_gradient_fields(
     `dp.feature_norm` (which bounds one record's gradient, `head_gradient_sensitivity`), and `present` the
     silo's noised record count of the class, so that summed gradients over summed counts give the pooled
     mean: a per-silo mean has no bounded sensitivity."""
-    if dp is None:
-        return (
-            Field(
-                "grad",
-                (classes, classes * (dim + 1)),
-                bound,
-                f"per class held: [∇W | ∇b] of {what}",
-                per_class=True,
-            ),
-            Field("present", (classes,), 1.0, "1 for each class the silo holds", frac_bits=0, per_class=True),
-        )
+    summed = dp is not None
     return (
         Field(
             "grad",
             (classes, classes * (dim + 1)),
-            n_max * bound,
-            f"per class: Σ over records of [∇W | ∇b] of {what}",
+            n_max * bound if summed else bound,
+            f"per class: Σ over records of [∇W | ∇b] of {what}"
+            if summed
+            else f"per class held: [∇W | ∇b] of {what}",
             per_class=True,
-            sensitivity=head_gradient_sensitivity(dp.feature_norm),
+            sensitivity=head_gradient_sensitivity(dp.feature_norm) if summed else 0.0,
         ),
         Field(
-            "present", (classes,), n_max, "per class, the noised record count", frac_bits=0, per_class=True
+            "present",
+            (classes,),
+            n_max if summed else 1.0,
+            "per class, the noised record count" if summed else "1 for each class the silo holds",
+            frac_bits=0,
+            per_class=True,
         ),
     )
 

@@ -80,10 +80,8 @@ class RedGrape(FedAvg):
         return grads, self.rounds
 
     def local_round(self, state: GlobalState, data: LabeledImages, ctx: SiloContext) -> Contribution:
-        counts = reported_counts(data.class_counts(), ctx)
-        grads = class_gradient_values(
-            self.load(state.model), data, dp=self.dp, counts=counts
-        )  # received model
+        counts = reported_counts(data.class_counts(), ctx)  # the gradients are taken on the received model
+        grads = class_gradient_values(self.load(state.model), data, dp=self.dp, counts=counts)
         return self.schema(state).contribution(**self.trained_delta(state, data, ctx), **grads)
 
     def train_model(

@@ -47,18 +47,22 @@ class Budget:
 class PrivacyLedger:
     """Thread-safe; `path` None keeps the ledger in memory (the simulator saves it with its checkpoint)."""
 
-    def __init__(self, budget: Budget, path: Path | None = None, entries: list[dict] | None = None) -> None:
+    def __init__(self, budget: Budget, path: Path | None = None) -> None:
         self.budget = budget
         self.path = path
         self._lock = threading.Lock()
-        self._entries: list[dict] = list(entries or [])
+        self._entries: list[dict] = []
+        self._total = np.zeros(len(ORDERS))  # the entries' RDP curves summed, kept as they are added
         if path is not None and path.exists():
-            self._entries = _read(path)
+            self.restore(_read(path))
 
     def restore(self, entries: list[dict]) -> None:
         """Replace the in-memory entries with saved ones (a simulator resuming from its checkpoint)."""
         with self._lock:
             self._entries = [dict(e) for e in entries]
+            self._total = np.zeros(len(ORDERS))
+            for e in self._entries:
+                self._total += np.asarray(e["rdp"], dtype=np.float64)
 
     @property
     def entries(self) -> list[dict]:
@@ -67,7 +71,7 @@ class PrivacyLedger:
 
     def spent_rdp(self) -> np.ndarray:
         with self._lock:
-            return self._total(self._entries)
+            return self._total.copy()
 
     def spent(self) -> float:
         """ε spent so far at the budget's δ."""
@@ -75,10 +79,6 @@ class PrivacyLedger:
 
     def remaining(self) -> float:
         return max(self.budget.epsilon - self.spent(), 0.0)
-
-    def would_spend(self, rdp: np.ndarray) -> float:
-        """ε of everything recorded plus `rdp`."""
-        return epsilon(self.spent_rdp() + rdp, self.budget.delta)
 
     def charge(self, mechanism: str, rdp: np.ndarray, *, what: str, **params: Any) -> dict:
         """Record one mechanism run before it runs; BudgetExceeded (nothing recorded) if it would not fit."""
@@ -88,9 +88,9 @@ class PrivacyLedger:
         if not np.all(rdp >= 0):  # a cost is >= 0 at every order (inf: unbounded, refused below); no NaN
             raise ValueError("an RDP curve is >= 0 at every order (no negative values, no NaN)")
         with self._lock:
-            before = epsilon(self._total(self._entries), self.budget.delta)
-            after = epsilon(self._total(self._entries) + rdp, self.budget.delta)
+            after = epsilon(self._total + rdp, self.budget.delta)
             if after > self.budget.epsilon:
+                before = epsilon(self._total, self.budget.delta)
                 raise BudgetExceeded(
                     f"refusing {what}: it would take this silo's privacy spending from ε = {before:.3g} to "
                     f"ε = {_show(after)} (δ = {self.budget.delta:g}), past its budget of ε = "
@@ -105,6 +105,7 @@ class PrivacyLedger:
                 "rdp": [float(v) for v in rdp],
             }
             self._entries.append(entry)
+            self._total += rdp
             self._save()
         return dict(entry)
 
@@ -126,12 +127,6 @@ class PrivacyLedger:
                 f"  {when}  {e['mechanism']:<9} {e['what']:<28} {params}  → ε {e['epsilon_after']:.4g}"
             )
         return "\n".join(lines)
-
-    def _total(self, entries: list[dict]) -> np.ndarray:
-        total = np.zeros(len(ORDERS))
-        for e in entries:
-            total += np.asarray(e["rdp"], dtype=np.float64)
-        return total
 
     def _save(self) -> None:
         if self.path is None:

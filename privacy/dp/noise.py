@@ -36,21 +36,16 @@ class SecureRandom:
         if len(key) != 32:
             raise ValueError("a SecureRandom key has 32 bytes")
         self._stream = Cipher(algorithms.ChaCha20(key, _NONCE), mode=None).encryptor()
-        self.seeded_for_tests = False
 
     @classmethod
     def seeded(cls, seed: int | str) -> SecureRandom:
         """Reproducible noise, for tests and benchmarks only: a seeded stream is as good as its seed."""
-        rng = cls(hashlib.sha256(f"fedlt-dp-test-seed\x1f{seed}".encode()).digest())
-        rng.seeded_for_tests = True
-        return rng
+        return cls(hashlib.sha256(f"fedlt-dp-test-seed\x1f{seed}".encode()).digest())
 
     def spawn(self) -> SecureRandom:
         """An independent stream keyed from this one's next 32 bytes (seeded streams spawn seeded ones), for
         a consumer on another thread, so that the order of draws on each stays fixed."""
-        child = SecureRandom(self.words(4).tobytes())
-        child.seeded_for_tests = self.seeded_for_tests
-        return child
+        return SecureRandom(self.words(4).tobytes())
 
     def words(self, count: int) -> np.ndarray:
         """The next `count` keystream words, written in place a chunk at a time (no zero-filled copy)."""

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from fedlt.aggregation.schema import Field, Schema
+from privacy.dp.accountant import ORDERS
 from privacy.dp.noise import SecureRandom
 from privacy.dp.skellam import SkellamShare, l2_to_l1, rounded_l2, skellam_rdp
 
@@ -61,8 +62,6 @@ def noised_fields(fields: Sequence[Field], multiplier: float) -> list[FieldNoise
 
 def release_rdp(fields: Sequence[Field], multiplier: float) -> np.ndarray:
     """The RDP of one release of `fields` whose sum carries the target noise (what `counted` silos give)."""
-    from privacy.dp.accountant import ORDERS
-
     total = np.zeros(len(ORDERS))
     for noise in noised_fields(fields, multiplier):
         total += noise.rdp()
