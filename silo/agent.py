@@ -627,7 +627,8 @@ class SiloAgent:
             return None
         if self._privacy is None or self._privacy[0] != config_sha256:
             method = self._method_for(plan, config_sha256)
-            self._privacy = (config_sha256, SiloPrivacy(plan.dp, method=method, ledger=self.privacy_ledger))
+            privacy = SiloPrivacy(plan.dp, method=method, ledger=self.privacy_ledger, run=config_sha256)
+            self._privacy = (config_sha256, privacy)
         return self._privacy[1]
 
     def _method_for(self, plan: RoundPlan, config_sha256: str) -> Method:

@@ -298,3 +298,34 @@ def test_a_set_noise_multiplier_is_used_as_is():
     assert entry["params"]["noise_multiplier"] == 1.3
     assert entry["params"]["steps"] == 7
     np.testing.assert_allclose(entry["rdp"], sgd_rdp(sample_rate=0.1, noise_multiplier=1.3, steps=7))
+
+
+def test_a_later_run_calibrates_to_what_earlier_runs_left():
+    """Guards σ against a silo's earlier spending: after one run spent about ε = 2 of a budget of 2.5, a
+    second run of the same plan (ε = 2) picks a larger σ so that all its rounds fit in what is left, instead
+    of being refused half-way; a restart of that run picks the same σ (its own entries are not 'earlier')."""
+    settings = _settings(epsilon=2.0, noise_multiplier=0.0)
+    budget = Budget(2.5, 1e-5)
+    rate, steps, rounds = 1 / 20, 20, 3
+
+    def run(tag: str, ledger: PrivacyLedger, seed: int) -> SiloPrivacy:
+        return SiloPrivacy(
+            settings, method=_method(rounds), ledger=ledger, rng=SecureRandom.seeded(seed), run=tag
+        )
+
+    first = run("plan-a", PrivacyLedger(budget), 1)
+    sigma_a = first.noise_multiplier(sample_rate=rate, steps=steps)
+    for _ in range(rounds):
+        first.admit_sgd(sample_rate=rate, steps=steps)
+    first.reported_counts(COUNTS)
+    assert 1.9 < first.ledger.spent() <= 2.0
+
+    second = run("plan-b", first.ledger, 2)
+    sigma_b = second.noise_multiplier(sample_rate=rate, steps=steps)
+    assert sigma_b > sigma_a
+    for _ in range(rounds):
+        assert second.admit_sgd(sample_rate=rate, steps=steps) == sigma_b
+    assert 0.95 * 2.5 < second.ledger.spent() <= 2.5
+    assert {e["run"] for e in second.ledger.entries} == {"plan-a", "plan-b"}
+    restarted = run("plan-b", second.ledger, 3)
+    assert restarted.noise_multiplier(sample_rate=rate, steps=steps) == sigma_b

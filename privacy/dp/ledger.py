@@ -80,8 +80,15 @@ class PrivacyLedger:
     def remaining(self) -> float:
         return max(self.budget.epsilon - self.spent(), 0.0)
 
-    def charge(self, mechanism: str, rdp: np.ndarray, *, what: str, **params: Any) -> dict:
-        """Record one mechanism run before it runs; BudgetExceeded (nothing recorded) if it would not fit."""
+    def spent_rdp_outside(self, run: str) -> np.ndarray:
+        """What every run but `run` spent (entries of ledgers older than run tags count as other runs)."""
+        with self._lock:
+            outside = [e["rdp"] for e in self._entries if e.get("run") != run]
+        return np.sum(np.asarray(outside, dtype=np.float64), axis=0) if outside else np.zeros(len(ORDERS))
+
+    def charge(self, mechanism: str, rdp: np.ndarray, *, what: str, run: str = "", **params: Any) -> dict:
+        """Record one mechanism run before it runs, tagged with the `run` (plan) it is part of;
+        BudgetExceeded (nothing recorded) if it would not fit."""
         rdp = np.asarray(rdp, dtype=np.float64)
         if rdp.shape != (len(ORDERS),):
             raise ValueError(f"an RDP curve has {len(ORDERS)} orders, got shape {rdp.shape}")
@@ -100,6 +107,7 @@ class PrivacyLedger:
                 "when": round(time.time(), 3),
                 "mechanism": mechanism,
                 "what": what,
+                "run": run,
                 "params": dict(params),
                 "epsilon_after": after,
                 "rdp": [float(v) for v in rdp],

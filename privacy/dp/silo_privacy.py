@@ -2,11 +2,12 @@
 `train_local`), its per-class record counts noised once, its share of noise on every statistic it releases in
 a sum (`ReleaseNoise`, for the round driver), and the ledger that all of them are charged to first.
 
-With `noise_multiplier = 0` the silo picks DP-SGD's σ itself: the smallest that keeps its whole plan within
-min(plan ε, its budget ε) — the count release, the plan's statistics releases (`Method.statistics_plan`) at
-their noise, then every planned round's DP-SGD steps at its own sampling rate. That is a pure function of
-the plan and the silo's data size, so a restarted silo picks the same σ; a plan that asks for more rounds than
-it announced is still stopped by the ledger.
+With `noise_multiplier = 0` the silo picks DP-SGD's σ itself: the smallest that keeps its whole plan — the
+count release, the plan's statistics releases (`Method.statistics_plan`) at their noise, then every planned
+round's DP-SGD steps at its own sampling rate — within the plan's ε, and within its budget ε together with
+what earlier runs (other plans, by the ledger's run tags) already spent. That is a pure function of the
+plan, the silo's data size and the earlier runs' spending, so a restarted silo picks the same σ; a plan that
+asks for more rounds than it announced is still stopped by the ledger.
 
 The statistics' noise multiplier must be the same at every silo (each adds a share of one target, and each
 one's guarantee rests on the others' shares), so with `statistics_noise = 0` it is derived from the plan
@@ -36,9 +37,18 @@ COUNTS = "class counts"
 
 class SiloPrivacy:
     def __init__(
-        self, settings: Any, *, method: Any, ledger: PrivacyLedger, rng: SecureRandom | None = None
+        self,
+        settings: Any,
+        *,
+        method: Any,
+        ledger: PrivacyLedger,
+        rng: SecureRandom | None = None,
+        run: str = "",
     ) -> None:
+        """`run` tags this plan's ledger entries (the consortium's plan digest; the simulator's ledgers hold
+        one run each)."""
         self.settings = settings
+        self.run = run
         self.rounds = method.rounds
         self.statistics, self.releases = method.statistics_plan()
         self.ledger = ledger
@@ -58,10 +68,6 @@ class SiloPrivacy:
     def max_grad_norm(self) -> float:
         return self.settings.max_grad_norm
 
-    @property
-    def target_epsilon(self) -> float:
-        return min(self.settings.epsilon, self.ledger.budget.epsilon)
-
     # --- DP-SGD ---------------------------------------------------------------------------------
 
     def admit_sgd(self, *, sample_rate: float, steps: int) -> float:
@@ -69,6 +75,7 @@ class SiloPrivacy:
         self.ledger.charge(
             "dp-sgd",
             sgd_rdp(sample_rate=sample_rate, noise_multiplier=sigma, steps=steps),
+            run=self.run,
             what=f"local training ({steps} steps)",
             sample_rate=round(sample_rate, 6),
             noise_multiplier=round(sigma, 4),
@@ -82,9 +89,13 @@ class SiloPrivacy:
         if self.settings.noise_multiplier > 0:
             return self.settings.noise_multiplier
         planned = self._counts_rdp() + self.releases * release_rdp(self.statistics, self.statistics_noise)
-        return _calibrated(
-            self.target_epsilon, self.ledger.budget.delta, sample_rate, steps * self.rounds, tuple(planned)
-        )
+        limits = [
+            (self.settings.epsilon, planned),
+            (self.ledger.budget.epsilon, planned + self.ledger.spent_rdp_outside(self.run)),
+        ]
+        finite = [(target, spent) for target, spent in limits if math.isfinite(target)] or limits
+        delta, total_steps = self.ledger.budget.delta, steps * self.rounds
+        return max(_calibrated(target, delta, sample_rate, total_steps, tuple(s)) for target, s in finite)
 
     def noise_stream(self) -> Callable[[int, float], torch.Tensor]:
         stream = self.rng.spawn()
@@ -105,6 +116,7 @@ class SiloPrivacy:
         self.ledger.charge(
             "gaussian",
             self._counts_rdp(),
+            run=self.run,
             what=COUNTS,
             std=self.settings.count_noise,
             records=records,
@@ -123,6 +135,7 @@ class SiloPrivacy:
         self.ledger.charge(
             "skellam",
             release_rdp(spec.schema.fields, self.statistics_noise),
+            run=self.run,
             what=f"statistics of {spec.round_id}",
             fields=[n.field.name for n in noised],
             noise=round(self.statistics_noise, 4),
