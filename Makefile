@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all lint protos clean
+.PHONY: demo audit test test-all lint protos clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml
 PRIVACY ?= secagg
 demo: $(STAMP)
 	$(PY) -m aggregator demo --dir runs/consortium-demo --privacy $(PRIVACY)
+
+# The privacy audit (configs/audit.toml): report in runs/audit; exits 1 if an audited mode leaks.
+audit: $(STAMP)
+	$(PY) -m attacks.evaluate --out runs/audit
 
 TOOLS := .tools/node_modules/.bin
 # buf is pinned exactly in .tools/package.json; no lock file, because npm records only this platform's binary.

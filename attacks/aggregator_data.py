@@ -1,0 +1,345 @@
+"""Audit a real aggregator: the attacks run on what a deployment's database actually keeps.
+
+An operator points `audit_aggregator_data` at the aggregator's data folder (`server.data_dir` of
+consortium.toml); its SQLite database (`aggregator.server.DATABASE`) is opened read-only, never through
+`Store`, which creates the file and writes to it. What the store keeps, and so what is attacked:
+
+- states: the committed global state of the last `KEEP_STATES` rounds (older ones are blanked; a state sealed
+  by the silos, under ckks, is unreadable here). RedGrape's keeps `prototypes`: each class's released
+  head-gradient sum divided by the silos that held it (its Eq. 10). Attack (a), `recover_feature` on a class's
+  rows, gives the mean feature of those silos, one silo's when one held it; all-zero rows were withheld by the
+  tail guard or held by nobody. The `present` sum is not stored, so the number of holders is known only where
+  the tail guard ran (its audit record: every released class had at least k_min) or one silo contributed; a
+  released class of an unguarded round is flagged, since nothing shows it was not one silo's.
+- disclosures: each silo's latest MFSC masked class means, attacked with `presence_scores` against the model
+  the silos computed them on (the state before their round), given public data.
+
+Not stored, so not attacked: the released sums themselves (a round's `grad`, `present`, and CCVR/DFL-FS/SFD's
+Σz, Σzzᵀ and counts feed the server step and are dropped; those methods' states keep only the re-trained
+head, so `invert_moments` has nothing to run on), CReFF's per-class gradients (its state keeps the federated
+features matched to them), and silos' contributions. No original images exist here, so a finding's images
+are the recovered ones only (`images["recovered"]`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from aggregator.held_state import SEALED
+from aggregator.server import DATABASE
+from attacks.analytic import recover_feature
+from attacks.audit import Finding
+from attacks.config import Thresholds
+from attacks.decoder import FeatureDecoder, decode, train_decoder
+from attacks.presence import presence_report, presence_scores
+from fedlt.data.arrays import LabeledImages
+from fedlt.errors import FedltError
+from fedlt.methods import ModelSpec
+from fedlt.methods.state import GlobalState, unpack_state
+from fedlt.models import MODELS, SplitModel
+from fedlt.selection import DISCLOSURE
+from fedlt.tensorpack import PackError
+
+TABLES = frozenset({"meta", "attempts", "states", "disclosures", "censuses", "audit"})
+PARTY = "whoever reads the aggregator's database"
+# each detector's own cut between "real mean" and "mask" (`presence_scores`); cosine has none
+CALLS_REAL: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "margin": lambda s: s > 0,  # the head classifies the disclosed row as its own class
+    "norm": lambda s: s >= 0,  # its norm lies in the range a real mean's can have
+    "clustering": lambda s: s > 0.5,  # MFSC's own estimate, which the aggregator picks silos by
+}
+
+
+class AggregatorDataError(FedltError):
+    """The folder holds no aggregator database, or one this audit cannot read."""
+
+
+@dataclass(frozen=True)
+class StoredRound:
+    """One round as the store keeps it; `state` is None where it was blanked or is sealed by the silos."""
+
+    round: int
+    round_id: str
+    contributors: tuple[str, ...]
+    state: GlobalState | None
+    guard: dict | None  # the round's tail_guard audit record: k_min and the classes zeroed
+
+
+@dataclass(frozen=True)
+class AggregatorData:
+    rounds: dict[int, StoredRound]  # round 0 is the initial state, the model of round 1
+    disclosures: dict[str, dict[str, np.ndarray]]  # round_id -> silo -> flat float64 class means
+
+
+def read_aggregator_data(folder: Path) -> AggregatorData:
+    """Everything the attacks use from the database in `folder`, read in one read-only connection.
+
+    While the aggregator has the database open, its -wal and -shm files exist and are shared read-only.
+    Without a -wal file no connection is open, and the file is read as immutable: a read-only connection
+    would otherwise create -wal and -shm files owned by the auditing user, which can stop the aggregator's
+    next start."""
+    path = Path(folder) / DATABASE
+    if not path.is_file():
+        raise AggregatorDataError(
+            f"no aggregator database in {folder}: {DATABASE} is not there "
+            "(pass the folder that server.data_dir of consortium.toml names)"
+        )
+    try:
+        live = path.with_name(f"{path.name}-wal").exists()
+        db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro{'' if live else '&immutable=1'}", uri=True)
+    except sqlite3.Error as exc:
+        raise AggregatorDataError(f"cannot open {path} read-only: {exc}") from None
+    try:
+        return _read(db, path)
+    except sqlite3.Error as exc:  # DatabaseError for a file that is not SQLite
+        raise AggregatorDataError(f"{path} is not an aggregator database: {exc}") from None
+    finally:
+        db.close()
+
+
+def _read(db: sqlite3.Connection, path: Path) -> AggregatorData:
+    tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    missing = sorted(TABLES - tables)
+    if missing:
+        raise AggregatorDataError(f"{path} is not an aggregator database: no table {', '.join(missing)}")
+    guards = {}
+    for (detail,) in db.execute("SELECT detail FROM audit WHERE event = 'tail_guard' ORDER BY seq"):
+        record = json.loads(detail)
+        guards[record["round_id"]] = record
+    rounds = {}
+    for number, data, round_id, contributors in db.execute(
+        "SELECT round, data, round_id, contributors FROM states ORDER BY round"
+    ):
+        state = _state(data, number, path)
+        round_id = round_id or ""  # the initial state belongs to no round
+        rounds[number] = StoredRound(
+            number, round_id, tuple(json.loads(contributors)), state, guards.get(round_id)
+        )
+    if not any(number >= 1 for number in rounds):
+        raise AggregatorDataError(f"{path} holds no committed round: nothing was released yet")
+    disclosures: dict[str, dict[str, np.ndarray]] = {}
+    for silo, round_id, data in db.execute(
+        "SELECT silo_id, round_id, data FROM disclosures WHERE name = ? ORDER BY silo_id", (DISCLOSURE,)
+    ):
+        disclosures.setdefault(round_id, {})[silo] = np.frombuffer(data, dtype="<f8").copy()
+    return AggregatorData(rounds, disclosures)
+
+
+def _state(data: bytes, number: int, path: Path) -> GlobalState | None:
+    """The stored state in the clear, or None for a blanked (old) or sealed (ckks) one."""
+    if not data or data.startswith(SEALED):
+        return None
+    try:
+        return unpack_state(data, number)
+    except PackError as exc:
+        raise AggregatorDataError(f"{path}: the state of round {number} does not unpack: {exc}") from None
+
+
+def released_class_features(state: GlobalState) -> dict[int, torch.Tensor]:
+    """Attack (a) on every class of a state's stored per-class head gradients (RedGrape's prototypes):
+    the class's feature where its rows are non-zero; empty for states without them."""
+    prototypes = state.extra.get("prototypes")
+    if prototypes is None:
+        return {}
+    found = {c: recover_feature(rows) for c, rows in enumerate(prototypes)}
+    return {c: feature for c, feature in found.items() if feature is not None}
+
+
+def audit_aggregator_data(
+    folder: Path,
+    *,
+    thresholds: Thresholds,
+    public: LabeledImages | None = None,
+    holdings: Mapping[str, Collection[int]] | None = None,
+    progress: Callable[[str], None] = lambda _: None,
+) -> list[Finding]:
+    """Findings on what the aggregator in `folder` stored: one per round with per-class head gradients, one
+    per round of MFSC disclosures. `public` (the operator's own images, never silo data) lets the findings
+    decode recovered features and score disclosures; `holdings`, which classes each silo disclosed a real
+    mean of (at least `selection.min_samples` samples), if the operator asked the silos, scores the
+    presence detectors against the truth, which otherwise nobody but the silos knows."""
+    folder = Path(folder)
+    progress(f"reading {folder / DATABASE}")
+    data = read_aggregator_data(folder)
+    mode = f"deployment: {folder.resolve().name}"
+    models = _Models(data, public, progress)
+    findings = []
+    for number, stored in sorted(data.rounds.items()):
+        if number >= 1 and stored.state is not None and "prototypes" in stored.state.extra:
+            progress(f"round {number}: per-class head gradients")
+            findings.append(_gradient_finding(stored, models, mode))
+    for round_id, disclosed in sorted(data.disclosures.items()):
+        progress(f"{round_id}: MFSC disclosures of {len(disclosed)} silos")
+        findings.append(_presence_finding(round_id, disclosed, models, mode, thresholds, holdings))
+    return findings
+
+
+class _Models:
+    """The model the silos received in each round, and a decoder on its encoder, built once each."""
+
+    def __init__(
+        self, data: AggregatorData, public: LabeledImages | None, progress: Callable[[str], None]
+    ) -> None:
+        self.data = data
+        self.public = public
+        self.progress = progress
+        self._models: dict[int, SplitModel | None] = {}
+        self._decoders: dict[int, FeatureDecoder] = {}
+
+    def received(self, number: int) -> SplitModel | None:
+        """Round `number`'s model (the state before it); None without public data (which fixes the image
+        shape) or when that state is no longer stored or fits no registered network."""
+        if number not in self._models:
+            before = self.data.rounds.get(number - 1)
+            readable = self.public is not None and before is not None and before.state is not None
+            self._models[number] = _network(before.state.model, self.public) if readable else None
+        return self._models[number]
+
+    def decoder(self, number: int) -> FeatureDecoder | None:
+        model = self.received(number)
+        if model is None or self.public is None:
+            return None
+        if number not in self._decoders:
+            self.progress(f"training a decoder on the public data under round {number}'s model")
+            self._decoders[number] = train_decoder(model, self.public)
+        return self._decoders[number]
+
+    def why_not(self, number: int) -> str:
+        if self.public is None:
+            return "no public data given"
+        before = self.data.rounds.get(number - 1)
+        if before is None or before.state is None:
+            return f"the model of round {number} (state {number - 1}) is blanked or sealed by the silos"
+        return (
+            f"the stored weights fit no registered model for {self.public.num_classes} classes of "
+            f"{self.public.image_shape} images"
+        )
+
+
+def _network(weights: Mapping[str, torch.Tensor], public: LabeledImages) -> SplitModel | None:
+    """The registered network the stored weights fit (the store does not name it), with those weights;
+    extra entries (RedGrape's supplementary head) are left out."""
+    side = public.image_shape[1]
+    for name, entry in MODELS.items():
+        if side not in entry.sides:
+            continue
+        spec = ModelSpec(name, public.image_shape, public.num_classes)
+        for private in (False, True):  # under DP a BatchNorm network trains with GroupNorm instead
+            model = replace(spec, private=private).build(0)
+            wanted = model.state_dict()
+            if all(k in weights and weights[k].shape == v.shape for k, v in wanted.items()):
+                model.load_state_dict({k: weights[k] for k in wanted})
+                return model.eval()
+    return None
+
+
+def _gradient_finding(stored: StoredRound, models: _Models, mode: str) -> Finding:
+    features = released_class_features(stored.state)
+    classes = len(stored.state.extra["prototypes"])
+    released = sorted(features)
+    if stored.guard is not None:
+        at_least = int(stored.guard["k_min"])
+        holders = (
+            f"the tail guard (k_min {at_least}) released only classes at least {at_least} silos held "
+            f"and zeroed {stored.guard['zeroed']}"
+        )
+    elif len(stored.contributors) == 1:
+        at_least, holders = 1, f"one silo contributed ({stored.contributors[0]})"
+    else:
+        at_least = 1
+        holders = (
+            "no tail guard: the store does not record how many silos held each class, so any released "
+            "class may be one silo's mean feature"
+        )
+    images, decoded = {}, ""
+    if released:
+        decoder = models.decoder(stored.round)
+        if decoder is None:
+            decoded = f"; no images: {models.why_not(stored.round)}"
+        else:
+            images = {"recovered": decode(decoder, torch.stack([features[c] for c in released]))}
+            decoded = f"; images decoded in class order with the encoder of round {stored.round - 1}"
+    return Finding(
+        "analytic",
+        mode,
+        PARTY,
+        f"round {stored.round}: stored per-class head gradients (RedGrape prototypes)",
+        {
+            "classes": float(classes),
+            "classes_released": float(len(released)),
+            "classes_withheld": float(classes - len(released)),
+            "contributors": float(len(stored.contributors)),
+            "holders_at_least": float(at_least),
+        },
+        bool(released) and at_least < 2,
+        True,
+        images,
+        f"a feature recovered for classes {released}; {holders}{decoded}",
+    )
+
+
+def _presence_finding(
+    round_id: str,
+    disclosed: dict[str, np.ndarray],
+    models: _Models,
+    mode: str,
+    thresholds: Thresholds,
+    holdings: Mapping[str, Collection[int]] | None,
+) -> Finding:
+    number = next((n for n, s in models.data.rounds.items() if s.round_id == round_id), None)
+    model = None if number is None else models.received(number)
+    target = f"{round_id}: MFSC class means of {len(disclosed)} silos, which silo holds which class"
+    metrics = {"silos": float(len(disclosed))}
+    if model is None:
+        why = "its round is not among the stored states" if number is None else models.why_not(number)
+        note = f"stored, not scored: {why}"
+        return Finding("presence", mode, PARTY, target, metrics, False, True, note=note)
+    shape = (model.num_classes, model.feature_dim)
+    means = {silo: torch.from_numpy(values.reshape(shape)) for silo, values in disclosed.items()}
+    public_x, public_y = torch.from_numpy(models.public.x), torch.from_numpy(models.public.y)
+    scores = presence_scores(means, model, public_x, public_y)
+    split = {}
+    for detector, calls_real in CALLS_REAL.items():
+        calls = calls_real(scores[detector])
+        split[detector] = int((calls.any(axis=0) & ~calls.all(axis=0)).sum())
+        metrics[f"{detector}_called_real"] = float(calls.mean())
+        metrics[f"{detector}_classes_split"] = float(split[detector])
+    if holdings is None:
+        leaked = any(split.values())
+        note = (
+            "ground truth is unknown to the operator (only the silos know what they hold), so the calls are "
+            "not scored; flagged when a detector tells silos apart within a class. The norm and clustering "
+            "detectors assume the default selection.min_samples and separation: the store keeps no plan"
+        )
+    else:
+        truth = _truth(holdings, sorted(disclosed), model.num_classes)
+        report = presence_report(scores, truth, class_frequency=truth.sum(axis=0), tail_below=0)
+        within = {d: r["within_class_auc"] for d, r in report.items()}
+        best = max(within, key=lambda d: -1.0 if math.isnan(within[d]) else within[d])
+        metrics.update({f"{d}_within_class_auc": auc for d, auc in within.items()})
+        metrics["best_detector_within_class_auc"] = within[best]
+        leaked = not math.isnan(within[best]) and within[best] > thresholds.presence_auc
+        note = f"scored against the holdings the operator gave; best detector: {best}"
+    return Finding("presence", mode, PARTY, target, metrics, leaked, True, note=note)
+
+
+def _truth(holdings: Mapping[str, Collection[int]], silos: list[str], classes: int) -> np.ndarray:
+    """[silos, classes]: which disclosed rows are real means, from the operator's `holdings`."""
+    missing = sorted(set(silos) - set(holdings))
+    if missing:
+        raise AggregatorDataError(f"holdings name no classes for the disclosing silos {missing}")
+    truth = np.zeros((len(silos), classes), dtype=bool)
+    for row, silo in enumerate(silos):
+        held = list(holdings[silo])
+        if any(not 0 <= c < classes for c in held):
+            raise AggregatorDataError(f"holdings of {silo}: classes must lie in [0, {classes}), got {held}")
+        truth[row, held] = True
+    return truth

@@ -1,0 +1,414 @@
+"""The audit: every configured attack on what each party sees in every configured mode, as findings.
+
+A finding names the attack, the mode, the party whose view it attacks, its target and its scores, and says
+whether it crossed the grid's threshold. Image attacks are scored against two baselines: random images, and
+the attacker's prior (its own data's class prototype, decoded), because a decoder draws a plausible digit from
+anything; a leak is a reconstruction that beats both by the threshold. A release the layer withholds (a class
+under the tail guard) leaves the attacker its prior.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from attacks import analytic, moments
+from attacks.config import Mode
+from attacks.decoder import FeatureDecoder, decode, prior, train_decoder
+from attacks.scenario import Planted, Scenario, Uploads, attacked_state, method_for, released, silo_uploads
+from attacks.scoring import best_match, image_report
+from fedlt.aggregation.sums import Sums
+from fedlt.data.arrays import LabeledImages
+from fedlt.methods import ServerContext
+from fedlt.methods.heads import extract_features
+
+
+@dataclass
+class Finding:
+    attack: str
+    mode: str
+    party: str
+    target: str
+    metrics: dict[str, float]
+    leaked: bool
+    audited: bool
+    images: dict[str, np.ndarray] = field(default_factory=dict)  # "original", "recovered": (n, C, H, W)
+    note: str = ""
+
+
+def party(mode: Mode) -> str:
+    return {
+        "plaintext": "aggregator, each silo's upload",
+        "secagg": "aggregator, the sum",
+        "ckks": "each silo, the decrypted sum (the aggregator holds ciphertexts)",
+    }[mode.privacy]
+
+
+class Audit:
+    """Runs the grid; `progress(label)` is told of each step as it starts."""
+
+    def __init__(self, scenario: Scenario, progress: Callable[[str], None] = lambda _: None) -> None:
+        self.scenario = scenario
+        self.config = scenario.config
+        self.progress = progress
+        self.model = _model(scenario)
+        self._uploads: dict[tuple[str, float], Uploads] = {}
+        self._sums: dict[tuple[int, str], Sums] = {}
+        self._decoder: FeatureDecoder | None = None
+
+    # --- shared pieces ---------------------------------------------------------------------------
+
+    def uploads(self, method: str, epsilon: float) -> Uploads:
+        key = (method, epsilon)
+        if key not in self._uploads:
+            self._uploads[key] = silo_uploads(self.scenario, method, epsilon)
+        return self._uploads[key]
+
+    def released(self, uploads: Uploads, mode: Mode) -> Sums:
+        """The sums `mode` releases from `uploads`, aggregated once (a secure sum of CCVR's second moments
+        is the slowest step of the audit)."""
+        key = (id(uploads), mode.name)
+        if key not in self._sums:
+            self._sums[key] = released(self.scenario, uploads, mode)
+        return self._sums[key]
+
+    @property
+    def decoder(self) -> FeatureDecoder:
+        if self._decoder is None:
+            self._decoder = train_decoder(self.model, self.scenario.public, seed=self.config.seed)
+        return self._decoder
+
+    def records(self, planted: Planted) -> torch.Tensor:
+        silo = self.scenario.federation.silos[planted.silo]
+        return torch.from_numpy(silo.x[planted.records])
+
+    def features(self, planted: Planted) -> torch.Tensor:
+        return extract_features(self.model, self.records(planted)).double()
+
+    def view(self, mode: Mode, uploads: Uploads, planted: Planted) -> tuple[Sums | dict, str]:
+        """What `mode`'s party has of the planted class's silo: its upload (plaintext) or the sums."""
+        if mode.privacy == "plaintext":
+            return uploads.contributions[planted.silo].values, party(mode)
+        return self.released(uploads, mode), party(mode)
+
+    def image_finding(
+        self, attack: str, mode: Mode, planted: Planted, recovered: np.ndarray | None, **extra
+    ) -> Finding:
+        """Scores decoded images against the planted records, with the random and prior baselines."""
+        originals = self.records(planted).numpy()
+        guess = prior(self.decoder, self.model, self.scenario.public, planted.label)
+        withheld = recovered is None
+        found = np.repeat(guess, len(originals), axis=0) if withheld else recovered
+        scores = image_report(originals, _fit(found, len(originals)), seed=self.config.seed, match=True)
+        prior_images = np.repeat(guess, len(originals), axis=0)
+        prior_scores = image_report(originals, prior_images, seed=self.config.seed)
+        metrics = {**image_metrics(scores, prior_scores), **extra}
+        leaked = self.beats_baselines(metrics)
+        if "feature_error" in extra:
+            leaked = leaked or extra["feature_error"] < self.config.thresholds.feature_error
+        return Finding(
+            attack,
+            mode.name,
+            party(mode),
+            f"class {planted.label}: {len(originals)} record(s) at silo-{planted.silo}",
+            metrics,
+            leaked,
+            mode.audited,
+            {"original": originals, "recovered": _fit(found, len(originals))},
+            "withheld: nothing released for this class" if withheld else "",
+        )
+
+    def beats_baselines(self, metrics: dict[str, float]) -> bool:
+        baseline = max(metrics["ssim_random"], metrics["ssim_prior"])
+        return metrics["ssim"] - baseline > self.config.thresholds.ssim_over_random
+
+    # --- attacks ---------------------------------------------------------------------------------
+
+    def analytic(self, mode: Mode) -> list[Finding]:
+        """(a) on CReFF's per-class head gradients, for the class one record represents."""
+        uploads = self.uploads("creff", mode.epsilon)
+        planted = self.scenario.planted[0]
+        values, _ = self.view(mode, uploads, planted)
+        classes = len(self.scenario.public.classes)
+        rows = values["grad"].reshape(classes, classes, -1)[planted.label]
+        feature = analytic.recover_feature(rows)
+        truth = self.features(planted)[0]
+        if uploads.method.dp is not None:  # under DP the silo clipped the feature first: the best case
+            truth = truth * min(1.0, uploads.method.dp.feature_norm / float(truth.norm()))
+        error = analytic.relative_error(feature, truth)
+        recovered = None if feature is None else decode(self.decoder, feature[None])
+        return [self.image_finding("analytic", mode, planted, recovered, feature_error=error)]
+
+    def moments(self, mode: Mode) -> list[Finding]:
+        """(b) on CCVR's Σz, Σzzᵀ and counts, for the classes of one and of two records."""
+        uploads = self.uploads("ccvr", mode.epsilon)
+        findings = []
+        for planted in self.scenario.planted:
+            values, _ = self.view(mode, uploads, planted)
+            found = moments.invert_moments(
+                values["feature_sum"][planted.label],
+                values["outer_sum"][planted.label],
+                float(values["count"][planted.label]),
+            )
+            error = moments.matched_error(found, self.features(planted))
+            recovered = None if found is None else decode(self.decoder, found)
+            findings.append(self.image_finding("moments", mode, planted, recovered, feature_error=error))
+        return findings
+
+    def decoder_attack(self, mode: Mode) -> list[Finding]:
+        """(c) the decoder on synthetic features the server half makes from the release, of the one-record
+        class: CReFF's federated features and Gaussian features regenerated from the pooled statistics
+        (DFL-FS's and CCVR's). SFD's SAFS features are left out: synthesising them takes minutes a mode
+        here, and fails on a one-record class (its covariance is not positive definite)."""
+        planted = self.scenario.planted[0]
+        creff = self.uploads("creff", mode.epsilon)
+        sums = self.released(creff, mode)
+        state = creff.method.server_step(creff.state, sums, ServerContext(creff.state.round + 1, 0))
+        classes = len(self.scenario.public.classes)
+        synthetic = state.extra["features"].reshape(classes, -1, state.extra["features"].shape[-1])
+        federated = decode(self.decoder, synthetic[planted.label][:16])
+        ccvr = self.uploads("ccvr", mode.epsilon)
+        pooled = ccvr.method.pooled(self.released(ccvr, mode))
+        regenerated = None
+        if bool(pooled.present[planted.label]):
+            counts = torch.zeros(classes, dtype=torch.long)
+            counts[planted.label] = 16
+            features, _ = pooled.sample_counts(counts, torch.Generator().manual_seed(self.config.seed))
+            regenerated = decode(self.decoder, features)
+        return [
+            self.image_finding("decoder: CReFF federated features", mode, planted, federated),
+            self.image_finding("decoder: regenerated Gaussian features", mode, planted, regenerated),
+        ]
+
+    def gradinv(self, mode: Mode) -> list[Finding]:
+        """(d) on FedAvg's model delta of the smallest silo (plaintext) or on the averaged delta (sums):
+        `GRADINV_COUNT` images sought, matched one to one to that silo's records. Baselines: random images
+        and as many of the attacker's own images, matched the same way (an inversion that lands on generic
+        digits is no closer than unrelated digits)."""
+        from attacks.gradinv import invert_delta
+        from fedlt.methods.state import float_keys, unflatten
+
+        uploads = self.uploads("creff", mode.epsilon)
+        silos = self.scenario.federation.silos
+        smallest = int(np.argmin([len(s) for s in silos]))
+        values = uploads.contributions[smallest].values if mode.privacy == "plaintext" else None
+        values = values or self.released(uploads, mode)
+        flat = values["delta"] / max(float(values["n"]), 1.0)
+        model = uploads.method.load(uploads.state.model)
+        keys = float_keys(uploads.state.model)
+        per_key = unflatten(flat.float(), uploads.state.model, keys)
+        delta = [per_key[name] for name, _ in model.named_parameters()]
+        public, seed = self.scenario.public, self.config.seed
+        images = invert_delta(model, delta, count=GRADINV_COUNT, image_shape=public.image_shape, seed=seed)
+        originals = silos[smallest].x
+        own = public.x[np.random.default_rng(seed).choice(len(public), GRADINV_COUNT, replace=False)]
+        paired, images = best_match(originals, images)
+        found = image_report(paired, images, seed=self.config.seed)
+        unrelated = image_report(*best_match(originals, own), seed=self.config.seed)
+        metrics = image_metrics(found, unrelated)
+        target = f"silo-{smallest}: {len(originals)} records, {GRADINV_COUNT} sought"
+        leaked = self.beats_baselines(metrics)
+        shown = {"original": paired, "recovered": images}
+        return [Finding("gradinv", mode.name, party(mode), target, metrics, leaked, mode.audited, shown)]
+
+    # --- attacks on what does not depend on the sum layer ----------------------------------------
+
+    def decoder_reference(self) -> list[Finding]:
+        """The decoder on the planted records' true features: what a perfectly recovered feature is worth
+        (a reference, not a release)."""
+        reference = Mode(name="reference: true features", audited=False)
+        findings = []
+        for planted in self.scenario.planted:
+            real = decode(self.decoder, self.features(planted))
+            finding = self.image_finding("decoder: true feature", reference, planted, real)
+            finding.party = "nobody: the decoder's ceiling"
+            findings.append(finding)
+        return findings
+
+    def presence(self) -> list[Finding]:
+        """(e) on MFSC's disclosure, for each mask, beside the census that the tail guard uses instead."""
+        from attacks.presence import census_scores, presence_report, presence_scores
+        from fedlt.selection import (
+            MASKS,
+            SelectionConfig,
+            class_mean_disclosure,
+            mask_stream,
+            simulated_mask_secret,
+        )
+
+        scenario, selection = self.scenario, SelectionConfig()
+        silos = scenario.federation.silos
+        counts = np.stack([s.class_counts() for s in silos])
+        frequency = counts.sum(axis=0)
+        tail_below = int(np.median(frequency))
+        dflfs = method_for(scenario, "dflfs")
+        state = attacked_state(dflfs, scenario.state)
+        public_x, public_y = torch.from_numpy(scenario.public.x), torch.from_numpy(scenario.public.y)
+        findings = []
+        truth = counts >= selection.min_samples
+        for mask in MASKS:
+            disclosures = {
+                sid: class_mean_disclosure(
+                    dflfs,
+                    state,
+                    data,
+                    mask,
+                    mask_stream(simulated_mask_secret(self.config.seed, sid), 1),
+                    min_samples=selection.min_samples,
+                )
+                for sid, data in zip(scenario.silo_ids, silos, strict=True)
+            }
+            scores = presence_scores(disclosures, self.model, public_x, public_y, seed=self.config.seed)
+            report = presence_report(scores, truth, class_frequency=frequency, tail_below=tail_below)
+            findings.append(self._presence_finding(f"MFSC disclosure, mask {mask}", report, audited=False))
+        held = counts >= 1
+        census = {"census": census_scores(held.sum(axis=0), len(silos))}
+        report = presence_report(census, held, class_frequency=frequency, tail_below=tail_below)
+        findings.append(self._presence_finding("census + tail guard", report, audited=True))
+        return findings
+
+    def membership(self) -> list[Finding]:
+        """(f) on the final model, which every sum layer releases alike: up to `MEMBERSHIP_CANDIDATES` of
+        the silos' records against as many of the attacker's own (never trained on), by loss threshold and
+        offline LiRA with shadows trained on the rest of its data the way silos train."""
+        from attacks.membership import (
+            lira_offline_scores,
+            loss_threshold_scores,
+            membership_report,
+            sgd_trainer,
+        )
+        from fedlt.methods import ModelSpec, TrainConfig
+
+        scenario, seed = self.scenario, self.config.seed
+        members = _concat(scenario.federation.silos)
+        rng = np.random.default_rng(seed)
+        public = scenario.public
+        order = rng.permutation(len(public))
+        count = min(MEMBERSHIP_CANDIDATES, len(members), len(public) // 2)
+        inside = rng.choice(len(members), count, replace=False)
+        outside, pool = order[:count], order[count:]
+        x = torch.from_numpy(np.concatenate([members.x[inside], public.x[outside]]))
+        y = torch.from_numpy(np.concatenate([members.y[inside], public.y[outside]]))
+        is_member = np.arange(2 * count) < count
+        training = self.config.training
+        spec = ModelSpec(_model_name(public), public.image_shape, len(public.classes))
+        shadow = sgd_trainer(spec, TrainConfig(local_epochs=training.rounds, lr=training.lr, momentum=0.9))
+        scores = {
+            "loss threshold": loss_threshold_scores(self.model, x, y),
+            "LiRA (offline, 4 shadows)": lira_offline_scores(
+                self.model,
+                x,
+                y,
+                public_x=torch.from_numpy(public.x[pool]),
+                public_y=torch.from_numpy(public.y[pool]),
+                train=shadow,
+                shadows=4,
+                seed=seed,
+            ),
+        }
+        counts = members.class_counts()
+        findings = []
+        for name, score in scores.items():
+            report = membership_report(
+                score, is_member, class_counts=counts, y=y.numpy(), tail_below=int(np.median(counts))
+            )
+            metrics = {
+                "tpr_at_0.1%_fpr": report["all"]["tpr_at_0.1%_fpr"],
+                "tpr_at_1%_fpr": report["all"]["tpr_at_1%_fpr"],
+                "auc": report["all"]["auc"],
+                "tail_auc": report["tail"]["auc"],
+                "candidates": float(2 * count),
+            }
+            leaked = metrics["tpr_at_0.1%_fpr"] > self.config.thresholds.membership_tpr
+            findings.append(
+                Finding(
+                    f"membership: {name}",
+                    "final model (any sum layer, no DP)",
+                    "anyone holding the model",
+                    f"{count} members against {count} non-members",
+                    metrics,
+                    leaked,
+                    True,
+                )
+            )
+        return findings
+
+    def protocol(self) -> list[Finding]:
+        """(g) a malicious aggregator against the real silo code: presence intersection, two attempts, split
+        views (`attacks.protocol`)."""
+        from attacks.protocol import protocol_findings
+
+        return protocol_findings(self.config.seed)
+
+    def _presence_finding(self, mode: str, report: dict, *, audited: bool) -> Finding:
+        best = max(report, key=lambda d: _nan_low(report[d]["within_class_auc"]))
+        within = report[best]["within_class_auc"]
+        metrics = {
+            "best_detector_within_class_auc": within,
+            "best_detector_auc": report[best]["all"]["auc"],
+            "tail_auc": report[best]["tail"]["auc"],
+            "tpr_at_1%_fpr": report[best]["all"]["tpr_at_1%_fpr"],
+        }
+        metrics.update({f"{d}_within_class_auc": r["within_class_auc"] for d, r in report.items()})
+        leaked = _nan_low(within) > self.config.thresholds.presence_auc
+        target = f"which silo holds which class (best detector: {best})"
+        return Finding("presence", mode, "aggregator", target, metrics, leaked, audited)
+
+
+def image_metrics(found: dict, prior_report: dict) -> dict[str, float]:
+    """Medians of what the attacker drew, of random images, and SSIM of the attacker's prior (the 'attack'
+    part of `prior_report`, which scores the prior as its reconstruction)."""
+    return {
+        "ssim": found["ssim"]["attack"]["median"],
+        "psnr": found["psnr"]["attack"]["median"],
+        "mae": found["mae"]["attack"]["median"],
+        "ssim_random": found["ssim"]["random"]["median"],
+        "ssim_prior": prior_report["ssim"]["attack"]["median"],
+    }
+
+
+def _nan_low(value: float) -> float:
+    return -1.0 if np.isnan(value) else value
+
+
+def _model_name(public) -> str:
+    from fedlt.models import DEFAULT_FOR_SIDE
+
+    return DEFAULT_FOR_SIDE[public.image_shape[1]]
+
+
+def _concat(parts: list) -> LabeledImages:
+    return LabeledImages(
+        np.concatenate([p.x for p in parts]), np.concatenate([p.y for p in parts]), parts[0].classes
+    )
+
+
+def _model(scenario: Scenario):
+    from fedlt.methods import ModelSpec
+
+    public = scenario.public
+    spec = ModelSpec(_model_name(public), public.image_shape, len(public.classes))
+    model = spec.build(0)
+    model.load_state_dict(scenario.state.model)
+    return model.eval()
+
+
+def _fit(images: np.ndarray, count: int) -> np.ndarray:
+    """Reconstructions for `count` originals: several are matched one to one by SSIM, fewer are repeated."""
+    if len(images) >= count:
+        return images
+    return np.concatenate([images] * (count // len(images) + 1))[:count]
+
+
+GRADINV_COUNT = 4
+MEMBERSHIP_CANDIDATES = 500
+
+RUNNERS: dict[str, Callable[[Audit, Mode], list[Finding]]] = {
+    "analytic": Audit.analytic,
+    "moments": Audit.moments,
+    "decoder": Audit.decoder_attack,
+    "gradinv": Audit.gradinv,
+}

@@ -1,0 +1,99 @@
+"""The audit grid as a TOML file (`configs/audit.toml`), validated at load with every problem named.
+
+A grid is one federation (an embedded dataset, split long-tailed over silos, seeded), a short training run
+that gives the model every attack works against, the sharing modes to compare and the attacks to run on
+each, and the leakage thresholds that make the audit fail. A mode with `audited = true` is one the
+consortium relies on: crossing a threshold there fails the audit (exit code 1); the others (plaintext) are
+shown for contrast, so the report says what the protections remove.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedlt.config import parse_section, read_toml, setting
+from fedlt.data.federation import DataConfig
+from fedlt.errors import ConfigError
+
+ATTACKS = ("analytic", "moments", "decoder", "gradinv", "presence", "membership", "protocol")
+PRIVACY = ("plaintext", "secagg", "ckks")
+
+
+@dataclass(frozen=True)
+class Training:
+    rounds: int = setting(4, ge=1, le=200, doc="FedAvg rounds that train the model the attacks face")
+    local_epochs: int = setting(1, ge=1)
+    lr: float = setting(0.05, gt=0.0)
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str = setting("", doc="the row's name in the report")
+    privacy: str = setting("plaintext", choices=PRIVACY)
+    k_min: int = setting(2, ge=0, doc="secagg tail guard: per-class rows of fewer holders are zeroed; <2 off")
+    epsilon: float = setting(0.0, ge=0.0, doc="> 0: every silo runs under [dp] with this budget")
+    audited: bool = setting(True, doc="a crossed threshold in this mode fails the audit")
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    ssim_over_random: float = setting(0.2, doc="median SSIM above the random-image baseline's")
+    feature_error: float = setting(0.05, ge=0.0, doc="relative error of a recovered feature below this")
+    presence_auc: float = setting(0.65, ge=0.5, le=1.0, doc="class-presence ROC-AUC above this")
+    membership_tpr: float = setting(0.01, ge=0.0, le=1.0, doc="membership TPR at 0.1% FPR above this")
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    seed: int = setting(0, ge=0)
+    data: DataConfig = field(default_factory=lambda: DataConfig(silos=4))
+    training: Training = field(default_factory=Training)
+    attacks: tuple[str, ...] = ATTACKS
+    modes: tuple[Mode, ...] = ()
+    thresholds: Thresholds = field(default_factory=Thresholds)
+
+
+def load_audit_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> AuditConfig:
+    """The grid in `path` (`overrides` laid over its top level), or a ConfigError listing every problem."""
+    tree = dict(read_toml(path))
+    tree.update(overrides or {})
+    problems: list[str] = []
+    modes = tree.pop("mode", [])
+    attacks = tree.pop("attacks", list(ATTACKS))
+    config = parse_section(AuditConfig, tree, "", problems)
+    parsed = []
+    if not isinstance(modes, list) or not modes:
+        problems.append("mode: at least one [[mode]] table (the sharing modes to compare)")
+        modes = []
+    for i, table in enumerate(modes):
+        mode = parse_section(Mode, table, f"mode[{i}]", problems)
+        problems += _mode_problems(mode, f"mode[{i}]")
+        parsed.append(mode)
+    names = [m.name for m in parsed]
+    if len(set(names)) != len(names):
+        problems.append(f"mode: names must differ, got {names}")
+    if not isinstance(attacks, list) or not all(a in ATTACKS for a in attacks):
+        problems.append(f"attacks: a list drawn from {', '.join(ATTACKS)}, got {attacks!r}")
+        attacks = list(ATTACKS)
+    if problems:
+        raise ConfigError(path, problems)
+    return AuditConfig(
+        seed=config.seed,
+        data=config.data,
+        training=config.training,
+        attacks=tuple(attacks),
+        modes=tuple(parsed),
+        thresholds=config.thresholds,
+    )
+
+
+def _mode_problems(mode: Mode, where: str) -> list[str]:
+    problems = []
+    if not mode.name:
+        problems.append(f"{where}.name: every mode needs a name")
+    if mode.epsilon > 0 and mode.privacy == "plaintext":
+        problems.append(f"{where}: DP noise on released sums needs a sum layer (secagg or ckks)")
+    return problems

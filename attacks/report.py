@@ -1,0 +1,208 @@
+"""The audit's report folder: report.json (every finding and score), report.md (the table a privacy officer
+reads), one PNG grid per image attack (originals beside what each mode let the attacker draw), and the
+one-screen console summary."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from attacks.audit import Finding
+from attacks.config import AuditConfig
+from fedlt.atomic import atomic_write_text
+from fedlt.config import as_table
+
+HEADLINE = {  # the score each attack's row shows, and how to read it
+    "analytic": ("feature_error", "relative error of the recovered feature"),
+    "moments": ("feature_error", "relative error of the recovered features"),
+    "presence": ("best_detector_within_class_auc", "ROC-AUC of telling a silo's classes, within a class"),
+    "membership": ("tpr_at_0.1%_fpr", "TPR at 0.1% FPR"),
+    "protocol": ("recovered", "what the attack recovered (1: all)"),
+    "protocol: presence intersection": ("bits_beyond_census", "presence bits beyond the census counts"),
+}
+
+
+def write_report(out: Path, config: AuditConfig, findings: list[Finding], seconds: float) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    grids = _plot_grids(out, findings)
+    failed = [f for f in findings if f.leaked and f.audited]
+    summary = {
+        "passed": not failed,
+        "seconds": round(seconds, 1),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "config": as_table(config),
+        "findings": [_as_json(f) for f in findings],
+        "grids": grids,
+    }
+    atomic_write_text(out / "report.json", json.dumps(summary, indent=1, default=_jsonable))
+    atomic_write_text(out / "report.md", render_markdown(config, findings, grids, seconds))
+    return summary
+
+
+def render_markdown(config: AuditConfig, findings: list[Finding], grids: list[str], seconds: float) -> str:
+    failed = [f for f in findings if f.leaked and f.audited]
+    verdict = "FAILED" if failed else "PASSED"
+    lines = [
+        f"# Privacy audit: {verdict}",
+        "",
+        f"{len(findings)} findings in {seconds / 60:.1f} min; {len(failed)} leak(s) in audited modes. Data: "
+        f"{config.data.dataset}, IF {config.data.imbalance:g}, α {config.data.alpha:g}, {config.data.silos} "
+        f"silos, seed {config.seed}. Thresholds: SSIM over the best baseline > "
+        f"{config.thresholds.ssim_over_random}, feature error < {config.thresholds.feature_error}, presence "
+        f"AUC > {config.thresholds.presence_auc}, membership TPR at 0.1% FPR > "
+        f"{config.thresholds.membership_tpr}.",
+        "",
+        "Image scores are medians over the attacked records (SSIM, PSNR in dB) beside two baselines: random "
+        "images, and the attacker's prior (its own data's class prototype, decoded). *withheld*: the mode "
+        "released nothing for the target, so the attacker is left with its prior.",
+        "",
+        "SSIM of what the attacker drew (its gain over the better baseline), and the recovered feature's "
+        "relative error; **bold**: a leak.",
+        "",
+        render_matrix(findings),
+        "",
+        "## Every finding",
+        "",
+        "| attack | mode | party | target | SSIM (random / prior) | PSNR | score | leak |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for f in findings:
+        m = f.metrics
+        ssim = f"{m['ssim']:.3f} ({m['ssim_random']:.3f} / {m['ssim_prior']:.3f})" if "ssim" in m else "—"
+        psnr = f"{m['psnr']:.1f}" if "psnr" in m else "—"
+        leak = ("**LEAK**" if f.audited else "leak (not audited)") if f.leaked else "no"
+        note = f" — {f.note}" if f.note else ""
+        lines.append(
+            f"| {f.attack} | {f.mode} | {f.party} | {f.target}{note} | {ssim} | {psnr} | {_headline(f)} | "
+            f"{leak} |"
+        )
+    if grids:
+        lines += ["", "## Reconstructions", ""]
+        lines += [f"![{Path(g).stem}]({g})" for g in grids]
+    return "\n".join(lines) + "\n"
+
+
+def render_matrix(findings: list[Finding]) -> str:
+    """Attacks × modes of the image and feature attacks: the median SSIM over the better baseline's (or the
+    recovered feature's error), with the leaks in bold; the attacks run once are listed under it."""
+    per_mode = [f for f in findings if "ssim" in f.metrics and not f.mode.startswith("reference")]
+    modes = list(dict.fromkeys(f.mode for f in per_mode))
+    rows = list(dict.fromkeys((f.attack, f.target.split(":")[0]) for f in per_mode))
+    lines = ["| attack | target | " + " | ".join(modes) + " |", "|---|---|" + "---|" * len(modes)]
+    for attack, target in rows:
+        cells = []
+        for mode in modes:
+            f = next(
+                (f for f in per_mode if (f.attack, f.target.split(":")[0], f.mode) == (attack, target, mode)),
+                None,
+            )
+            cells.append("—" if f is None else _cell(f))
+        lines.append(f"| {attack} | {target} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _cell(f: Finding) -> str:
+    m = f.metrics
+    gain = m["ssim"] - max(m["ssim_random"], m["ssim_prior"])
+    text = f"SSIM {m['ssim']:.2f} ({gain:+.2f})"
+    if "feature_error" in m:
+        error = m["feature_error"]
+        text += ", error " + ("withheld" if math.isinf(error) else f"{error:.1e}")
+    return f"**{text}**" if f.leaked else text
+
+
+def console_summary(findings: list[Finding]) -> str:
+    width = max((len(f.attack) for f in findings), default=10)
+    modes = max((len(f.mode) for f in findings), default=10)
+    rows = []
+    for f in findings:
+        flag = ("LEAK" if f.audited else "leak") if f.leaked else "ok"
+        ssim = f"SSIM {f.metrics['ssim']:.2f}" if "ssim" in f.metrics else ""
+        rows.append(f"  {flag:5} {f.attack:<{width}}  {f.mode:<{modes}}  {_headline(f):<28} {ssim}")
+    return "\n".join(rows)
+
+
+def _headline(f: Finding) -> str:
+    key, what = HEADLINE.get(f.attack) or HEADLINE.get(f.attack.split(":")[0], ("", ""))
+    if key in f.metrics:
+        value = f.metrics[key]
+        return f"{what}: {'∞' if math.isinf(value) else f'{value:.3g}'}"
+    return "—"
+
+
+def _plot_grids(out: Path, findings: list[Finding]) -> list[str]:
+    """One PNG per attack: a row per target, the original then each mode's reconstruction."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_attack: dict[str, list[Finding]] = defaultdict(list)
+    for f in findings:
+        if f.images:
+            by_attack[f.attack].append(f)
+    written = []
+    for attack, group in by_attack.items():
+        targets = list(dict.fromkeys(f.target for f in group))
+        modes = list(dict.fromkeys(f.mode for f in group))
+        fig, axes = plt.subplots(
+            len(targets), len(modes) + 1, figsize=(1.6 * (len(modes) + 1), 1.8 * len(targets)), squeeze=False
+        )
+        for row, target in enumerate(targets):
+            cells = {f.mode: f for f in group if f.target == target}
+            first = next(iter(cells.values()))
+            _show(axes[row, 0], first.images["original"][0], "original" if row == 0 else "")
+            axes[row, 0].set_ylabel(target.split(":")[0], fontsize=7)
+            for col, mode in enumerate(modes, start=1):
+                f = cells.get(mode)
+                title = mode if row == 0 else ""
+                if f is None:
+                    axes[row, col].axis("off")
+                    continue
+                _show(axes[row, col], f.images["recovered"][0], title)
+                withheld = "withheld: prior, " if f.note.startswith("withheld") else ""
+                axes[row, col].set_xlabel(f"{withheld}SSIM {f.metrics['ssim']:.2f}", fontsize=7)
+        fig.suptitle(attack, fontsize=9)
+        fig.tight_layout()
+        name = f"grid-{attack.split(':')[0].replace(' ', '-')}" + (
+            "-" + attack.split(": ")[1].split()[0].lower() if ": " in attack else ""
+        )
+        fig.savefig(out / f"{name}.png", dpi=110)
+        plt.close(fig)
+        written.append(f"{name}.png")
+    return written
+
+
+def _show(ax, image: np.ndarray, title: str) -> None:
+    picture = np.clip(np.moveaxis(image, 0, -1), 0, 1)
+    ax.imshow(picture.squeeze(-1) if picture.shape[-1] == 1 else picture, cmap="gray", vmin=0, vmax=1)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    if title:
+        ax.set_title(title, fontsize=7)
+
+
+def _as_json(f: Finding) -> dict:
+    return {
+        "attack": f.attack,
+        "mode": f.mode,
+        "party": f.party,
+        "target": f.target,
+        "metrics": f.metrics,
+        "leaked": f.leaked,
+        "audited": f.audited,
+        "note": f.note,
+    }
+
+
+def _jsonable(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return str(value)

@@ -1,0 +1,181 @@
+"""The federation an audit attacks, the model it faces, and what each party sees of one round in each mode.
+
+Nothing here imitates a protocol: the uploads are the methods' own `local_round` on each silo's data, and
+the released sums are the privacy layers' own `aggregate` (the secure sum with its tail guard, CKKS, the
+silos' DP noise), so the audit attacks exactly what the code would send.
+
+The federation is the configured long-tailed split with two small classes planted, because a class that a
+single record or two represent is where the analysis of `../shared/research/privacy.md` §4a/§4d says
+per-class statistics give records away: the rarest class is held by one silo with exactly one record, the
+second rarest by one silo with exactly two (every other copy moves to the public split). The model is FedAvg
+trained for a few rounds in plaintext (the attacks need a trained encoder, not a private one); the attacked
+round runs every method from that model.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from attacks.config import AuditConfig, Mode
+from fedlt.aggregation import make_layer
+from fedlt.aggregation.sums import Contribution, Sums
+from fedlt.data.arrays import LabeledImages
+from fedlt.data.federation import Federation, build_federation
+from fedlt.dp import silo_privacy
+from fedlt.methods import GlobalState, Method, SiloContext
+from fedlt.sim.config import load_sim_config
+from fedlt.sim.run import make_method, run_simulation
+
+PLANTED = (1, 2)  # records of the rarest and the second rarest class, each at one silo
+
+
+@dataclass(frozen=True)
+class Planted:
+    """A class held by one silo only, with `records` of its images."""
+
+    label: int
+    silo: int
+    records: np.ndarray  # indices into that silo's data
+
+
+@dataclass
+class Scenario:
+    config: AuditConfig
+    federation: Federation  # the silos as attacked, with the planted classes
+    public: LabeledImages  # the attacker's own data: the held-out split, never trained on
+    state: GlobalState  # FedAvg's model after training
+    planted: tuple[Planted, ...]
+
+    @property
+    def silo_ids(self) -> list[str]:
+        return [f"silo-{k}" for k in range(len(self.federation.silos))]
+
+
+def build_scenario(config: AuditConfig, *, echo=print) -> Scenario:
+    federation = build_federation(config.data, seed=config.seed)
+    sim = _sim_config(config, "fedavg", epsilon=0.0)
+    with tempfile.TemporaryDirectory(prefix="fedlt-audit-") as folder:
+        echo(f"training the model the attacks face: FedAvg, {config.training.rounds} rounds")
+        result = run_simulation(sim, Path(folder), echo=lambda _: None)
+    silos, public, planted = _plant(federation)
+    return Scenario(
+        config=config,
+        federation=replace(federation, silos=silos),
+        public=public,
+        state=result.state,
+        planted=planted,
+    )
+
+
+def _sim_config(config: AuditConfig, method: str, *, epsilon: float):
+    data = {k: getattr(config.data, k) for k in ("dataset", "imbalance", "alpha", "silos", "test_per_class")}
+    tables = {
+        "data": data,
+        "train": {"local_epochs": config.training.local_epochs, "lr": config.training.lr, "momentum": 0.9},
+    }
+    if epsilon > 0:
+        tables["dp"] = {"enabled": True, "epsilon": epsilon}
+    return load_sim_config(
+        None,
+        {"seed": config.seed, "rounds": config.training.rounds},
+        method={"name": method},
+        tables=tables,
+    )
+
+
+def _plant(federation: Federation) -> tuple[list[LabeledImages], LabeledImages, tuple[Planted, ...]]:
+    """Keep `PLANTED` records of the two rarest classes at the silo holding most of each; every other image
+    of those classes joins the public split (so the attacker's data stays disjoint from the silos')."""
+    rarest = [int(c) for c in np.argsort(federation.train_counts, kind="stable")[: len(PLANTED)]]
+    silos = list(federation.silos)
+    public = [federation.test]
+    planted = []
+    for label, keep in zip(rarest, PLANTED, strict=True):
+        holder = int(np.argmax([int((s.y == label).sum()) for s in silos]))
+        for k, silo in enumerate(silos):
+            rows = np.flatnonzero(silo.y == label)
+            leave = rows[keep:] if k == holder else rows
+            public.append(silo.subset(leave))
+            silos[k] = silo.subset(np.setdiff1d(np.arange(len(silo)), leave))
+        planted.append((label, holder, keep))
+    found = []
+    for label, holder, keep in planted:  # indices once every planted class has left its other rows
+        records = np.flatnonzero(silos[holder].y == label)
+        if len(records) != keep:
+            raise ValueError(
+                f"the split has {len(records)} images of class {label} at its largest holder; "
+                f"the audit needs {keep}: raise data.imbalance or lower data.silos"
+            )
+        found.append(Planted(label, holder, records))
+    joined = LabeledImages(
+        np.concatenate([p.x for p in public]), np.concatenate([p.y for p in public]), federation.classes
+    )
+    return silos, joined, tuple(found)
+
+
+@dataclass
+class Uploads:
+    """One round of one method from the trained model: each silo's upload (and, under DP, its noise side)."""
+
+    method: Method
+    state: GlobalState  # the state the silos received
+    contributions: list[Contribution]  # what the aggregator sees in plaintext
+    private: dict  # silo id -> its DP side, empty without DP
+
+
+def silo_uploads(scenario: Scenario, method_name: str, epsilon: float) -> Uploads:
+    """What every silo sends in one round of `method_name`, under [dp] at `epsilon` if it is > 0 (the
+    uploads do not depend on the sum layer, only on DP)."""
+    method = method_for(scenario, method_name, epsilon)
+    state = attacked_state(method, scenario.state)
+    ids = scenario.silo_ids
+    dp = method.dp
+    private = {i: silo_privacy(dp, method=method, ledger=None) for i in ids} if dp is not None else {}
+    contributions = [
+        method.local_round(state, data, SiloContext(state.round + 1, i, scenario.config.seed, private.get(i)))
+        for i, data in zip(ids, scenario.federation.silos, strict=True)
+    ]
+    return Uploads(method, state, contributions, private)
+
+
+def method_for(scenario: Scenario, name: str, epsilon: float = 0.0) -> Method:
+    sim = _sim_config(scenario.config, name, epsilon=epsilon)
+    return make_method(sim, scenario.public.image_shape, len(scenario.public.classes))
+
+
+def released(scenario: Scenario, uploads: Uploads, mode: Mode) -> Sums:
+    """The sums `mode`'s layer releases from these uploads: to the aggregator (secagg), to every silo (CKKS),
+    or everything to the aggregator (plaintext, which also sees each upload)."""
+    layer = make_layer(mode.privacy, _layer_settings(mode))
+    schema = uploads.method.schema(uploads.state)
+    noise = uploads.private or None
+    return layer.aggregate(schema, uploads.contributions, silos=scenario.silo_ids, noise=noise)
+
+
+def attacked_state(method: Method, trained: GlobalState) -> GlobalState:
+    """The method's state for the round it sends its statistics in, over the trained backbone: its own fresh
+    extras (CReFF's head and features) and extra layers (SFD's projector) on FedAvg's model, a post-hoc
+    method at its closing round."""
+    fresh = method.init_state(seed=0)
+    extra = dict(fresh.extra)
+    if "trained" in extra:
+        extra["trained"] = torch.tensor(method.rounds)
+    model = {k: trained.model.get(k, v).clone() for k, v in fresh.model.items()}  # SFD adds a projector
+    return GlobalState(method.rounds, model, extra)
+
+
+def _layer_settings(mode: Mode):
+    if mode.privacy == "secagg":
+        from privacy.secagg.settings import SecAggSettings
+
+        return SecAggSettings(k_min=mode.k_min)
+    if mode.privacy == "ckks":
+        from privacy.ckks.settings import CkksSettings
+
+        return CkksSettings(k_min=mode.k_min)
+    return None

@@ -1,0 +1,208 @@
+"""Attack (g): a malicious aggregator against the real silo code, in both directions.
+
+Each attack must leak against the naive design (so the attack itself works and the contrast is real) and
+must be refused by what silos run (so an audited finding fails the audit only if a silo's check is gone). The
+last tests take a check away (monkeypatched) and watch the audited finding turn into a leak, so a finding's
+`leaked` is measured, never written down.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attacks import protocol
+from attacks.audit import Finding
+from privacy.secagg.peers import KeyPeers
+from privacy.secagg.policy import SessionPolicy
+from silo.releases import ReleaseLedger
+
+
+def by_mode(findings: list[Finding]) -> dict[str, Finding]:
+    return {f.mode: f for f in findings}
+
+
+@pytest.fixture(scope="module")
+def presence() -> dict[str, Finding]:
+    return by_mode(protocol.presence_intersection(seed=0))
+
+
+@pytest.fixture(scope="module")
+def attempts() -> dict[str, Finding]:
+    return by_mode(protocol.two_attempts(seed=0))
+
+
+@pytest.fixture(scope="module")
+def views() -> list[Finding]:
+    return protocol.split_views(seed=0)
+
+
+def test_presence_intersection_recovers_every_bit_from_a_census_per_round(presence):
+    """Guards the attack itself: over changing silo sets, a census per round reveals every silo's classes."""
+    naive = presence["census every round"]
+    assert (naive.leaked, naive.audited) == (True, False)
+    assert naive.metrics["bits_recovered"] == 1.0
+    assert naive.metrics["system_rank"] == protocol.SILOS
+    assert naive.metrics["rounds_with_class_rows"] == naive.metrics["rounds"]
+
+
+def test_the_secagg_layer_leaves_the_intersection_nothing_beyond_its_one_census(presence):
+    """Guards the census-once rule and the tail guard: per-class rows go out in one round's sum only, so the
+    aggregator knows no bit beyond what the census's counts imply (a class none or all of its silos hold)."""
+    real = presence["secagg + tail guard"]
+    assert (real.leaked, real.audited) == (False, True)
+    assert real.metrics["bits_beyond_census"] == 0.0
+    assert real.metrics["bits_recovered"] == real.metrics["bits_from_census_counts"] < 0.5
+    assert real.metrics["rounds_with_class_rows"] == 1.0
+    assert real.metrics["system_rank"] == 1.0
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_presence_findings_hold_for_other_seeds(seed):
+    """Guards against a finding that holds for one lucky draw of holdings and schedules only."""
+    found = by_mode(protocol.presence_intersection(seed=seed))
+    assert found["census every round"].metrics["bits_recovered"] == 1.0
+    assert found["secagg + tail guard"].metrics["bits_beyond_census"] == 0.0
+
+
+def test_the_presence_solver_uses_that_bits_are_zero_or_one():
+    """Guards the solver's strength: a sum of 2 over two silos pins both bits, a sum of 1 pins neither, a sum
+    over one silo pins it, though none of these systems has full rank."""
+    truth = np.zeros((protocol.SILOS, protocol.CLASSES), dtype=int)
+    truth[[0, 1], 0] = 1
+    truth[2, 1] = 1
+    both = [[((0, 1), 2)]] + [[] for _ in range(protocol.CLASSES - 1)]
+    either = [[((1, 2), 1)], [((1, 2), 1)]] + [[] for _ in range(protocol.CLASSES - 2)]
+    alone = [[((3,), 0)]] + [[] for _ in range(protocol.CLASSES - 1)]
+    assert protocol._recovered(both, truth) * truth.size == 2
+    assert protocol._recovered(either, truth) == 0.0
+    assert protocol._recovered(alone, truth) * truth.size == 1
+
+
+def test_two_attempts_against_silos_that_forget_give_the_late_silos_contribution(attempts):
+    """Guards the attack itself: the difference of two attempts' sums is the late silo's contribution."""
+    naive = attempts["silos without a release ledger"]
+    assert (naive.leaked, naive.audited) == (True, False)
+    assert naive.metrics["second_sums_formed"] == 1.0
+    assert naive.metrics["max_abs_error"] < 1e-6 < naive.metrics["contribution_max_abs"]
+
+
+def test_the_release_ledger_refuses_the_second_survivor_set(attempts):
+    """Guards the silos' release ledger: the silos of the first attempt refuse to sign the second set, so no
+    second sum is formed and there is nothing to subtract."""
+    real = attempts["silo release ledger"]
+    assert (real.leaked, real.audited) == (False, True)
+    assert real.metrics["first_sums_formed"] == 1.0
+    assert real.metrics["second_sums_formed"] == 0.0
+    assert real.metrics["silos_refusing"] == len(protocol.FIRST)
+    assert "would let the aggregator subtract the two sums" in real.note
+
+
+def test_split_views_on_a_bare_majority_recover_the_victims_input_with_one_colluder(views):
+    """Guards the attack itself: at threshold 3 of 5 one colluder and the aggregator rebuild both seeds."""
+    (naive,) = [f for f in views if f.mode == "silos without a session policy" and "victim" in f.target]
+    assert (naive.leaked, naive.audited) == (True, False)
+    assert naive.metrics["colluders_needed"] == 1.0
+    assert naive.metrics["recovered"] == 1.0
+
+
+def test_the_default_threshold_needs_2t_minus_n_colluders(views):
+    """Guards the honest silos' signature checks: at the default threshold (4 of 5) one colluder fewer than
+    2t − n learns nothing, and exactly 2t − n do (the bound the threat model states)."""
+    (real,) = [f for f in views if f.mode == "silo session policy" and "victim" in f.target]
+    assert (real.leaked, real.audited) == (False, True)
+    t, n = real.metrics["threshold"], real.metrics["silos"]
+    assert real.metrics["colluders"] == 2 * t - n - 1
+    assert real.metrics["colluders_needed"] == 2 * t - n
+
+
+@pytest.mark.parametrize(
+    ("target", "refusal"),
+    [
+        ("bare-majority", "threshold 3 of 5 share holders is not above 2/3"),
+        ("two silos", "2 silos in the contribution sum"),
+        ("threshold 6 of 9", "threshold 6 of 9"),
+        ("2 neighbours over 12 silos", "accepts only the complete graph"),
+        ("census on a 2-neighbour graph", "threshold 2 of 3 share holders is not above 2/3"),
+    ],
+)
+def test_the_silo_policy_refuses_every_weak_session(views, target, refusal):
+    """Guards the default silo policy: each weak session is refused, with its reason in the report."""
+    (found,) = [f for f in views if f.mode == "silo session policy" and target in f.target]
+    assert (found.leaked, found.audited) == (False, True)
+    assert found.metrics["refused"] == 1.0
+    assert refusal in found.note
+
+
+def test_a_two_silo_sum_without_a_policy_gives_the_other_silos_input_away(views):
+    """Guards the contrast: the two-silo session the policy refuses really does leak when run."""
+    (naive,) = [f for f in views if f.mode == "silos without a session policy" and "two silos" in f.target]
+    assert (naive.leaked, naive.audited) == (True, False)
+
+
+@pytest.mark.parametrize(
+    ("target", "refusal"),
+    [
+        ("without silo-02", "signed a different view of this round"),
+        ("replaced by the aggregator's", "signature does not verify"),
+    ],
+)
+def test_silos_shown_different_key_lists_never_reveal_shares(views, target, refusal):
+    """Guards the clients' key-list checks: a silo shown a list its peers were not (a peer left out, or keys
+    the aggregator made) stops before revealing any share for that view."""
+    (found,) = [f for f in views if f.mode == "secagg client checks" and target in f.target]
+    assert (found.leaked, found.audited) == (False, True)
+    assert found.metrics["deceived_silos_revealing"] == 0.0
+    assert found.metrics["envelopes_opened_by_aggregator"] == 0.0
+    assert refusal in found.note
+
+
+def test_protocol_findings_are_all_of_them_and_fail_no_audited_mode():
+    """Guards the audit's verdict on attack (g): every audited finding holds, every contrast leaks."""
+    findings = protocol.protocol_findings(seed=0)
+    assert {f.attack for f in findings} == {
+        "protocol: presence intersection",
+        "protocol: two attempts",
+        "protocol: split views",
+    }
+    assert len(findings) == 2 + 2 + 10
+    assert not [f for f in findings if f.audited and f.leaked]
+    assert all(f.leaked for f in findings if not f.audited)
+    assert all(isinstance(v, float) for f in findings for v in f.metrics.values())
+
+
+def test_the_findings_are_deterministic(presence, attempts, views):
+    """Guards reproducible reports: fresh keys and masks every run, the same findings every run."""
+    again = [*protocol.presence_intersection(0), *protocol.two_attempts(0), *protocol.split_views(0)]
+    first = [*presence.values(), *attempts.values(), *views]
+    assert [(f.mode, f.target, f.metrics, f.leaked) for f in again] == [
+        (f.mode, f.target, f.metrics, f.leaked) for f in first
+    ]
+
+
+def test_a_ledger_that_never_refuses_makes_the_audited_finding_leak(monkeypatch):
+    """Guards that the ledger finding is measured: take the ledger's check away and the attack succeeds."""
+    monkeypatch.setattr(ReleaseLedger, "pin_survivors", lambda self, key, survivors, what: None)
+    real = by_mode(protocol.two_attempts(seed=0))["silo release ledger"]
+    assert real.leaked
+    assert real.metrics["second_sums_formed"] == 1.0
+
+
+def test_a_policy_that_accepts_everything_makes_the_audited_findings_leak(monkeypatch):
+    """Guards that the policy findings are measured: a policy without minimums accepts every weak session."""
+    monkeypatch.setattr(SessionPolicy, "problems", lambda self, spec: [])
+    weak = [f for f in protocol.split_views(seed=0) if f.mode == "silo session policy" and "weak" in f.target]
+    assert len(weak) == 5
+    assert all(f.leaked for f in weak)
+
+
+def test_silos_that_check_no_signatures_fall_to_both_key_list_attacks(monkeypatch):
+    """Guards that the key-list findings are measured: without signature checks a silo shown a list without
+    a peer reveals shares, and silos given the aggregator's keys for silo-00 seal their shares to it."""
+    monkeypatch.setattr(KeyPeers, "verify", lambda self, *args, **kwargs: None)
+    found = {f.target: f for f in protocol._key_list_findings(seed=0)}
+    assert all(f.leaked for f in found.values())
+    (omitted,) = [f for t, f in found.items() if "without silo-02" in t]
+    (planted,) = [f for t, f in found.items() if "replaced" in t]
+    assert omitted.metrics["deceived_silos_revealing"] == 1.0
+    assert planted.metrics["envelopes_opened_by_aggregator"] == 2.0
