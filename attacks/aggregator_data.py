@@ -300,8 +300,10 @@ def _presence_finding(
     metrics = {"silos": float(len(disclosed))}
     if model is None:
         why = "its round is not among the stored states" if number is None else models.why_not(number)
-        note = f"stored, not scored: {why}"
-        return Finding("presence", mode, PARTY, target, metrics, False, True, note=note)
+        # missing is not zero: per-silo class means sit in the store, and scored they gave presence AUC 1.0
+        # on the default audit; unscored, the audit must not pass them
+        note = f"stored, not scored ({why}); counted as a leak until scored with --public-data"
+        return Finding("presence", mode, PARTY, target, metrics, True, True, note=note)
     shape = (model.num_classes, model.feature_dim)
     means = {silo: torch.from_numpy(values.reshape(shape)) for silo, values in disclosed.items()}
     public_x, public_y = torch.from_numpy(models.public.x), torch.from_numpy(models.public.y)

@@ -4,7 +4,8 @@ For a head s = Wz + b under cross-entropy, one record's gradient has rows ∂L/�
 ∂L/∂b_j = p_j − 1[j = y], so z = (∂L/∂W_j) / (∂L/∂b_j) for any row j with a non-zero bias gradient (Phong et
 al. 2018; Geiping et al. 2020). The label is the row whose bias gradient is negative (iDLG). A class one
 record represents therefore gives that record's feature to float precision; a class of several records gives
-a weighted mean of theirs (a class prototype). The row used is the one with the largest |∂L/∂b_j|, the best
+a weighted mean of theirs (a class prototype). The label needs no recovery here: the rows are per class.
+The row used is the one with the largest |∂L/∂b_j|, the best
 conditioned division.
 """
 
@@ -25,11 +26,6 @@ def recover_feature(rows: torch.Tensor) -> torch.Tensor | None:
     if bias[j].abs() <= ZERO:
         return None
     return rows[j, :-1] / bias[j]
-
-
-def recover_label(rows: torch.Tensor) -> int:
-    """iDLG's rule: the class whose bias gradient is the negative one."""
-    return int(torch.argmin(rows[:, -1]))
 
 
 def relative_error(found: torch.Tensor | None, truth: torch.Tensor) -> float:

@@ -9,10 +9,8 @@ shown for contrast, so the report says what the protections remove.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from fedlt.config import parse_section, read_toml, setting
 from fedlt.data.federation import DataConfig
@@ -27,6 +25,7 @@ class Training:
     rounds: int = setting(4, ge=1, le=200, doc="FedAvg rounds that train the model the attacks face")
     local_epochs: int = setting(1, ge=1)
     lr: float = setting(0.05, gt=0.0)
+    momentum: float = setting(0.9, ge=0.0, le=1.0)
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,9 @@ class Mode:
 
 @dataclass(frozen=True)
 class Thresholds:
-    ssim_over_random: float = setting(0.2, doc="median SSIM above the random-image baseline's")
+    ssim_over_random: float = setting(
+        0.2, doc="median SSIM above the better of the random and prior baselines"
+    )
     feature_error: float = setting(0.05, ge=0.0, doc="relative error of a recovered feature below this")
     presence_auc: float = setting(0.65, ge=0.5, le=1.0, doc="class-presence ROC-AUC above this")
     membership_tpr: float = setting(0.01, ge=0.0, le=1.0, doc="membership TPR at 0.1% FPR above this")
@@ -56,10 +57,9 @@ class AuditConfig:
     thresholds: Thresholds = field(default_factory=Thresholds)
 
 
-def load_audit_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> AuditConfig:
-    """The grid in `path` (`overrides` laid over its top level), or a ConfigError listing every problem."""
+def load_audit_config(path: str | Path) -> AuditConfig:
+    """The grid in `path`, or a ConfigError listing every problem."""
     tree = dict(read_toml(path))
-    tree.update(overrides or {})
     problems: list[str] = []
     modes = tree.pop("mode", [])
     attacks = tree.pop("attacks", list(ATTACKS))

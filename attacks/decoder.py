@@ -41,8 +41,9 @@ def train_decoder(
     x = torch.from_numpy(public.x)
     z = extract_features(encoder_model, x).float()
     generator = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    decoder = FeatureDecoder(z.shape[1], public.image_shape)
+    with torch.random.fork_rng():  # seeded weights without touching the caller's global generator
+        torch.manual_seed(seed)
+        decoder = FeatureDecoder(z.shape[1], public.image_shape)
     optimizer = torch.optim.Adam(decoder.parameters(), lr=1e-3)
     for _ in range(epochs):
         for batch in torch.randperm(len(x), generator=generator).split(64):

@@ -35,10 +35,10 @@ def main(argv: list[str] | None = None) -> int:
         config = _narrowed(config, args)
         if args.aggregator_data is not None:
             return audit_deployment(config, args.aggregator_data, args.public_data, args.out)
-    except (FedltError, ValueError) as exc:
+        return run(config, args.out)
+    except (FedltError, ValueError) as exc:  # a grid the data cannot serve, a folder without a store
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return run(config, args.out)
 
 
 def audit_deployment(config, folder: Path, public_name: str | None, out: Path) -> int:
@@ -59,14 +59,12 @@ def audit_deployment(config, folder: Path, public_name: str | None, out: Path) -
 
 
 def run(config, out: Path) -> int:
-    import torch
     from tqdm import tqdm
 
     from attacks.audit import RUNNERS, Audit
     from attacks.report import console_summary, write_report
     from attacks.scenario import build_scenario
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     started = time.perf_counter()
     scenario = build_scenario(config, echo=lambda line: print(line, flush=True))
     audit = Audit(scenario)

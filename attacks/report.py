@@ -4,6 +4,7 @@ one-screen console summary."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -15,7 +16,6 @@ import numpy as np
 from attacks.audit import Finding
 from attacks.config import AuditConfig
 from fedlt.atomic import atomic_write_text
-from fedlt.config import as_table
 
 HEADLINE = {  # the score each attack's row shows, and how to read it
     "analytic": ("feature_error", "relative error of the recovered feature"),
@@ -35,11 +35,11 @@ def write_report(out: Path, config: AuditConfig, findings: list[Finding], second
         "passed": not failed,
         "seconds": round(seconds, 1),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "config": as_table(config),
+        "config": dataclasses.asdict(config),
         "findings": [_as_json(f) for f in findings],
         "grids": grids,
     }
-    atomic_write_text(out / "report.json", json.dumps(summary, indent=1, default=_jsonable))
+    atomic_write_text(out / "report.json", json.dumps(_plain(summary), indent=1, allow_nan=False))
     atomic_write_text(out / "report.md", render_markdown(config, findings, grids, seconds))
     return summary
 
@@ -200,9 +200,15 @@ def _as_json(f: Finding) -> dict:
     }
 
 
-def _jsonable(value):
+def _plain(value):
+    """JSON's own values: non-finite floats become null (∞ is 'nothing recovered', NaN 'not defined'; the
+    finding's note says which), numpy scalars and tuples their Python forms."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
     if isinstance(value, np.generic):
-        return value.item()
+        value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return str(value)
+        return None
+    return value

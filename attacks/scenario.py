@@ -24,6 +24,7 @@ import torch
 from attacks.config import AuditConfig, Mode
 from fedlt.aggregation import make_layer
 from fedlt.aggregation.sums import Contribution, Sums
+from fedlt.config import as_table
 from fedlt.data.arrays import LabeledImages
 from fedlt.data.federation import Federation, build_federation
 from fedlt.dp import silo_privacy
@@ -57,26 +58,21 @@ class Scenario:
 
 
 def build_scenario(config: AuditConfig, *, echo=print) -> Scenario:
+    """Plant the small classes, then train on exactly those silos: the public split stays unseen."""
     federation = build_federation(config.data, seed=config.seed)
+    silos, public, planted = _plant(federation)
+    federation = replace(federation, silos=silos)
     sim = _sim_config(config, "fedavg", epsilon=0.0)
     with tempfile.TemporaryDirectory(prefix="fedlt-audit-") as folder:
         echo(f"training the model the attacks face: FedAvg, {config.training.rounds} rounds")
-        result = run_simulation(sim, Path(folder), echo=lambda _: None)
-    silos, public, planted = _plant(federation)
-    return Scenario(
-        config=config,
-        federation=replace(federation, silos=silos),
-        public=public,
-        state=result.state,
-        planted=planted,
-    )
+        result = run_simulation(sim, Path(folder), echo=lambda _: None, federation=federation)
+    return Scenario(config=config, federation=federation, public=public, state=result.state, planted=planted)
 
 
 def _sim_config(config: AuditConfig, method: str, *, epsilon: float):
-    data = {k: getattr(config.data, k) for k in ("dataset", "imbalance", "alpha", "silos", "test_per_class")}
     tables = {
-        "data": data,
-        "train": {"local_epochs": config.training.local_epochs, "lr": config.training.lr, "momentum": 0.9},
+        "data": as_table(config.data),
+        "train": {k: getattr(config.training, k) for k in ("local_epochs", "lr", "momentum")},
     }
     if epsilon > 0:
         tables["dp"] = {"enabled": True, "epsilon": epsilon}
@@ -109,13 +105,16 @@ def _plant(federation: Federation) -> tuple[list[LabeledImages], LabeledImages, 
         if len(records) != keep:
             raise ValueError(
                 f"the split has {len(records)} images of class {label} at its largest holder; "
-                f"the audit needs {keep}: raise data.imbalance or lower data.silos"
+                f"the audit needs {keep}: lower data.imbalance (a longer tail keeps fewer) or data.silos"
             )
         found.append(Planted(label, holder, records))
-    joined = LabeledImages(
-        np.concatenate([p.x for p in public]), np.concatenate([p.y for p in public]), federation.classes
+    return silos, joined(public), tuple(found)
+
+
+def joined(parts: list[LabeledImages]) -> LabeledImages:
+    return LabeledImages(
+        np.concatenate([p.x for p in parts]), np.concatenate([p.y for p in parts]), parts[0].classes
     )
-    return silos, joined, tuple(found)
 
 
 @dataclass

@@ -35,7 +35,8 @@ def as_images(x: np.ndarray) -> np.ndarray:
 
 
 def ssim(a: np.ndarray, b: np.ndarray) -> float:
-    """Wang et al.'s SSIM of two (H, W, C) images in [0, 1]; the window shrinks to fit 8×8 digits."""
+    """Wang et al.'s SSIM of two (H, W, C) images in [0, 1]: a Gaussian window of σ = 1.5 (11 taps), narrowed
+    on smaller images so that its taps (scikit-image takes 2·⌊3.5σ + ½⌋ + 1) fit, 7 taps for 8×8 digits."""
     side = min(a.shape[0], a.shape[1])
     window = min(11, side if side % 2 else side - 1)
     return float(
@@ -45,7 +46,7 @@ def ssim(a: np.ndarray, b: np.ndarray) -> float:
             data_range=1.0,
             channel_axis=-1,
             gaussian_weights=True,
-            sigma=1.5,
+            sigma=1.5 if window == 11 else (window // 2) / 3.5,
             use_sample_covariance=False,
             win_size=window,
         )

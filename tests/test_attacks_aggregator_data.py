@@ -252,12 +252,15 @@ def test_presence_is_scored_against_holdings_the_operator_gives(world, tmp_path)
     assert all(unscored.metrics[f"{d}_classes_split"] == 0 for d in ("margin", "norm", "clustering"))
 
 
-def test_disclosures_without_public_data_are_reported_not_scored(plaintext):
+def test_disclosures_without_public_data_are_reported_not_scored_and_do_not_pass(plaintext):
+    """Guards 'missing is not zero': per-silo class means the audit could not score fail it, with the
+    reason, instead of passing as if they had been found harmless."""
     (presence,) = [
         f for f in audit_aggregator_data(plaintext, thresholds=THRESHOLDS) if f.attack == "presence"
     ]
-    assert not presence.leaked
-    assert presence.note == "stored, not scored: no public data given"
+    assert presence.leaked
+    assert presence.audited
+    assert presence.note.startswith("stored, not scored (no public data given)")
 
 
 def test_the_database_is_only_read(world, tmp_path):

@@ -2,12 +2,13 @@
 secure sum of a class one silo holds, MFSC's disclosure) and finds none where the design removes them (the
 tail guard, the census, DP), through the real methods and privacy layers."""
 
+import json
 from dataclasses import replace
 
 import pytest
 
 from attacks.audit import Audit
-from attacks.config import AuditConfig, Mode, Thresholds, load_audit_config
+from attacks.config import AuditConfig, Mode, load_audit_config
 from attacks.evaluate import main
 from attacks.scenario import build_scenario
 from fedlt.data.federation import DataConfig
@@ -97,7 +98,8 @@ def test_exit_code_fails_the_audit_only_for_a_leak_in_an_audited_mode(tmp_path, 
     assert "FAILED" in (tmp_path / "a" / "report.md").read_text()
     contrast = leaky + "audited = false\n"
     assert main(["--config", _grid(tmp_path, contrast), "--out", str(tmp_path / "b")]) == 0
-    assert (tmp_path / "b" / "report.json").exists()
+    text = (tmp_path / "b" / "report.json").read_text()
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"report.json holds {c}, which is not JSON"))
     assert list((tmp_path / "b").glob("grid-*.png"))
     assert "audit passed" in capsys.readouterr().out
 
@@ -117,7 +119,6 @@ def test_bad_grids_are_refused_with_every_problem_named(tmp_path, capsys):
     assert main(["--config", str(path)]) == 2
     assert "error:" in capsys.readouterr().err
     assert main(["--config", str(tmp_path / "missing.toml")]) == 2
-    assert Thresholds().ssim_over_random > 0
 
 
 def test_auditing_a_folder_without_an_aggregator_database_is_a_clear_error(tmp_path, capsys):

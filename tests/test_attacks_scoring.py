@@ -45,7 +45,8 @@ def test_best_match_undoes_a_permutation():
 
 def test_detection_rates_on_a_known_ranking():
     """Guards AUC and TPR at a fixed FPR: a perfect ranking gives AUC 1 and TPR 1 at 1% FPR; with the top
-    negative above every positive, TPR at 1% FPR of 100 negatives drops to 0 while AUC stays 0.99."""
+    negative above every positive, AUC drops to 0.99, TPR at 1% FPR of 100 negatives stays 1 (one false
+    positive is allowed) and TPR at 0.5% FPR drops to 0."""
     labels = np.array([1] * 10 + [0] * 100, dtype=bool)
     scores = np.concatenate([np.linspace(2, 3, 10), np.linspace(0, 1, 100)])
     assert detection_report(labels, scores)["auc"] == 1.0

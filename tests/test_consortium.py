@@ -80,7 +80,21 @@ def contributors(consortium: Consortium) -> dict[int, list[str]]:
 QUICK_OPTIONS = {"sfd": {"rff_features": 200, "synthesis_steps": 5, "finetune_epochs": 5}}
 
 
-@pytest.mark.parametrize("name", ["ccvr", "creff", "redgrape", "sfd", "dflfs"])
+# one method per kind of upload in the default run (statistics: ccvr; per-class gradients: creff); the
+# rest of the same paths in `make test-all`, to keep the default run under ten minutes
+HEAVY = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ccvr",
+        "creff",
+        pytest.param("redgrape", marks=HEAVY),
+        pytest.param("sfd", marks=HEAVY),
+        pytest.param("dflfs", marks=HEAVY),
+    ],
+)
 def test_long_tail_methods_give_the_simulators_state_through_census_and_secure_sums(
     make_consortium, tmp_path, name
 ):
@@ -109,6 +123,7 @@ def test_long_tail_methods_give_the_simulators_state_through_census_and_secure_s
     assert len(guarded) == (1 if closing else 2), retried
 
 
+@HEAVY
 def test_mfsc_picks_the_simulators_silos_from_disclosures_of_every_connected_silo(make_consortium, tmp_path):
     """Three of four silos train per round, picked tail-class first from the masked class means that all four
     disclose; the disclosures are audited, never the values; the run equals the simulator's bit for bit."""
@@ -158,6 +173,7 @@ def test_full_run_gives_the_simulators_model(make_consortium, tmp_path):
     assert (consortium.data_dir / "run" / "metrics.json").exists()
 
 
+@HEAVY  # a killed silo is also the default run's test_secure_round_recovers_a_silo_killed_mid_protocol
 def test_round_completes_without_a_killed_silo_when_enough_remain(make_consortium):
     consortium = make_consortium(rounds=2, min_silos=3, silos=4)
     consortium.start()
@@ -170,6 +186,7 @@ def test_round_completes_without_a_killed_silo_when_enough_remain(make_consortiu
     assert rounds[2] == ["silo-0", "silo-1", "silo-2"]
 
 
+@HEAVY
 def test_round_is_retried_when_too_few_remain(make_consortium):
     consortium = make_consortium(rounds=1, min_silos=3, round_timeout=6.0)
     consortium.start()

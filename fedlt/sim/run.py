@@ -54,8 +54,11 @@ def run_simulation(
     *,
     echo: Callable[[str], None] = print,
     on_round: Callable[[int, int, dict], None] | None = None,
+    federation: Federation | None = None,
 ) -> RunResult:
-    federation = build_federation(config.data, seed=config.seed)
+    """`federation` replaces the one `config.data` describes (the privacy audit trains on silos it has
+    edited); a resumed run must be given the same."""
+    federation = federation or build_federation(config.data, seed=config.seed)
     method = make_method(config, federation.test.image_shape, len(federation.classes))
     layer = make_layer(config.privacy)
     out.mkdir(parents=True, exist_ok=True)
