@@ -27,10 +27,11 @@ from attacks.scenario import (
     method_for,
     released,
     silo_uploads,
+    trained_state,
 )
 from attacks.scoring import best_match, image_report
 from fedlt.aggregation.sums import Sums
-from fedlt.methods import ServerContext
+from fedlt.methods import GlobalState, ServerContext
 from fedlt.methods.heads import extract_features
 
 
@@ -299,72 +300,83 @@ class Audit:
         return findings
 
     def membership(self) -> list[Finding]:
-        """(f) on the final model, which every sum layer releases alike: up to `MEMBERSHIP_CANDIDATES` of
-        the silos' records against as many of the attacker's own (never trained on), by loss threshold and
-        offline LiRA with shadows trained on the rest of its data the way silos train."""
+        """(f) on the final model, which every sum layer releases alike, trained without DP and at each ε of
+        the grid: silos' records against as many of the attacker's own (never trained on) of the same
+        classes (`_candidates`), by loss threshold and offline LiRA. The 4 shadows are trained once, on the
+        rest of the attacker's data the way silos train without DP (the attacker's best recipe), and serve
+        every target."""
         from attacks.membership import (
-            lira_offline_scores,
+            lira_scores_from_confidences,
+            logit_confidence,
             loss_threshold_scores,
-            membership_report,
             sgd_trainer,
+            shadow_confidences,
         )
         from fedlt.methods import TrainConfig
 
         scenario, seed = self.scenario, self.config.seed
         members = joined(scenario.federation.silos)
-        rng = np.random.default_rng(seed)
         public = scenario.public
-        order = rng.permutation(len(public))
-        count = min(MEMBERSHIP_CANDIDATES, len(members), len(public) // 2)
-        inside = rng.choice(len(members), count, replace=False)
-        outside, pool = order[:count], order[count:]
+        inside, outside, pool = _candidates(members.y, public.y, seed)
         x = torch.from_numpy(np.concatenate([members.x[inside], public.x[outside]]))
         y = torch.from_numpy(np.concatenate([members.y[inside], public.y[outside]]))
-        is_member = np.arange(2 * count) < count
+        is_member = np.arange(len(inside) + len(outside)) < len(inside)
         training = self.config.training
-        spec = method_for(scenario, "fedavg").model_spec
         recipe = TrainConfig(local_epochs=training.rounds, lr=training.lr, momentum=training.momentum)
-        shadow = sgd_trainer(spec, recipe)
-        scores = {
-            "loss threshold": loss_threshold_scores(self.model, x, y),
-            "LiRA (offline, 4 shadows)": lira_offline_scores(
-                self.model,
-                x,
-                y,
-                public_x=torch.from_numpy(public.x[pool]),
-                public_y=torch.from_numpy(public.y[pool]),
-                train=shadow,
-                shadows=4,
-                seed=seed,
-            ),
-        }
-        counts = members.class_counts()
+        out_phi = shadow_confidences(
+            x,
+            y,
+            public_x=torch.from_numpy(public.x[pool]),
+            public_y=torch.from_numpy(public.y[pool]),
+            train=sgd_trainer(method_for(scenario, "fedavg").model_spec, recipe),
+            shadows=4,
+            seed=seed,
+        )
+        targets = {"final model (any sum layer, no DP)": self.model}
+        for epsilon in sorted({m.epsilon for m in self.config.modes if m.epsilon > 0}):
+            self.progress(f"membership: training at ε = {epsilon:g}")
+            state = trained_state(scenario, epsilon)
+            targets[f"final model, dp ε={epsilon:g}"] = _model(scenario, state, epsilon)
         findings = []
-        for name, score in scores.items():
-            report = membership_report(
-                score, is_member, class_counts=counts, y=y.numpy(), tail_below=int(np.median(counts))
-            )
-            metrics = {
-                "tpr_at_0.1%_fpr": report["all"]["tpr_at_0.1%_fpr"],
-                "tpr_at_1%_fpr": report["all"]["tpr_at_1%_fpr"],
-                "auc": report["all"]["auc"],
-                "tail_auc": report["tail"]["auc"],
-                "candidates": float(2 * count),
-                "lowest_fpr": 1.0 / count,  # below it, "TPR at FPR" is the TPR with no false positive
+        for mode, model in targets.items():
+            scores = {
+                "loss threshold": loss_threshold_scores(model, x, y),
+                "LiRA (offline, 4 shadows)": lira_scores_from_confidences(
+                    logit_confidence(model, x, y), out_phi
+                ),
             }
-            leaked = metrics["tpr_at_0.1%_fpr"] > self.config.thresholds.membership_tpr
-            findings.append(
-                Finding(
-                    f"membership: {name}",
-                    "final model (any sum layer, no DP)",
-                    "anyone holding the model",
-                    f"{count} members against {count} non-members",
-                    metrics,
-                    leaked,
-                    True,
-                )
-            )
+            findings += [
+                self._membership_finding(name, mode, score, is_member, members.class_counts(), y.numpy())
+                for name, score in scores.items()
+            ]
         return findings
+
+    def _membership_finding(
+        self,
+        name: str,
+        mode: str,
+        score: np.ndarray,
+        is_member: np.ndarray,
+        counts: np.ndarray,
+        y: np.ndarray,
+    ) -> Finding:
+        from attacks.membership import membership_report
+
+        report = membership_report(
+            score, is_member, class_counts=counts, y=y, tail_below=int(np.median(counts))
+        )
+        negatives = int((~is_member).sum())
+        metrics = {
+            "tpr_at_0.1%_fpr": report["all"]["tpr_at_0.1%_fpr"],
+            "tpr_at_1%_fpr": report["all"]["tpr_at_1%_fpr"],
+            "auc": report["all"]["auc"],
+            "tail_auc": report["tail"]["auc"],
+            "candidates": float(len(is_member)),
+            "lowest_fpr": 1.0 / negatives,  # below it, "TPR at FPR" is the TPR with no false positive
+        }
+        leaked = metrics["tpr_at_0.1%_fpr"] > self.config.thresholds.membership_tpr
+        target = f"{len(is_member) - negatives} members against {negatives} non-members"
+        return Finding(f"membership: {name}", mode, "anyone holding the model", target, metrics, leaked, True)
 
     def protocol(self) -> list[Finding]:
         """(g) a malicious aggregator against the real silo code: presence intersection, two attempts, split
@@ -404,9 +416,11 @@ def _nan_low(value: float) -> float:
     return -1.0 if np.isnan(value) else value
 
 
-def _model(scenario: Scenario):
-    """The trained network as FedAvg's method builds it (the model the aggregator sent)."""
-    return method_for(scenario, "fedavg").load(scenario.state.model).eval()
+def _model(scenario: Scenario, state: GlobalState | None = None, epsilon: float = 0.0):
+    """A trained network as FedAvg's method builds it (under DP, with DP's layers): the scenario's model
+    (the one the aggregator sent) unless another `state` is given."""
+    method = method_for(scenario, "fedavg", epsilon)
+    return method.load((state or scenario.state).model).eval()
 
 
 def _fit(images: np.ndarray, count: int) -> np.ndarray:
@@ -416,8 +430,24 @@ def _fit(images: np.ndarray, count: int) -> np.ndarray:
     return np.concatenate([images] * (count // len(images) + 1))[:count]
 
 
+def _candidates(member_y: np.ndarray, public_y: np.ndarray, seed: int) -> tuple[np.ndarray, ...]:
+    """Members and non-members in equal numbers per class, and the rest of the public data for shadows.
+    Matching the classes matters: a long-tailed model is surer of head classes, so members drawn from a
+    long tail against balanced non-members would score above chance with no membership signal at all
+    (a DP model at ε = 1 gave AUC 0.73 that way)."""
+    rng = np.random.default_rng(seed)
+    inside, outside, pool = [], [], []
+    for c in np.unique(public_y):
+        mine = rng.permutation(np.flatnonzero(member_y == c))
+        theirs = rng.permutation(np.flatnonzero(public_y == c))
+        take = min(len(mine), len(theirs) // 2)
+        inside.append(mine[:take])
+        outside.append(theirs[:take])
+        pool.append(theirs[take:])
+    return tuple(np.concatenate(part) for part in (inside, outside, pool))
+
+
 GRADINV_COUNT = 4
-MEMBERSHIP_CANDIDATES = 500
 
 RUNNERS: dict[str, Callable[[Audit, Mode], list[Finding]]] = {
     "analytic": Audit.analytic,

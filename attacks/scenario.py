@@ -62,11 +62,21 @@ def build_scenario(config: AuditConfig, *, echo=print) -> Scenario:
     federation = build_federation(config.data, seed=config.seed)
     silos, public, planted = _plant(federation)
     federation = replace(federation, silos=silos)
-    sim = _sim_config(config, "fedavg", epsilon=0.0)
+    echo(f"training the model the attacks face: FedAvg, {config.training.rounds} rounds")
+    state = _trained(config, federation, epsilon=0.0)
+    return Scenario(config=config, federation=federation, public=public, state=state, planted=planted)
+
+
+def trained_state(scenario: Scenario, epsilon: float) -> GlobalState:
+    """FedAvg trained on the scenario's silos as the grid trains, under [dp] at `epsilon` (the model a
+    membership attack faces in a DP mode)."""
+    return _trained(scenario.config, scenario.federation, epsilon=epsilon)
+
+
+def _trained(config: AuditConfig, federation: Federation, *, epsilon: float) -> GlobalState:
+    sim = _sim_config(config, "fedavg", epsilon=epsilon)
     with tempfile.TemporaryDirectory(prefix="fedlt-audit-") as folder:
-        echo(f"training the model the attacks face: FedAvg, {config.training.rounds} rounds")
-        result = run_simulation(sim, Path(folder), echo=lambda _: None, federation=federation)
-    return Scenario(config=config, federation=federation, public=public, state=result.state, planted=planted)
+        return run_simulation(sim, Path(folder), echo=lambda _: None, federation=federation).state
 
 
 def _sim_config(config: AuditConfig, method: str, *, epsilon: float):

@@ -127,3 +127,18 @@ def test_auditing_a_folder_without_an_aggregator_database_is_a_clear_error(tmp_p
     assert main(["--aggregator-data", str(tmp_path), "--out", str(tmp_path / "report")]) == 2
     assert str(tmp_path) in capsys.readouterr().err
     assert not (tmp_path / "report").exists()
+
+
+def test_membership_is_measured_on_the_model_of_each_dp_budget(audit):
+    """Guards attack (f) across modes: the no-DP model and the model trained under the grid's ε each get a
+    loss-threshold and a LiRA finding, scored on the same candidates; the DP model (ε = 1, a few rounds)
+    gives its members away no better than chance."""
+    findings = audit.membership()
+    modes = {f.mode for f in findings}
+    assert modes == {"final model (any sum layer, no DP)", "final model, dp ε=1"}
+    assert len(findings) == 4
+    for finding in findings:
+        assert finding.metrics["candidates"] == findings[0].metrics["candidates"]
+        assert 0.0 <= finding.metrics["tpr_at_0.1%_fpr"] <= 1.0
+    private = [f for f in findings if f.mode == "final model, dp ε=1"]
+    assert all(abs(f.metrics["auc"] - 0.5) < 0.15 for f in private), [f.metrics["auc"] for f in private]
