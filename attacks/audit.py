@@ -217,8 +217,8 @@ class Audit:
         uploads = self.uploads("creff", mode.epsilon)
         silos = self.scenario.federation.silos
         smallest = int(np.argmin([len(s) for s in silos]))
-        values = uploads.contributions[smallest].values if mode.privacy == "plaintext" else None
-        values = values or self.released(uploads, mode)
+        plaintext = mode.privacy == "plaintext"
+        values = uploads.contributions[smallest].values if plaintext else self.released(uploads, mode)
         flat = values["delta"] / max(float(values["n"]), 1.0)
         model = uploads.method.load(uploads.state.model)
         keys = float_keys(uploads.state.model)

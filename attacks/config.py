@@ -12,12 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fedlt.aggregation import LAYERS
 from fedlt.config import parse_section, read_toml, setting
 from fedlt.data.federation import DataConfig
 from fedlt.errors import ConfigError
 
 ATTACKS = ("analytic", "moments", "decoder", "gradinv", "presence", "membership", "protocol")
-PRIVACY = ("plaintext", "secagg", "ckks")
+PRIVACY = tuple(LAYERS)
 
 
 @dataclass(frozen=True)

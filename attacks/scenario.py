@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from aggregator.config import LAYER_SECTIONS
 from attacks.config import AuditConfig, Mode
 from fedlt.aggregation import make_layer
 from fedlt.aggregation.sums import Contribution, Sums
@@ -179,12 +180,6 @@ def attacked_state(method: Method, trained: GlobalState) -> GlobalState:
 
 
 def _layer_settings(mode: Mode):
-    if mode.privacy == "secagg":
-        from privacy.secagg.settings import SecAggSettings
-
-        return SecAggSettings(k_min=mode.k_min)
-    if mode.privacy == "ckks":
-        from privacy.ckks.settings import CkksSettings
-
-        return CkksSettings(k_min=mode.k_min)
-    return None
+    """The layer's own settings section with the mode's tail guard (the consortium's table of sections)."""
+    section = LAYER_SECTIONS.get(mode.privacy)
+    return None if section is None else section(k_min=mode.k_min)
