@@ -180,9 +180,8 @@ class Audit:
 
     def decoder_attack(self, mode: Mode) -> list[Finding]:
         """(c) the decoder on synthetic features the server half makes from the release, of the one-record
-        class: CReFF's federated features and Gaussian features regenerated from the pooled statistics
-        (DFL-FS's and CCVR's). SFD's SAFS features are left out: synthesising them takes minutes a mode
-        here, and fails on a one-record class (its covariance is not positive definite)."""
+        class: CReFF's federated features, Gaussian features regenerated from the pooled statistics (DFL-FS's
+        and CCVR's) and SFD's SAFS features (synthesised for that class only, with its M_c)."""
         planted = self.scenario.planted[0]
         creff = self.uploads("creff", mode.epsilon)
         sums = self.released(creff, mode)
@@ -201,9 +200,17 @@ class Audit:
             counts[planted.label] = 16
             features, _ = pooled.sample_counts(counts, torch.Generator().manual_seed(self.config.seed))
             regenerated = decode(self.decoder, features)
+        sfd = self.uploads("sfd", mode.epsilon)
+        sfd_sums = self.released(sfd, mode)
+        safs = None
+        if float(sfd_sums["count"][planted.label].round()) > 0:
+            ctx = ServerContext(sfd.state.round + 1, self.config.seed)
+            features, _ = sfd.method.synthetic_features(sfd_sums, ctx, classes=[planted.label])
+            safs = decode(self.decoder, features[:16])
         return [
             self.image_finding("decoder: CReFF federated features", mode, planted, federated),
             self.image_finding("decoder: regenerated Gaussian features", mode, planted, regenerated),
+            self.image_finding("decoder: SFD SAFS features", mode, planted, safs),
         ]
 
     def gradinv(self, mode: Mode) -> list[Finding]:
@@ -449,9 +456,16 @@ def _candidates(member_y: np.ndarray, public_y: np.ndarray, seed: int) -> tuple[
 
 GRADINV_COUNT = 4
 
-RUNNERS: dict[str, Callable[[Audit, Mode], list[Finding]]] = {
+# every attack of config.ATTACKS, by what it runs on: each sharing mode, or once (what no sum layer changes)
+PER_MODE: dict[str, Callable[[Audit, Mode], list[Finding]]] = {
     "analytic": Audit.analytic,
     "moments": Audit.moments,
     "decoder": Audit.decoder_attack,
     "gradinv": Audit.gradinv,
 }
+ONCE: dict[str, Callable[[Audit], list[Finding]]] = {
+    "presence": Audit.presence,
+    "membership": Audit.membership,
+    "protocol": Audit.protocol,
+}
+DECODED = ("analytic", "moments", "decoder")  # attacks whose images the decoder's ceiling puts in context

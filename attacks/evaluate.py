@@ -21,8 +21,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "configs" / "audit.toml"
 
-ONCE = ("presence", "membership", "protocol")  # attacks on what no sum layer changes: run once
-
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s", force=True)
@@ -61,17 +59,17 @@ def audit_deployment(config, folder: Path, public_name: str | None, out: Path) -
 def run(config, out: Path) -> int:
     from tqdm import tqdm
 
-    from attacks.audit import RUNNERS, Audit
+    from attacks.audit import DECODED, ONCE, PER_MODE, Audit
     from attacks.report import console_summary, write_report
     from attacks.scenario import build_scenario
 
     started = time.perf_counter()
     scenario = build_scenario(config, echo=lambda line: print(line, flush=True))
     audit = Audit(scenario)
-    steps = [(attack, mode) for mode in config.modes for attack in config.attacks if attack in RUNNERS]
-    once = [attack for attack in config.attacks if attack in ONCE and hasattr(audit, attack)]
+    steps = [(attack, mode) for mode in config.modes for attack in config.attacks if attack in PER_MODE]
+    once = [attack for attack in config.attacks if attack in ONCE]
     findings = []
-    reference = bool({"analytic", "moments", "decoder"} & set(config.attacks))
+    reference = bool(set(DECODED) & set(config.attacks))
     with tqdm(total=len(steps) + len(once) + reference, unit="attack", file=sys.stdout) as bar:
         if reference:
             bar.set_description("decoder ceiling")
@@ -79,11 +77,11 @@ def run(config, out: Path) -> int:
             bar.update()
         for attack in once:
             bar.set_description(attack)
-            findings += getattr(audit, attack)()
+            findings += ONCE[attack](audit)
             bar.update()
         for attack, mode in steps:
             bar.set_description(f"{attack} · {mode.name}")
-            findings += RUNNERS[attack](audit, mode)
+            findings += PER_MODE[attack](audit, mode)
             bar.update()
     summary = write_report(out, config, findings, time.perf_counter() - started)
     print(console_summary(findings))

@@ -80,6 +80,10 @@ def _trained(config: AuditConfig, federation: Federation, *, epsilon: float) -> 
         return run_simulation(sim, Path(folder), echo=lambda _: None, federation=federation).state
 
 
+# what a consortium must set for a method to run under [dp] (the method refuses its defaults there)
+UNDER_DP: dict[str, dict[str, float]] = {"sfd": {"scl_weight": 0.0}}
+
+
 def _sim_config(config: AuditConfig, method: str, *, epsilon: float):
     tables = {
         "data": as_table(config.data),
@@ -90,7 +94,7 @@ def _sim_config(config: AuditConfig, method: str, *, epsilon: float):
     return load_sim_config(
         None,
         {"seed": config.seed, "rounds": config.training.rounds},
-        method={"name": method},
+        method={"name": method, **(UNDER_DP.get(method, {}) if epsilon > 0 else {})},
         tables=tables,
     )
 

@@ -5,10 +5,11 @@ tail guard, the census, DP), through the real methods and privacy layers."""
 import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
-from attacks.audit import Audit
-from attacks.config import AuditConfig, Mode, load_audit_config
+from attacks.audit import ONCE, PER_MODE, Audit
+from attacks.config import ATTACKS, AuditConfig, Mode, load_audit_config
 from attacks.evaluate import main
 from attacks.scenario import build_scenario
 from fedlt.data.federation import DataConfig
@@ -68,6 +69,25 @@ def test_moments_of_one_and_two_records_invert_exactly_unless_guarded(audit):
         assert not finding.leaked
 
 
+def test_sfd_synthesises_the_one_record_class_from_an_open_sum_and_nothing_under_the_guard(audit):
+    """Guards attack (c) on SFD: SAFS runs on a one-record class of a fixed-point secure sum (its covariance
+    used to fail Cholesky there) and the decoder gets its features; the tail guard leaves only the prior; the
+    audit configures SFD the way DP needs (no contrastive term)."""
+    safs = {m.name: _finding(audit.decoder_attack(m), "SFD") for m in (OPEN_SUM, GUARD, DP)}
+    assert not safs[OPEN_SUM.name].note.startswith("withheld")
+    draws = safs[OPEN_SUM.name].images["recovered"]
+    assert len(np.unique(draws.reshape(len(draws), -1), axis=0)) > 1  # distinct SAFS draws, not the prior
+    assert safs[GUARD.name].note.startswith("withheld")
+    assert safs[GUARD.name].metrics["ssim"] == pytest.approx(safs[GUARD.name].metrics["ssim_prior"])
+    assert not safs[GUARD.name].leaked
+    assert not safs[DP.name].leaked
+
+
+def _finding(findings, name):
+    (found,) = [f for f in findings if name in f.attack]
+    return found
+
+
 def test_mfsc_reveals_which_silo_holds_which_class_and_the_census_does_not(audit):
     """Guards attack (e) both ways: for every mask some detector tells real class means from masks (within a
     class, across silos), and the census gives every silo the same guess (AUC 0.5)."""
@@ -78,6 +98,12 @@ def test_mfsc_reveals_which_silo_holds_which_class_and_the_census_does_not(audit
     census = findings["census + tail guard"]
     assert census.metrics["best_detector_within_class_auc"] == pytest.approx(0.5)
     assert not census.leaked
+
+
+def test_every_attack_a_grid_may_name_runs_exactly_once_a_mode_or_once_in_all():
+    """Guards the registry: an attack the grid accepts but nothing runs would pass the audit silently."""
+    assert not set(PER_MODE) & set(ONCE)
+    assert set(PER_MODE) | set(ONCE) == set(ATTACKS)
 
 
 def _grid(tmp_path, modes: str) -> str:

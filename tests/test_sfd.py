@@ -143,6 +143,26 @@ def test_synthetic_counts_run_linearly_by_rank_from_rarest_to_most_frequent():
     assert synthetic_counts(sizes, 2000, 600).tolist() == [600, 2000, 1067, 1067, 1533]
 
 
+def test_a_class_with_fewer_records_than_dimensions_synthesises_from_fixed_point_sums():
+    """The secure layers round Σzzᵀ to 2⁻¹⁶: for a class of two records the scatter left after subtracting
+    n·μμᵀ has negative eigenvalues far larger than the aligner's 1e-5 ridge, and its Cholesky failed."""
+    method = _sfd()
+    state = method.init_state(seed=0)
+    state = type(state)(1, state.model, {"trained": torch.tensor(1)})
+    silos = [_silo([0, 0, 1, 1, 1, 0, 2, 2, 2], 0), _silo([3, 3, 1, 2], 1)]
+    schema = method.schema(state)
+    contributions = [
+        method.local_round(state, d, SiloContext(2, f"silo-{k}", 5)) for k, d in enumerate(silos)
+    ]
+    sums = PlaintextSum().aggregate(schema, contributions)
+    grid = {f.name: 2.0**f.frac_bits for f in schema.fields}
+    rounded = {name: torch.round(value * grid[name]) / grid[name] for name, value in sums.items()}
+    features, labels = method.synthetic_features(rounded, ServerContext(2, 5))
+    assert torch.isfinite(features).all()
+    assert sorted(set(labels.tolist())) == [0, 1, 2, 3]
+    assert torch.linalg.eigvalsh(method.pooled(rounded, unbiased=False).covariances).min() > -1e-9
+
+
 def test_synthesis_keeps_the_class_statistics_and_lowers_the_mmd():
     g = torch.Generator().manual_seed(3)
     real = torch.relu(torch.randn(500, 6, generator=g) * 2 + 1).double()

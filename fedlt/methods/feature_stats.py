@@ -56,13 +56,14 @@ class ClassGaussians:
         count: torch.Tensor,
         *,
         unbiased: bool = True,
-        noisy: bool = False,
     ) -> ClassGaussians:
         """Unbiased covariances (divided by n_c − 1; CCVR, DFL-FS), or population ones (by n_c; SFD's Eq. 10).
 
-        Classes with no samples get zeros; a class with one sample gets a zero covariance. `noisy` sums (under
-        DP) can give indefinite matrices: their covariances are projected onto the positive semi-definite
-        cone (negative eigenvalues set to zero), a post-processing that costs no privacy."""
+        Classes with no samples get zeros; a class with one sample gets a zero covariance. Covariances are
+        projected onto the positive semi-definite cone (negative eigenvalues set to zero): the secure layers
+        round Σzzᵀ to their fixed-point grid and DP noises it, and for a class with fewer records than
+        dimensions either leaves the scatter indefinite. The projection is post-processing (no privacy
+        cost)."""
         counts = count.round()
         n = counts.clamp(min=1)[:, None]
         means = feature_sum / n
@@ -72,9 +73,8 @@ class ClassGaussians:
         divisor = (counts - 1).clamp(min=1) if unbiased else counts.clamp(min=1)
         covariances = scatter / divisor[:, None, None]
         covariances[counts < 2] = 0.0
-        if noisy:
-            values, vectors = torch.linalg.eigh(covariances)
-            covariances = (vectors * values.clamp(min=0)[:, None, :]) @ vectors.transpose(1, 2)
+        values, vectors = torch.linalg.eigh(covariances)
+        covariances = (vectors * values.clamp(min=0)[:, None, :]) @ vectors.transpose(1, 2)
         return cls(means, covariances, counts)
 
     @property

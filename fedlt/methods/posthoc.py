@@ -126,14 +126,9 @@ class PostHocHead(FedAvg):
         return GlobalState(state.round + 1, model, extra)
 
     def pooled(self, sums: Sums, *, unbiased: bool = True) -> ClassGaussians:
-        """The class Gaussians of the summed statistics (noisy under DP); refuses sums in which no class has
-        any."""
+        """The class Gaussians of the summed statistics; refuses sums in which no class has any."""
         gaussians = ClassGaussians.from_sums(
-            sums["feature_sum"],
-            sums["outer_sum"],
-            sums["count"],
-            unbiased=unbiased,
-            noisy=self.dp is not None,
+            sums["feature_sum"], sums["outer_sum"], sums["count"], unbiased=unbiased
         )
         if not gaussians.present.any():
             raise ContributionError("no class has any feature statistics; no head can be fitted to them")

@@ -24,6 +24,7 @@ statistics (or held back by the tail guard) get no synthetic features.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -202,13 +203,19 @@ class SFD(PostHocHead):
             cosine=True,
         )
 
-    def synthetic_features(self, sums: Sums, ctx: ServerContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """SAFS for every class with statistics: (features, labels)."""
+    def synthetic_features(
+        self, sums: Sums, ctx: ServerContext, classes: Collection[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """SAFS for every class with statistics, or for those among `classes` (what the privacy audit decodes;
+        M_c is still ranked among every present class): (features, labels)."""
         o = self.options
         stats = self.pooled(sums, unbiased=False)
         present = torch.nonzero(stats.present).flatten()
         rff_means = sums["rff_sum"] / stats.counts.clamp(min=1)[:, None]
         counts = synthetic_counts(stats.counts[present], o.synthetic_most, o.synthetic_fewest)
+        if classes is not None:
+            chosen = torch.isin(present, torch.as_tensor(list(classes), dtype=present.dtype))
+            present, counts = present[chosen], counts[chosen]
         settings = SynthesisSettings(
             steps=o.synthesis_steps,
             lr=o.synthesis_lr,
