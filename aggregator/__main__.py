@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument("--config", required=True, help="consortium.toml (for the address and CA)")
     status.add_argument("--cert", required=True, help="operator certificate (from `ca issue-operator`)")
     status.add_argument("--key", required=True, help="operator key")
+    status.add_argument(
+        "--address", help="host:port to dial (default: where the aggregator bound, or [server] listen)"
+    )
     demo = commands.add_parser("demo", help="a whole consortium on this machine: CA, aggregator, silos")
     demo.add_argument("--dir", type=Path, default=Path("runs/consortium-demo"))
     demo.add_argument("--silos", type=int, default=4)
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "status":
             from aggregator.status import show_status
 
-            return show_status(args.config, cert=args.cert, key=args.key)
+            return show_status(args.config, cert=args.cert, key=args.key, address=args.address)
         from aggregator.demo import run_demo
 
         return run_demo(args.dir, silos=args.silos, rounds=args.rounds, privacy=args.privacy)

@@ -6,6 +6,7 @@ import hashlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from aggregator.store import Retention
 from fedlt.config import as_toml, parse_section, read_toml, resolve, setting
 from fedlt.data.embedded import EMBEDDED
 from fedlt.errors import ConfigError
@@ -42,6 +43,11 @@ class ServerSection:
         "pki/roster.json", doc="the consortium's roster; silos adopt a newer one a quorum signed"
     )
     data_dir: str = setting("aggregator-data", doc="SQLite database and the run's metrics and plots")
+    status_page: str = setting(
+        "",
+        doc="host:port of the read-only status page (empty: none); a loopback host serves HTTP to this "
+        "machine, any other HTTPS to operator certificates only; port 0 lets the OS choose",
+    )
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,7 @@ class ConsortiumConfig:
     ckks: CkksSettings = field(default_factory=CkksSettings)
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)
     metrics: ShotThresholds = field(default_factory=ShotThresholds)
+    retention: Retention = field(default_factory=Retention)
     base_dir: Path = Path()
 
     def __post_init__(self) -> None:
@@ -110,6 +117,7 @@ def load_consortium_config(path: str | Path) -> ConsortiumConfig:
             *LAYER_SECTIONS.items(),
             ("evaluation", EvaluationSection),
             ("metrics", ShotThresholds),
+            ("retention", Retention),
         )
     }
     plan = parse_section(RoundPlan, plan_tree, "", problems)

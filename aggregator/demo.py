@@ -69,7 +69,11 @@ def write_consortium(
     (pki / "roster.json").write_bytes(roster.to_json())
     counts = build_federation(recipe, seed=consortium.seed).train_counts.tolist()
     server = ServerSection(
-        listen="127.0.0.1:0", ca="pki/ca/ca.pem", crl="pki/ca/crl.pem", roster="pki/roster.json"
+        listen="127.0.0.1:0",
+        ca="pki/ca/ca.pem",
+        crl="pki/ca/crl.pem",
+        roster="pki/roster.json",
+        status_page="127.0.0.1:0",
     )
     evaluation = EvaluationSection(
         dataset=recipe.dataset, test_per_class=recipe.test_per_class, class_counts=tuple(counts)

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import signal
+import ssl
 import threading
 from concurrent import futures
 from pathlib import Path
@@ -20,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from aggregator.config import ConsortiumConfig
 from aggregator.rounds import RoundEngine
 from aggregator.service import CertificateGate, ConsortiumServicer, Identity, OperatorServicer
+from aggregator.status_page import StatusPage, is_loopback, operator_tls, snapshot, split_listen
 from aggregator.store import AuditKey, Store
 from fedlt.aggregation import make_layer
 from fedlt.aggregation.halves import PartyKeys
@@ -51,7 +53,7 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
     tls = _read_tls(config)
     data_dir = config.path(config.server.data_dir)
     key = load_private_key(config.path(config.server.key))
-    store = Store(data_dir / DATABASE, audit_key=derive_audit_key(key))
+    store = Store(data_dir / DATABASE, audit_key=derive_audit_key(key), retention=config.retention)
     method = config.plan.build_method()
     revocations = RevocationList.load(config.path(config.server.ca), config.path(config.server.crl))
     roster = RosterFile(config.path(config.server.roster))
@@ -102,11 +104,17 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
     if port == 0:
         raise ConfigError("server.listen", [f"cannot listen on {config.server.listen}"])
     host = config.server.listen.rsplit(":", 1)[0]
+    page = _status_page(config, engine, store, revocations)
     server.start()
     for name in services[:2]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    atomic_write_text(data_dir / LISTENING, json.dumps({"address": f"{host}:{port}", "pid": os.getpid()}))
+    listening = {"address": f"{host}:{port}", "pid": os.getpid()}
+    if page is not None:
+        listening["status_page"] = page.url
+    atomic_write_text(data_dir / LISTENING, json.dumps(listening))
     echo(f"aggregator {config.consortium.id!r} listening on {host}:{port} (mutual TLS); data in {data_dir}")
+    if page is not None:
+        echo(f"status page (read-only): {page.url}")
     echo(f"privacy layer: {layer.describe()}")
     _stop_on_signals(stop)
     driver = threading.Thread(target=engine.run, args=(stop,), name="rounds", daemon=True)
@@ -119,6 +127,8 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
     finally:
         stop.set()
         health_servicer.enter_graceful_shutdown()
+        if page is not None:
+            page.stop()
         server.stop(grace=3).wait()
         store.close()
     if engine.recorder is not None and engine.recorder.rounds:
@@ -173,6 +183,33 @@ def _recorder(config: ConsortiumConfig, data_dir: Path, store: Store) -> RunReco
         header={"consortium": as_table(config.consortium), "plan": as_table(config.plan)},
         rounds=store.metrics_history(),
     )
+
+
+def _status_page(
+    config: ConsortiumConfig, engine: RoundEngine, store: Store, revocations: RevocationList
+) -> StatusPage | None:
+    if not config.server.status_page:
+        return None
+    about = {
+        "consortium_id": config.consortium.id,
+        "method": config.plan.method.name,
+        "privacy": config.consortium.privacy,
+        "total_rounds": engine.total_rounds,
+    }
+    try:
+        host, _ = split_listen(config.server.status_page)
+        tls = None
+        if not is_loopback(host):
+            server = config.server
+            tls = operator_tls(
+                config.path(server.certificate), config.path(server.key), config.path(server.ca)
+            )
+        page = StatusPage(
+            config.server.status_page, lambda: snapshot(engine.status(), about, store), revocations, tls
+        )
+    except (ValueError, OSError, ssl.SSLError) as exc:
+        raise ConfigError("server.status_page", [f"cannot serve the status page: {exc}"]) from None
+    return page.start()
 
 
 def _stop_on_signals(stop: threading.Event) -> None:

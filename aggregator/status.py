@@ -10,13 +10,23 @@ import grpc
 
 from aggregator.config import load_consortium_config
 from aggregator.server import LISTENING
+from fedlt.errors import FedltError
 from fedlt.v1 import operator_pb2, operator_pb2_grpc
 
+WILDCARDS = ("0.0.0.0", "::", "")
 
-def show_status(config_path: str | Path, *, cert: str | Path, key: str | Path) -> int:
+
+def show_status(
+    config_path: str | Path, *, cert: str | Path, key: str | Path, address: str | None = None
+) -> int:
     config = load_consortium_config(config_path)
-    listening = config.path(config.server.data_dir) / LISTENING
-    address = json.loads(listening.read_text())["address"] if listening.exists() else config.server.listen
+    address = address or _bound_address(config)
+    host = address.rpartition(":")[0].strip("[]")
+    if host in WILDCARDS:
+        raise FedltError(
+            f"the aggregator listens on every interface ({address}); give --address with the host name or "
+            "address the silos dial (its certificate names it), e.g. --address aggregator.example.org:50051"
+        )
     credentials = grpc.ssl_channel_credentials(
         root_certificates=config.path(config.server.ca).read_bytes(),
         private_key=Path(key).read_bytes(),
@@ -32,6 +42,12 @@ def show_status(config_path: str | Path, *, cert: str | Path, key: str | Path) -
             return 1
     print(render(status))
     return 0
+
+
+def _bound_address(config) -> str:
+    """The address the aggregator wrote when it bound (on its own machine), else `[server] listen`."""
+    listening = config.path(config.server.data_dir) / LISTENING
+    return json.loads(listening.read_text())["address"] if listening.exists() else config.server.listen
 
 
 def render(status: operator_pb2.StatusResponse) -> str:

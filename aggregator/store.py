@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedlt.aggregation.tail_guard import Census
+from fedlt.config import setting
 from fedlt.errors import FedltError
 
 SCHEMA = """
@@ -58,8 +59,23 @@ CREATE TRIGGER IF NOT EXISTS audit_no_delete BEFORE DELETE ON audit
 """
 
 GENESIS = "0" * 64
-KEEP_STATES = 3
 AUDIT_KEY_ID = b"fedlt/audit-key-id/v1"
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Which committed states keep their weights (`[retention]` of consortium.toml). Older ones keep their
+    round, digest, contributors and metrics, and the audit log keeps every record: a soak of many rounds
+    grows the file by those, not by a model a round. A restart needs only the latest state."""
+
+    last: int = setting(3, ge=1, doc="keep the states of the last k rounds")
+    every: int = setting(0, ge=0, doc="and of every m-th round (0: none), e.g. checkpoints to go back to")
+
+    def blanked_sql(self) -> tuple[str, tuple[int, ...]]:
+        """The WHERE clause (and its values past the round committed) of states to blank now."""
+        if self.every:
+            return "round <= ? - ? AND round % ? != 0 AND length(data) > 0", (self.last, self.every)
+        return "round <= ? - ? AND length(data) > 0", (self.last,)
 
 
 class StoreError(FedltError):
@@ -114,7 +130,7 @@ class Store:
     or opening one from before keyed chains, raises StoreError rather than extend a chain nobody can verify.
     """
 
-    def __init__(self, path: Path, *, audit_key: AuditKey) -> None:
+    def __init__(self, path: Path, *, audit_key: AuditKey, retention: Retention | None = None) -> None:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         # SQLite would create the file 0644, and its -wal and -shm companions take the file's mode.
         with suppress(FileExistsError):
@@ -125,6 +141,7 @@ class Store:
         self._db.executescript(SCHEMA)
         self._lock = threading.RLock()
         self._audit_key = audit_key
+        self._retention = retention or Retention()
         try:
             self._adopt_audit_key()
         except StoreError:
@@ -323,7 +340,8 @@ class Store:
                     None,
                 ),
             )
-            db.execute("UPDATE states SET data = x'' WHERE round <= ?", (round_number - KEEP_STATES,))
+            where, values = self._retention.blanked_sql()
+            db.execute(f"UPDATE states SET data = x'' WHERE {where}", (round_number, *values))
             if picked is not None:
                 db.execute("INSERT INTO picks VALUES (?, ?)", (round_number, json.dumps(sorted(picked))))
             db.executemany(

@@ -4,8 +4,8 @@ An operator points `audit_aggregator_data` at the aggregator's data folder (`ser
 consortium.toml); its SQLite database (`aggregator.server.DATABASE`) is opened read-only, never through
 `Store`, which creates the file and writes to it. What the store keeps, and so what is attacked:
 
-- states: the committed global state of the last `KEEP_STATES` rounds (older ones are blanked; a state sealed
-  by the silos, under ckks, is unreadable here). RedGrape's keeps `prototypes`: each class's released
+- states: the committed global states `[retention]` keeps (the last 3 by default; others are blanked; a state
+  sealed by the silos, under ckks, is unreadable here). RedGrape's keeps `prototypes`: each class's released
   head-gradient sum divided by the silos that held it (its Eq. 10). Attack (a), `recover_feature` on a class's
   rows, gives the mean feature of those silos, one silo's when one held it; all-zero rows were withheld by the
   tail guard or held by nobody. The `present` sum is not stored, so the number of holders is known only where

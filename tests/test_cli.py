@@ -68,3 +68,18 @@ def test_aggregator_config_problems(tmp_path, capsys, text, message):
     code, err = run(aggregator_main, ["serve", "--config", str(path)], capsys)
     assert code == 2
     assert message in err
+
+
+def test_status_asks_for_an_address_when_the_aggregator_listens_on_every_interface(tmp_path, capsys):
+    """`listen = "0.0.0.0:50051"` is not a name the certificate holds: dialling it fails TLS with a message
+    about hostname verification; the command says what to give instead."""
+    from tests.consortium_harness import write_kit
+
+    write_kit(tmp_path, silos=2)
+    config = tmp_path / "consortium.toml"
+    config.write_text(config.read_text().replace('listen = "127.0.0.1:0"', 'listen = "0.0.0.0:50051"'))
+    code, err = run(
+        aggregator_main, ["status", "--config", str(config), "--cert", "op.pem", "--key", "op.key"], capsys
+    )
+    assert code == 2
+    assert "--address" in err

@@ -83,3 +83,19 @@ def test_fingerprint_ignores_rounds_only():
     a = load_sim_config(None, {"rounds": 3})
     assert a.fingerprint() == load_sim_config(None, {"rounds": 9}).fingerprint()
     assert a.fingerprint() != load_sim_config(None, {"rounds": 3, "seed": 1}).fingerprint()
+
+
+def test_the_operator_guides_consortium_toml_loads(tmp_path):
+    """Guards the documentation: every setting the guide shows exists and is valid."""
+    import re
+    from pathlib import Path
+
+    from aggregator.config import load_consortium_config
+
+    guide = (Path(__file__).parent.parent / "docs" / "operator.md").read_text()
+    (example,) = [b for b in re.findall(r"```toml\n(.*?)```", guide, re.S) if "[consortium]" in b]
+    path = tmp_path / "consortium.toml"
+    path.write_text(example)
+    config = load_consortium_config(path)
+    assert config.server.status_page == "127.0.0.1:8080"
+    assert (config.retention.last, config.retention.every) == (3, 10)

@@ -2,7 +2,7 @@ import sqlite3
 
 import pytest
 
-from aggregator.store import AuditKey, Store, StoreError
+from aggregator.store import AuditKey, Retention, Store, StoreError
 
 AUDIT_KEY = AuditKey(b"fedlt tests' fixed audit key ...")
 
@@ -92,3 +92,45 @@ def test_old_states_are_pruned_but_latest_kept(store):
     sizes = dict(store._db.execute("SELECT round, length(data) FROM states"))
     assert sizes == {0: 0, 1: 0, 2: 0, 3: 2, 4: 2, 5: 2}
     assert store.latest_state().data == b"s5"
+
+
+def _kept(store: Store) -> list[int]:
+    rows = store._db.execute("SELECT round FROM states WHERE length(data) > 0 ORDER BY round")
+    return [r for (r,) in rows]
+
+
+def _commit_rounds(store: Store, first: int, last: int) -> None:
+    for r in range(first, last + 1):
+        _, round_id = store.begin_attempt(r, ["a"], f"n{r}")
+        store.commit_round(round_number=r, round_id=round_id, digest=f"d{r}", data=b"w", contributors=["a"])
+
+
+@pytest.mark.parametrize(
+    ("retention", "kept"),
+    [
+        (Retention(), [10, 11, 12]),
+        (Retention(last=1), [12]),
+        (Retention(last=2, every=5), [0, 5, 10, 11, 12]),
+    ],
+)
+def test_retention_keeps_the_last_k_states_and_every_mth(tmp_path, retention, kept):
+    """Guards the soak's file growth: older states lose their weights, never their record."""
+    store = Store(tmp_path / "db.sqlite", audit_key=AUDIT_KEY, retention=retention)
+    store.save_initial_state("d0", b"w")
+    _commit_rounds(store, 1, 12)
+    assert _kept(store) == kept
+    rounds = store._db.execute("SELECT round, digest FROM states ORDER BY round").fetchall()
+    assert rounds == [(r, f"d{r}") for r in range(13)]
+    assert len([r for r in store.audit_log() if r.event == "round_committed"]) == 12
+    store.close()
+
+
+def test_a_shorter_retention_after_a_restart_blanks_what_it_no_longer_keeps(tmp_path):
+    store = Store(tmp_path / "db.sqlite", audit_key=AUDIT_KEY, retention=Retention(last=6))
+    store.save_initial_state("d0", b"w")
+    _commit_rounds(store, 1, 8)
+    store.close()
+    store = Store(tmp_path / "db.sqlite", audit_key=AUDIT_KEY, retention=Retention(last=2))
+    _commit_rounds(store, 9, 9)
+    assert _kept(store) == [8, 9]
+    store.close()
