@@ -174,7 +174,7 @@ class Consortium:
         for k in range(len(self.silo_configs)):
             self.start_silo(k, (drills or {}).get(k, ""))
 
-    def wait_for_silo_log(self, k: int, text: str, timeout: float = 60) -> None:
+    def wait_for_silo_log(self, k: int, text: str, timeout: float = 180) -> None:
         log = self.directory / f"silo-{k}.log"
         until = time.monotonic() + timeout
         while text not in (log.read_text() if log.exists() else ""):
