@@ -54,6 +54,8 @@ log = logging.getLogger("aggregator.service")
 
 AGENT_VERSION_CHARS = 64
 STATE_LIMIT = 2**31  # bytes of a sealed state a silo may report
+# Bytes of a refusal's message in the status trailer, percent-encoded: clients drop trailers over 8 KiB.
+DETAILS_BYTES = 2048
 # What a silo's policy may name, from the tables that define each kind; the messages list these keys.
 POLICY_CHOICES: dict[str, tuple[str, ...]] = {
     "accepted_methods": tuple(METHODS),
@@ -116,9 +118,23 @@ def _refuse(context: grpc.ServicerContext, exc: Exception, where: str) -> None:
     """Abort with the code `STATUS_OF` gives the refusal; anything else is a bug: logged, and INTERNAL."""
     for kind, code in STATUS_OF.items():
         if isinstance(exc, kind):
-            context.abort(code, str(exc))
+            context.abort(code, _within_trailer(str(exc)))
     log.error("unexpected error in %s", where, exc_info=exc)
     context.abort(grpc.StatusCode.INTERNAL, "internal error; see the aggregator's log")
+
+
+def _within_trailer(details: str, budget: int = DETAILS_BYTES) -> str:
+    """`details` cut to `budget` bytes as gRPC percent-encodes them into the grpc-message trailer.
+
+    A refusal may quote the caller (a round id it named); quoted whole, a long value makes the trailer
+    outgrow the client's metadata limit, and the caller sees RESOURCE_EXHAUSTED without the reason.
+    """
+    used = 0
+    for end, char in enumerate(details):
+        used += 1 if " " <= char <= "~" and char != "%" else 3 * len(char.encode("utf-8", "replace"))
+        if used > budget:
+            return details[:end] + " … (cut)"
+    return details
 
 
 def _abort_on_refusal(handler: Callable) -> Callable:
@@ -297,6 +313,10 @@ class CertificateGate(grpc.ServerInterceptor):
     not, so without the gate a revoked member could still learn which services run and whether they serve.
     An interceptor sees no ServicerContext, so the check runs in a wrapper of the method's behaviour, which
     gRPC calls with one.
+
+    The gate also parses the request: bytes that are no message of the method's type (truncated, invalid
+    UTF-8 in a string) would otherwise fail inside gRPC, which answers INTERNAL as if the aggregator were at
+    fault. They reach the wrapper as `Undecodable` and are refused with INVALID_ARGUMENT, naming the problem.
     """
 
     def __init__(self, identity: Identity) -> None:
@@ -314,15 +334,69 @@ class CertificateGate(grpc.ServerInterceptor):
         def checked(request: Any, context: grpc.ServicerContext) -> Any:
             try:
                 self.identity.certificate(context)
+                request = _decoded_parts(request) if handler.request_streaming else _decoded(request)
             except Exception as exc:
                 _refuse(context, exc, handler_call_details.method)
-            return behaviour(request, context)
+            if not handler.request_streaming:
+                return behaviour(request, context)
+            # the fedlt servicers refuse an undecodable part themselves; the stock ones (reflection) would not
+            try:
+                result = behaviour(request, context)
+            except UndecodablePart as exc:
+                _refuse(context, exc, handler_call_details.method)
+            return _refusing_undecodable(result, context) if handler.response_streaming else result
 
         return _HANDLER_OF[kind](
             checked,
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=_lenient(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
+
+
+class Undecodable:
+    """Request bytes the method's deserializer refused, handed on so the refusal is the gate's, not gRPC's."""
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """`deserializer`, returning `Undecodable` instead of raising (gRPC would answer INTERNAL)."""
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # DecodeError from protobuf; any deserializer's failure means the same
+            return Undecodable((str(exc) or type(exc).__name__)[:200])
+
+    return parse
+
+
+def _decoded(request: Any) -> Any:
+    if isinstance(request, Undecodable):
+        raise Malformed(f"the request does not parse: {request.problem}")
+    return request
+
+
+class UndecodablePart(Malformed):
+    """A part of a client stream that does not parse."""
+
+
+def _decoded_parts(parts: Iterator) -> Iterator:
+    """A client stream's parts; the first one that does not parse ends the stream with UndecodablePart."""
+    for number, part in enumerate(parts, 1):
+        if isinstance(part, Undecodable):
+            raise UndecodablePart(f"part {number} of the stream does not parse: {part.problem}")
+        yield part
+
+
+def _refusing_undecodable(responses: Iterator, context: grpc.ServicerContext) -> Iterator:
+    try:
+        yield from responses
+    except UndecodablePart as exc:
+        _refuse(context, exc, "a client stream")
 
 
 class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):

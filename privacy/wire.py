@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from fedlt.aggregation.halves import BadMessage
 from fedlt.aggregation.plaintext import Upload
 from fedlt.aggregation.round_sums import CensusResult
 from fedlt.v1 import consortium_pb2 as pb
@@ -65,6 +66,11 @@ class WireError(ValueError):
     """A message or step of a type no implemented layer carries."""
 
 
+class BadStep(WireError, BadMessage):
+    """A SumStep from the aggregator that carries no step, or names no sum: a broken protocol message, which
+    the silo refuses as it refuses any other (a FedltError), leaving the round's sums and going on."""
+
+
 def send(stub, round_id: str, purpose: str, message: object, *, timeout: float) -> object:
     sender = SENDERS.get(type(message))
     if sender is None:
@@ -110,8 +116,8 @@ def fetched(stub, round_id: str, purpose: str, step: object, *, timeout: float) 
 
 
 def step_from_pb(step: pb.SumStep) -> tuple[str, object]:
-    """(purpose, step); an empty or unknown step, or one naming no sum, is a WireError."""
+    """(purpose, step); an empty or unknown step, or one naming no sum, is a BadStep."""
     kind = step.WhichOneof("step")
     if kind not in STEP_DECODERS or step.sum not in PURPOSE_OF_SUM:
-        raise WireError(f"a SumStep with step {kind!r} for sum {step.sum}")
+        raise BadStep(f"a SumStep with step {kind!r} for sum {step.sum}")
     return PURPOSE_OF_SUM[step.sum], STEP_DECODERS[kind](step)

@@ -35,7 +35,7 @@ from fedlt.aggregation import make_layer
 from fedlt.aggregation.halves import PartyKeys, SiloHalf
 from fedlt.atomic import atomic_write, atomic_write_text
 from fedlt.data.arrays import LabeledImages
-from fedlt.errors import FedltError
+from fedlt.errors import ContributionError, FedltError
 from fedlt.methods import GlobalState, Method, SiloContext
 from fedlt.methods.state import unpack_state
 from fedlt.plan import RoundPlan
@@ -544,6 +544,10 @@ class SiloAgent:
         if method.schema(state) != schema_from_pb(spec.schema):
             log.error("%s: the signed schema differs from the method's own; not training", spec.round_id)
             return None
+        unfit = _unfit_model(method, state)
+        if unfit:
+            log.error("%s: the state's model %s; not training", spec.round_id, unfit)
+            return None
         log.debug(
             "round %d: state fetched and checked in %.3f s", spec.round, time.perf_counter() - fetch_started
         )
@@ -569,7 +573,7 @@ class SiloAgent:
             contribution = method.local_round(
                 state, self.data, SiloContext(spec.round, self.silo_id, spec.seed, private)
             )
-        except BudgetExceeded as exc:
+        except (BudgetExceeded, ContributionError) as exc:  # ContributionError: weights that train to inf
             log.error("%s: not training: %s", spec.round_id, exc)
             self.activity = pb.SILO_ACTIVITY_IDLE
             return None
@@ -658,6 +662,26 @@ class SiloAgent:
 
     def _save_progress(self, **facts: object) -> None:
         atomic_write_text(self.state_dir / "progress.json", json.dumps({**self._progress(), **facts}))
+
+
+def _unfit_model(method: Method, state: GlobalState) -> str:
+    """Why the state's model is not one the plan's network can hold and train ("" if it is): its tensors'
+    names, shapes and dtypes are the network's, and its floats finite. The digest and schema checks cannot
+    tell: an aggregator signs the digest of whatever it sends, and a renamed tensor keeps the schema's size.
+    """
+    network = method.working_model().state_dict()
+    model = state.model
+    missing, unexpected = sorted(set(network) - set(model)), sorted(set(model) - set(network))
+    if missing or unexpected:
+        return f"lacks tensors {missing[:3]} and has others {unexpected[:3]}"
+    for name, held in network.items():
+        tensor = model[name]
+        if tensor.shape != held.shape or tensor.dtype != held.dtype:
+            wanted = f"{held.dtype} {tuple(held.shape)}"
+            return f"holds {name!r} as {tensor.dtype} {tuple(tensor.shape)}, not {wanted}"
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return f"holds non-finite values in {name!r}"
+    return ""
 
 
 def _fetch_state(stub: consortium_pb2_grpc.ConsortiumServiceStub, spec: round_pb2.RoundSpec) -> bytes | None:
