@@ -72,7 +72,7 @@ def test_moments_of_one_and_two_records_invert_exactly_unless_guarded(audit):
 def test_sfd_synthesises_the_one_record_class_from_an_open_sum_and_nothing_under_the_guard(audit):
     """Guards attack (c) on SFD: SAFS runs on a one-record class of a fixed-point secure sum (its covariance
     used to fail Cholesky there) and the decoder gets its features; the tail guard leaves only the prior; the
-    audit configures SFD the way DP needs (no contrastive term)."""
+    audit configures SFD the way DP needs (no contrastive term), so it runs under DP."""
     safs = {m.name: _finding(audit.decoder_attack(m), "SFD") for m in (OPEN_SUM, GUARD, DP)}
     assert not safs[OPEN_SUM.name].note.startswith("withheld")
     draws = safs[OPEN_SUM.name].images["recovered"]
@@ -80,7 +80,9 @@ def test_sfd_synthesises_the_one_record_class_from_an_open_sum_and_nothing_under
     assert safs[GUARD.name].note.startswith("withheld")
     assert safs[GUARD.name].metrics["ssim"] == pytest.approx(safs[GUARD.name].metrics["ssim_prior"])
     assert not safs[GUARD.name].leaked
-    assert not safs[DP.name].leaked
+    # under DP the method runs (it used to stop the audit with a configuration error); whether its noised
+    # draws beat the baselines on 8x8 digits varies with the CSPRNG noise (docs/AUDIT.md has MNIST's)
+    assert not safs[DP.name].note.startswith("withheld")
 
 
 def _finding(findings, name):
