@@ -51,7 +51,7 @@ CALL_SECONDS = 30.0  # no call should come near it; a hang shows up as DEADLINE_
 ROUND_SECONDS = 4 * 3600.0  # the round in flight outlasts the slowest fuzzing run
 MAX_RECEIVE = 4 * 2**20  # gRPC's default cap on one received message: larger is RESOURCE_EXHAUSTED
 HUGE = 2**18  # the longest generated string or bytes value, in repeats of up to 4 characters
-RARE = 16  # one value in RARE is huge, one repeated field in RARE long
+RARE = 16  # one value in RARE is huge, one repeated field in RARE long (where `huge` allows)
 
 SERVICES = (
     pb.DESCRIPTOR.services_by_name["ConsortiumService"],
@@ -116,19 +116,77 @@ _INT_RANGES: dict[int, tuple[int, int]] = {
 Known = tuple[str | bytes, ...]
 
 
+class Recipe:
+    """How to make a value, drawn in its place and made by `build` in the test: Hypothesis keeps every value
+    it draws for the rest of the test, and the huge ones took gigabytes over thousands of inputs."""
+
+    def build(self) -> object:
+        raise NotImplementedError
+
+
+def build(value: object) -> object:
+    """`value` with every `Recipe` in it (in lists too) made."""
+    if isinstance(value, Recipe):
+        return value.build()
+    if isinstance(value, list):
+        return [build(item) for item in value]
+    return value
+
+
+@dataclass(frozen=True)
+class Repeated(Recipe):
+    """`item` `times` times: one str or bytes (`joined`), or a list of copies."""
+
+    item: object
+    times: int
+    joined: bool
+
+    def build(self) -> object:
+        item = build(self.item)
+        return item * self.times if self.joined else [item] * self.times
+
+
+@dataclass(frozen=True)
+class Made(Recipe):
+    """A message of type `cls` with `fields` (by name; values are built too)."""
+
+    cls: type[Message]
+    fields: tuple[tuple[str, object], ...]
+
+    def build(self) -> Message:
+        message = self.cls()
+        for name, value in self.fields:
+            made, field = build(value), self.cls.DESCRIPTOR.fields_by_name[name]
+            if field.is_repeated:
+                getattr(message, name).extend(made)
+            elif field.message_type is not None:
+                getattr(message, name).CopyFrom(made)
+            else:
+                setattr(message, name, made)
+        return message
+
+
+@dataclass(frozen=True)
+class Serialized(Recipe):
+    """A message's bytes, with `extra` bytes after them."""
+
+    message: Recipe
+    extra: bytes = b""
+
+    def build(self) -> bytes:
+        return self.message.build().SerializeToString() + self.extra
+
+
 def _integers(low: int, high: int) -> st.SearchStrategy[int]:
     """Any value in the field's range, its extremes and the values next to zero more often."""
     edges = sorted({low, low + 1, -1 if low < 0 else 0, 0, 1, high - 1, high})
     return st.one_of(st.sampled_from(edges), st.integers(low, high))
 
 
-def _huge(alphabet: st.SearchStrategy, join: Callable) -> st.SearchStrategy:
+def _huge(alphabet: st.SearchStrategy, join: Callable) -> st.SearchStrategy[Repeated]:
     """A short pattern repeated up to `HUGE` times: huge values for what little drawing they cost."""
-    return st.builds(
-        lambda pattern, n: join(pattern) * n,
-        st.lists(alphabet, min_size=1, max_size=4),
-        st.integers(1000, HUGE),
-    )
+    pattern = st.lists(alphabet, min_size=1, max_size=4).map(join)
+    return st.builds(Repeated, pattern, st.integers(1000, HUGE), st.just(True))
 
 
 def _rarely(common: st.SearchStrategy, rare: st.SearchStrategy) -> st.SearchStrategy:
@@ -167,37 +225,33 @@ def _value(field: FieldDescriptor, known: Known, huge: bool, depth: int) -> st.S
 
 
 def _field(field: FieldDescriptor, known: Known, huge: bool, depth: int) -> st.SearchStrategy:
-    """A field's value: a few elements of a repeated field, or one element repeated up to 10,000 times."""
+    """A field's value: a few elements of a repeated field, or (`huge`) one element repeated up to 10,000
+    times, drawn without `huge`: 10,000 copies of a message holding 10,000 of another took gigabytes."""
     if not field.is_repeated:
         return _value(field, known, huge, depth)
-    many = st.builds(lambda item, n: [item] * n, _value(field, known, False, depth), st.integers(64, 10_000))
-    return _rarely(st.lists(_value(field, known, huge, depth), max_size=6), many)
+    few = st.lists(_value(field, known, huge, depth), max_size=6)
+    if not huge:
+        return few
+    many = st.builds(Repeated, _value(field, known, False, depth), st.integers(64, 10_000), st.just(False))
+    return _rarely(few, many)
 
 
-def _assemble(cls: type[Message], values: dict[str, object]) -> Message:
-    message = cls()
-    for name, value in values.items():
-        if isinstance(value, tuple):  # a oneof: (the field chosen, its value)
-            name, value = value
-        field = cls.DESCRIPTOR.fields_by_name[name]
-        if field.is_repeated:
-            getattr(message, name).extend(value)
-        elif field.message_type is not None:
-            getattr(message, name).CopyFrom(value)
-        else:
-            setattr(message, name, value)
-    return message
+def _made(cls: type[Message], values: dict[str, object]) -> Made:
+    """The recipe of a message from a draw of its fields, where a oneof's is (the field chosen, its value)."""
+    return Made(
+        cls, tuple(value if isinstance(value, tuple) else (name, value) for name, value in values.items())
+    )
 
 
 @functools.cache  # building a strategy costs more than drawing from it
 def messages(
     descriptor: Descriptor, known: Known = (), *, huge: bool = True, depth: int = 0
-) -> st.SearchStrategy[Message]:
-    """Any message of `descriptor`'s type: each field set or not, at most one field of each oneof (proto3
-    optional fields are one-field oneofs), strings and bytes sometimes from `known`. `huge` allows values
-    up to `HUGE` long; a repeated field's many copies are drawn without it, so no message outgrows memory."""
+) -> st.SearchStrategy[Made]:
+    """(The recipe of) any message of `descriptor`'s type: each field set or not, at most one field of each
+    oneof (proto3 optional fields are one-field oneofs), strings and bytes sometimes from `known`. `huge`
+    allows values up to `HUGE` long and repeated fields up to 10,000 long (`_field`)."""
     if depth > 8:
-        return st.just(GetMessageClass(descriptor)())
+        return st.just(Made(GetMessageClass(descriptor), ()))
     optional: dict[str, st.SearchStrategy] = {}
     for field in descriptor.fields:
         if field.containing_oneof is None:
@@ -207,7 +261,7 @@ def messages(
             *(st.tuples(st.just(f.name), _field(f, known, huge, depth)) for f in oneof.fields)
         )
     return st.builds(
-        _assemble, st.just(GetMessageClass(descriptor)), st.fixed_dictionaries({}, optional=optional)
+        _made, st.just(GetMessageClass(descriptor)), st.fixed_dictionaries({}, optional=optional)
     )
 
 
@@ -259,12 +313,10 @@ def _unknown_fields() -> st.SearchStrategy[bytes]:
 
 
 @functools.cache  # building a strategy costs more than drawing from it
-def encoded(descriptor: Descriptor, known: Known = (), *, huge: bool = True) -> st.SearchStrategy[bytes]:
+def encoded(descriptor: Descriptor, known: Known = (), *, huge: bool = True) -> st.SearchStrategy[Serialized]:
     """A generated message serialized, half of the time with unknown fields after it."""
     extra = st.one_of(st.just(b""), _unknown_fields())
-    return st.builds(
-        lambda m, more: m.SerializeToString() + more, messages(descriptor, known, huge=huge), extra
-    )
+    return st.builds(Serialized, messages(descriptor, known, huge=huge), extra)
 
 
 @functools.cache  # building a strategy costs more than drawing from it
@@ -273,7 +325,12 @@ def raw_messages(descriptor: Descriptor, known: Known = ()) -> st.SearchStrategy
     edits = st.lists(st.tuples(st.integers(0, 2**16), st.integers(0, 255)), max_size=4)
     return st.one_of(
         st.binary(max_size=256),
-        st.builds(mutated, encoded(descriptor, known, huge=False), edits, st.none() | st.integers(0, 2**16)),
+        st.builds(
+            lambda base, edits, cut: mutated(base.build(), edits, cut),
+            encoded(descriptor, known, huge=False),  # small: what is drawn is kept
+            edits,
+            st.none() | st.integers(0, 2**16),
+        ),
         _bad_utf8(descriptor),
     )
 
@@ -281,35 +338,50 @@ def raw_messages(descriptor: Descriptor, known: Known = ()) -> st.SearchStrategy
 # --- requests of one method, as the bytes that go on the wire ----------------------------------------
 
 
-def _described(parts: list[Message]) -> list[Message]:
+@dataclass(frozen=True)
+class Described(Recipe):
     """A client stream whose header (field `header`, in both client streams) names the size and SHA-256 of
     the chunks after it, so the aggregator reads past its checks of the header."""
-    payload = b"".join(p.chunk for p in parts[1:] if p.WhichOneof("part") == "chunk")
-    header = parts[0].header
-    header.total_bytes, header.sha256 = len(payload), hashlib.sha256(payload).hexdigest()
-    return parts
+
+    head: Recipe
+    tail: list
+
+    def build(self) -> list[bytes]:
+        parts = [self.head.build(), *build(self.tail)]
+        payload = b"".join(p.chunk for p in parts[1:] if p.WhichOneof("part") == "chunk")
+        header = parts[0].header
+        header.total_bytes, header.sha256 = len(payload), hashlib.sha256(payload).hexdigest()
+        return [p.SerializeToString() for p in parts]
 
 
 @functools.cache  # building a strategy costs more than drawing from it
-def requests(method: MethodDescriptor, known: Known, *, raw: bool) -> st.SearchStrategy[list[bytes]]:
-    """One request (a list of one), or a client stream's parts; `raw`: mostly bytes that need not parse."""
+def requests(method: MethodDescriptor, known: Known, *, raw: bool) -> st.SearchStrategy[Recipe]:
+    """(The recipe of) one request (a list of one), or a client stream's parts, as bytes; `raw`: mostly
+    bytes that need not parse."""
     one = raw_messages(method.input_type, known) if raw else encoded(method.input_type, known)
     if not method.client_streaming:
-        return st.tuples(one).map(list)
+        return st.builds(Parts, st.tuples(one).map(list))
     cls = GetMessageClass(method.input_type)
-    typed = messages(method.input_type, known)
     header = messages(method.input_type.fields_by_name["header"].message_type, known).map(
-        lambda h: cls(header=h)
+        lambda h: Made(cls, (("header", h),))
     )
-    described = st.builds(lambda head, tail: _described([head, *tail]), header, st.lists(typed, max_size=5))
-    streams = st.one_of(
-        st.lists(encoded(method.input_type, known), max_size=6),
-        described.map(lambda parts: [p.SerializeToString() for p in parts]),
-    )
+    described = st.builds(Described, header, st.lists(messages(method.input_type, known), max_size=5))
+    streams = st.one_of(st.builds(Parts, st.lists(encoded(method.input_type, known), max_size=6)), described)
     if not raw:
         return streams
-    loose = st.lists(st.one_of(one, encoded(method.input_type, known)), max_size=6)
-    return st.one_of(loose, st.builds(lambda head, tail: head + tail, streams, loose))
+    loose = st.builds(Parts, st.lists(st.one_of(one, encoded(method.input_type, known)), max_size=6))
+    return st.one_of(loose, st.builds(Parts, st.lists(st.one_of(streams, loose), min_size=2, max_size=2)))
+
+
+@dataclass(frozen=True)
+class Parts(Recipe):
+    """A request's parts: bytes, or recipes of bytes or of lists of them (one after the other)."""
+
+    parts: list
+
+    def build(self) -> list[bytes]:
+        made = [build(part) for part in self.parts]
+        return [piece for part in made for piece in (part if isinstance(part, list) else [part])]
 
 
 def _parses(method: MethodDescriptor, data: bytes) -> bool:
@@ -624,6 +696,10 @@ def fuzz_in_process(ip: InProcess, rpc: str, parts: list[bytes]) -> None:
         assert ip.changes() == before, f"{rpc} refused ({outcome}) but wrote to the store"
 
 
+def draw_parts(data: st.DataObject, rpc: str, known: Known, raw: bool) -> list[bytes]:
+    return build(data.draw(requests(METHODS[rpc], known, raw=raw), label="parts"))
+
+
 FUZZ = settings(
     max_examples=FUZZ_EXAMPLES,
     derandomize=True,
@@ -637,7 +713,7 @@ FUZZ = settings(
 @FUZZ
 @given(data=st.data())
 def test_every_rpc_refuses_hostile_requests_precisely_and_writes_nothing(fuzzed, rpc, raw, data):
-    fuzz_once(fuzzed, rpc, data.draw(requests(METHODS[rpc], fuzzed.known, raw=raw), label="parts"))
+    fuzz_once(fuzzed, rpc, draw_parts(data, rpc, fuzzed.known, raw))
 
 
 @pytest.mark.parametrize("raw", [False, True], ids=["messages", "raw"])
@@ -648,9 +724,7 @@ def test_every_handler_in_process_refuses_hostile_requests_precisely_and_writes_
     in_process, rpc, raw, data
 ):
     """Keeps the in-process harness of the slow run honest."""
-    fuzz_in_process(
-        in_process, rpc, data.draw(requests(METHODS[rpc], in_process.known, raw=raw), label="parts")
-    )
+    fuzz_in_process(in_process, rpc, draw_parts(data, rpc, in_process.known, raw))
 
 
 @pytest.mark.slow
@@ -659,9 +733,7 @@ def test_every_handler_in_process_refuses_hostile_requests_precisely_and_writes_
 @settings(FUZZ, max_examples=SLOW_FUZZ_EXAMPLES // 2, derandomize=False)
 @given(data=st.data())
 def test_every_handler_under_ten_thousand_hostile_requests(in_process, rpc, raw, data):
-    fuzz_in_process(
-        in_process, rpc, data.draw(requests(METHODS[rpc], in_process.known, raw=raw), label="parts")
-    )
+    fuzz_in_process(in_process, rpc, draw_parts(data, rpc, in_process.known, raw))
 
 
 @pytest.mark.slow
@@ -670,7 +742,7 @@ def test_every_handler_under_ten_thousand_hostile_requests(in_process, rpc, raw,
 @settings(FUZZ, max_examples=SLOW_WIRE_EXAMPLES // 2, derandomize=False)
 @given(data=st.data())
 def test_every_rpc_under_a_thousand_hostile_requests_over_the_wire(fuzzed, rpc, raw, data):
-    fuzz_once(fuzzed, rpc, data.draw(requests(METHODS[rpc], fuzzed.known, raw=raw), label="parts"))
+    fuzz_once(fuzzed, rpc, draw_parts(data, rpc, fuzzed.known, raw))
 
 
 # --- crashes the fuzzing found, pinned ---------------------------------------------------------------
