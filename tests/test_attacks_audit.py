@@ -80,9 +80,10 @@ def test_sfd_synthesises_the_one_record_class_from_an_open_sum_and_nothing_under
     assert safs[GUARD.name].note.startswith("withheld")
     assert safs[GUARD.name].metrics["ssim"] == pytest.approx(safs[GUARD.name].metrics["ssim_prior"])
     assert not safs[GUARD.name].leaked
-    # under DP the method runs (it used to stop the audit with a configuration error); whether its noised
-    # draws beat the baselines on 8x8 digits varies with the CSPRNG noise (docs/AUDIT.md has MNIST's)
-    assert not safs[DP.name].note.startswith("withheld")
+    # under DP the method runs: it used to stop the audit with a configuration error, raised in the call
+    # above. Whether the one-record class's noised count stays above zero, so that anything is released for
+    # it, and whether the noised draws then beat the baselines on 8x8 digits, is the CSPRNG noise's call (a
+    # fresh run of the suite drew a count at or below zero); docs/AUDIT.md has MNIST's.
 
 
 def _finding(findings, name):
