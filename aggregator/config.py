@@ -10,6 +10,7 @@ from aggregator.store import Retention
 from fedlt.config import as_toml, parse_section, read_toml, resolve, setting
 from fedlt.data.embedded import EMBEDDED
 from fedlt.errors import ConfigError
+from fedlt.keepalive import MIN_SECONDS
 from fedlt.metrics import ShotThresholds
 from fedlt.plan import RoundPlan
 from privacy.ckks.settings import CkksSettings
@@ -43,6 +44,9 @@ class ServerSection:
         "pki/roster.json", doc="the consortium's roster; silos adopt a newer one a quorum signed"
     )
     data_dir: str = setting("aggregator-data", doc="SQLite database and the run's metrics and plots")
+    renew_within_days: int = setting(
+        30, ge=0, doc="warn when a certificate (the aggregator's, the CA's, a roster member's) expires sooner"
+    )
     status_page: str = setting(
         "",
         doc="host:port of the read-only status page (empty: none); a loopback host serves HTTP to this "
@@ -55,6 +59,9 @@ class TimeoutSection:
     gather: float = setting(10.0, ge=0.0, doc="after min_silos are connected, wait this long for the rest")
     round: float = setting(600.0, gt=0.0, doc="contributions must arrive within this many seconds")
     stage: float = setting(60.0, gt=0.0, doc="each later secure-aggregation stage waits this long")
+    keepalive: float = setting(
+        30.0, ge=MIN_SECONDS, doc="ping a silo after this long without traffic; drop a link silent as long"
+    )
 
 
 @dataclass(frozen=True)

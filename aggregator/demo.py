@@ -22,6 +22,7 @@ from aggregator.config import ConsortiumSection, EvaluationSection, ServerSectio
 from fedlt.config import as_table, render_toml
 from fedlt.data.federation import DataConfig, build_federation
 from fedlt.errors import FedltError
+from fedlt.keepalive import MIN_SECONDS
 from fedlt.methods import TrainConfig
 from fedlt.plan import ModelSection, RoundPlan
 from fedlt.selection import DISCLOSURE
@@ -100,6 +101,7 @@ def write_consortium(
                 "key": f"pki/silo-{k}.key",
                 "roster": "pki/roster.json",
                 "heartbeat_seconds": 2.0,
+                "keepalive_seconds": MIN_SECONDS,
                 "max_backoff_seconds": 4.0,
             },
             "data": {"source": "embedded", "index": k, "seed": consortium.seed, "recipe": as_table(recipe)},

@@ -1,4 +1,5 @@
-"""`python -m aggregator roster ...`: draft the consortium's roster for silos to pin or sign, and show one.
+"""`python -m aggregator roster ...`: draft the consortium's roster for silos to pin or sign, show one, and
+check that silos will adopt a signed draft.
 
 The operator drafts; the operator cannot make a roster count. `aggregator.ca_cli.run_command` runs these too.
 The first version goes to every silo with its enrollment kit (each administrator checks the fingerprints out
@@ -36,6 +37,13 @@ def add_roster_parser(subparsers: argparse._SubParsersAction) -> None:
     show = commands.add_parser("show", help="print a roster's members, fingerprints and signatures")
     show.add_argument("roster", type=Path)
     show.set_defaults(run=_show)
+    check = commands.add_parser(
+        "check",
+        help="whether silos holding --previous will adopt a roster: its signatures against the quorum",
+    )
+    check.add_argument("--previous", type=Path, required=True, help="the roster in force (silos hold it)")
+    check.add_argument("roster", type=Path, help="the signed draft")
+    check.set_defaults(run=_check)
 
 
 def _draft(args: argparse.Namespace) -> int:
@@ -61,8 +69,20 @@ def _draft(args: argparse.Namespace) -> int:
     else:
         print(
             f"next: {previous.quorum} silos of v{previous.version} sign it (python -m silo roster sign), "
-            "then name it in [server] roster of consortium.toml; silos adopt it when they next register"
+            f"check it (python -m aggregator roster check --previous {args.previous} {args.out}), then name "
+            "it in [server] roster of consortium.toml; running silos adopt it at their next heartbeat"
         )
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    """Exit 0 if silos holding --previous would adopt the roster; else one line saying why not (exit 2)."""
+    previous, successor = Roster.read(args.previous), Roster.read(args.roster)
+    previous.check_successor(successor)
+    print(
+        f"{args.roster}: roster v{successor.version} follows v{previous.version} and carries enough valid "
+        f"signatures of its silos ({previous.quorum} needed): silos will adopt it once it is [server] roster"
+    )
     return 0
 
 

@@ -321,7 +321,14 @@ class RoundEngine:
             if connected is None:
                 break
             round_number = self.held.round + 1
-            picked = self.picker.pick(self.held.trains, round_number, connected, avoid=self._let_down)
+            pinned = self._pinned(round_number, stop)
+            if pinned is None:
+                break
+            picked = (
+                (pinned, [])
+                if pinned
+                else self.picker.pick(self.held.trains, round_number, connected, avoid=self._let_down)
+            )
             attempt = self._start_attempt(*picked)
             try:
                 summed = self._sums(attempt, stop)
@@ -364,6 +371,29 @@ class RoundEngine:
                 if len(self._ready()) >= minimum:
                     return self._ready()
             return None
+
+    def _pinned(self, round_number: int, stop: threading.Event) -> list[str] | None:
+        """The silos an earlier attempt of this round asked to release a sum for, once every one of them is
+        connected: they refuse to release it for any other set (`silo.releases`), so the round can only be
+        retried over exactly them. The contribution sum's set, or the census's while its phase has none kept;
+        [] if no attempt got that far; None if stopping."""
+        pins = self.store.pinned_releases(round_number)
+        census_kept = self.store.census(self._phase(self.held.schema)) is not None
+        silos = pins.get("contribution") or (None if census_kept else pins.get("census"))
+        if not silos:
+            return []
+        with self._lock:
+            missing = sorted(set(silos) - set(self._ready()))
+            if missing:
+                log.warning(
+                    "round %d waits for %s: %s were asked to release it and release it for no other set",
+                    round_number,
+                    ", ".join(missing),
+                    ", ".join(silos),
+                )
+            if not self._wait(stop, lambda: set(silos) <= set(self._ready())):
+                return None
+        return silos
 
     def _evaluations_in(self) -> bool:
         """Every silo sent the last evaluation sum has reported its decryption, or is gone."""
@@ -460,6 +490,8 @@ class RoundEngine:
                 self.store.save_census(self._phase(attempt.schema), sums.census_taken)
             if isinstance(out, Released):
                 break
+            if sums.half.counted is not None:  # the steps out ask silos to release the sum for this set
+                self.store.pin_release(attempt.round, sums.purpose, sums.half.counted)
             for silo, purpose, step in out:
                 self.sessions.step(silo, attempt.round_id, purpose, step)
         if sums.sums.guarded:

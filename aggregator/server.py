@@ -29,11 +29,14 @@ from fedlt.atomic import atomic_write_text
 from fedlt.config import as_table
 from fedlt.data.embedded import load_embedded, split_balanced_test
 from fedlt.errors import ConfigError
+from fedlt.keepalive import aggregator_options
 from fedlt.recorder import RunRecorder
 from fedlt.seeding import derive_seed
 from fedlt.v1 import consortium_pb2, consortium_pb2_grpc, operator_pb2, operator_pb2_grpc
 from privacy.ckks.relay import CkksRelay
-from privacy.pki.identity import RevocationList
+from privacy.pki.errors import PkiError
+from privacy.pki.identity import RevocationList, check_issued_by, check_valid_now, load_certificate
+from privacy.pki.renewal import ExpiryWatch, Watched, aggregator_renewal, ca_watch, roster_watch
 from privacy.pki.roster import RosterFile
 from privacy.pki.signing import ROUNDSPEC_CONTEXT, load_private_key, sign
 from privacy.pki.trust import MemberTrust
@@ -46,6 +49,9 @@ LISTENING = "listening.json"
 # Each connected silo holds one worker for its directive stream; the rest serve unary calls.
 WORKERS = 128
 AUDIT_CHAIN_INFO = b"fedlt/audit-chain/v1"
+# How often certificates are looked at while serving; each warning is logged when it first comes up and when
+# its text changes (the days left, daily).
+WATCH_SECONDS = 600.0
 
 
 def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo=print) -> int:
@@ -53,11 +59,18 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
     tls = _read_tls(config)
     data_dir = config.path(config.server.data_dir)
     key = load_private_key(config.path(config.server.key))
+    own = _check_own_certificate(config, tls, key)
     store = Store(data_dir / DATABASE, audit_key=derive_audit_key(key), retention=config.retention)
     method = config.plan.build_method()
     revocations = RevocationList.load(config.path(config.server.ca), config.path(config.server.crl))
     roster = RosterFile(config.path(config.server.roster))
     members = MemberTrust(tls["ca"], roster, revocations)
+    watch = ExpiryWatch(
+        lambda: [*own, *roster_watch(roster.current())],
+        within_days=config.server.renew_within_days,
+        problems=lambda: _roster_problems(roster, revocations),
+        logger=log,
+    )
     layer = make_layer(config.consortium.privacy, config.layer_settings())
     # the CKKS key ceremony's relay: used only when the layer asks for it (its key holder names no one else)
     relay = CkksRelay(getattr(config.layer_settings(), "key_holder", ""))
@@ -75,6 +88,7 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="grpc"),
         interceptors=[CertificateGate(identity)],
+        options=aggregator_options(config.timeouts.keepalive),
     )
     servicer = ConsortiumServicer(
         engine,
@@ -87,7 +101,9 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
         submit_seconds=config.timeouts.round,
     )
     consortium_pb2_grpc.add_ConsortiumServiceServicer_to_server(servicer, server)
-    operator_pb2_grpc.add_OperatorServiceServicer_to_server(OperatorServicer(engine, identity), server)
+    operator_pb2_grpc.add_OperatorServiceServicer_to_server(
+        OperatorServicer(engine, identity, warnings=watch.warnings), server
+    )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     services = (
@@ -104,7 +120,7 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
     if port == 0:
         raise ConfigError("server.listen", [f"cannot listen on {config.server.listen}"])
     host = config.server.listen.rsplit(":", 1)[0]
-    page = _status_page(config, engine, store, revocations)
+    page = _status_page(config, engine, store, revocations, watch)
     server.start()
     for name in services[:2]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -117,6 +133,8 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
         echo(f"status page (read-only): {page.url}")
     echo(f"privacy layer: {layer.describe()}")
     _stop_on_signals(stop)
+    watch.check()
+    threading.Thread(target=watch.run, args=(stop, WATCH_SECONDS), name="certificates", daemon=True).start()
     driver = threading.Thread(target=engine.run, args=(stop,), name="rounds", daemon=True)
     driver.start()
     try:
@@ -164,6 +182,52 @@ def _read_tls(config: ConsortiumConfig) -> dict[str, bytes]:
     return {name: config.path(p).read_bytes() for name, p in files.items()}
 
 
+def _check_own_certificate(
+    config: ConsortiumConfig, tls: dict[str, bytes], key: ec.EllipticCurvePrivateKey
+) -> list[Watched]:
+    """Refuse to start on a certificate silos would refuse (expired, not yet valid, another CA's, not the
+    key's), saying which and what renews it; else the aggregator's certificate and the CA, to watch."""
+    server = config.server
+    ca = load_certificate(tls["ca"], source=f"server.ca {config.path(server.ca)}")
+    cert = load_certificate(
+        tls["certificate"], source=f"server.certificate {config.path(server.certificate)}"
+    )
+    try:
+        check_valid_now(ca)
+    except PkiError as exc:
+        raise PkiError(f"the consortium CA certificate {config.path(server.ca)}: {exc}") from None
+    check_issued_by(cert, ca)
+    try:
+        check_valid_now(cert)
+    except PkiError as exc:
+        raise PkiError(
+            f"the aggregator's certificate {config.path(server.certificate)}: {exc}; renew it with "
+            f"{aggregator_renewal()}"
+        ) from None
+    if key.public_key() != cert.public_key():
+        raise PkiError(f"{config.path(server.key)} is not the key of {config.path(server.certificate)}")
+    where = config.path(server.certificate)
+    return [
+        Watched(f"the aggregator's certificate {where}", cert, aggregator_renewal()),
+        ca_watch(ca, str(config.path(server.ca))),
+    ]
+
+
+def _roster_problems(roster: RosterFile, revocations: RevocationList) -> list[str]:
+    """What stops a member the roster names: a roster silos will not adopt, a certificate the CA revoked."""
+    problems = [roster.problem] if roster.problem else []
+    current = roster.current()
+    for m in current.members:
+        cert = m.cert
+        if revocations.is_revoked(cert):
+            problems.append(
+                f"roster v{current.version} names {m.id}'s certificate (serial {cert.serial_number:x}), "
+                f"which the CA has revoked: {m.id} cannot take part until a roster naming a valid "
+                "certificate of it is in force"
+            )
+    return problems
+
+
 def _recorder(config: ConsortiumConfig, data_dir: Path, store: Store) -> RunRecorder | None:
     """The operator's own evaluation set, if configured; the history is restored from the store."""
     evaluation = config.evaluation
@@ -186,7 +250,11 @@ def _recorder(config: ConsortiumConfig, data_dir: Path, store: Store) -> RunReco
 
 
 def _status_page(
-    config: ConsortiumConfig, engine: RoundEngine, store: Store, revocations: RevocationList
+    config: ConsortiumConfig,
+    engine: RoundEngine,
+    store: Store,
+    revocations: RevocationList,
+    watch: ExpiryWatch,
 ) -> StatusPage | None:
     if not config.server.status_page:
         return None
@@ -205,7 +273,10 @@ def _status_page(
                 config.path(server.certificate), config.path(server.key), config.path(server.ca)
             )
         page = StatusPage(
-            config.server.status_page, lambda: snapshot(engine.status(), about, store), revocations, tls
+            config.server.status_page,
+            lambda: snapshot({**engine.status(), "certificate_warnings": watch.warnings()}, about, store),
+            revocations,
+            tls,
         )
     except (ValueError, OSError, ssl.SSLError) as exc:
         raise ConfigError("server.status_page", [f"cannot serve the status page: {exc}"]) from None

@@ -425,6 +425,7 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
         self.roster = roster
         self.relay = relay
         self.submit_seconds = submit_seconds
+        self._rosters_held: dict[str, str] = {}  # silo -> body digest of the roster its last heartbeat named
 
     @_abort_on_refusal
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterResponse:
@@ -470,9 +471,22 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
                 continue
             if directive is None:
                 return
-            yield directive
+            yield self._with_roster(session.silo_id, directive)
             if directive.HasField("finished"):
                 return
+
+    def _with_roster(self, silo: str, directive: pb.JoinResponse) -> pb.JoinResponse:
+        """A RoundSpec carries the roster to a silo that last named another (in a copy: directives are
+        shared by the silos of a round)."""
+        if not directive.HasField("round_spec"):
+            return directive
+        current = self.roster.current()
+        if self._rosters_held.get(silo) == current.digest():
+            return directive
+        offered = pb.JoinResponse()
+        offered.CopyFrom(directive)
+        offered.roster = self.roster.raw()
+        return offered
 
     @_abort_on_refusal
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
@@ -482,7 +496,17 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
             silo, pb.SiloActivity.Name(request.activity).removeprefix("SILO_ACTIVITY_").lower(), remaining
         )
         self.store.touch_silo(silo)
-        return pb.HeartbeatResponse(server_time_unix_ms=now_ms())
+        reply = pb.HeartbeatResponse(server_time_unix_ms=now_ms())
+        # a running silo learns of a newer roster or CRL here, not only when it next registers
+        if request.roster_sha256:
+            self._rosters_held[silo] = request.roster_sha256
+            if request.roster_sha256 != self.roster.current().digest():
+                reply.roster = self.roster.raw()
+        if request.crl_sha256:
+            crl = self.identity.revocations.crl_path.read_bytes()
+            if hashlib.sha256(crl).hexdigest() != request.crl_sha256:
+                reply.crl = crl
+        return reply
 
     @_abort_on_refusal
     def FetchState(self, request: pb.FetchStateRequest, context: grpc.ServicerContext) -> Iterator:
@@ -627,9 +651,14 @@ for _rpc in RECEIVERS:
 
 
 class OperatorServicer(operator_pb2_grpc.OperatorServiceServicer):
-    def __init__(self, engine: RoundEngine, identity: Identity) -> None:
+    """`warnings`: certificates that expire soon and roster problems, each with what resolves it."""
+
+    def __init__(
+        self, engine: RoundEngine, identity: Identity, *, warnings: Callable[[], list[str]] = list
+    ) -> None:
         self.engine = engine
         self.identity = identity
+        self.warnings = warnings
 
     @_abort_on_refusal
     def Status(self, request: operator_pb2.StatusRequest, context: grpc.ServicerContext) -> Any:
@@ -649,4 +678,5 @@ class OperatorServicer(operator_pb2_grpc.OperatorServiceServicer):
             submitted=status["submitted"],
             silos=[operator_pb2.SiloStatus(**silo) for silo in status["silos"]],
             state_digest=status["state_digest"],
+            certificate_warnings=self.warnings(),
         )

@@ -66,6 +66,8 @@ def render(status: operator_pb2.StatusResponse) -> str:
     header = (
         f"{'silo':<20} {'connected':<10} {'activity':<10} {'last seen':>10} {'last round':>10} {'ε left':>8}"
     )
+    if status.certificate_warnings:
+        lines += ["", "certificates:", *(f"  ! {w}" for w in status.certificate_warnings)]
     lines += ["", header]
     for s in status.silos:
         seen = f"{(now - s.last_seen_unix_ms) / 1000:.0f} s ago" if s.last_seen_unix_ms else "never"

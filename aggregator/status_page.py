@@ -111,6 +111,7 @@ def render(snap: dict) -> str:
 <p id="rounds"><strong>{done} of {total}</strong> rounds committed · state
 <code>{e(snap["state_digest"][:16])}</code></p>
 {flight}
+{_warnings(snap.get("certificate_warnings", []))}
 <h2>Silos</h2>
 {_silos(snap)}
 <h2>Accuracy per round</h2>
@@ -119,6 +120,14 @@ def render(snap: dict) -> str:
 {_audit(snap["audit"])}
 </body></html>
 """
+
+
+def _warnings(warnings: list[str]) -> str:
+    """Certificates about to expire and roster problems, each with what resolves it."""
+    if not warnings:
+        return ""
+    items = "".join(f"<li>{html.escape(w)}</li>" for w in warnings)
+    return f"<h2>Certificates</h2><ul id='certificates' class='bad'>{items}</ul>"
 
 
 def _when(unix_ms: int) -> str:

@@ -18,7 +18,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +48,9 @@ CREATE TABLE IF NOT EXISTS disclosures (
 );
 CREATE TABLE IF NOT EXISTS picks (round INTEGER PRIMARY KEY, silos TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS censuses (phase TEXT PRIMARY KEY, silos TEXT NOT NULL, counts TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS releases (
+    round INTEGER NOT NULL, purpose TEXT NOT NULL, silos TEXT NOT NULL, PRIMARY KEY (round, purpose)
+);
 CREATE TABLE IF NOT EXISTS audit (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, at_ms INTEGER NOT NULL, event TEXT NOT NULL,
     detail TEXT NOT NULL, prev_hash TEXT NOT NULL, hash TEXT NOT NULL
@@ -286,6 +289,26 @@ class Store:
         with self._lock:
             rows = self._db.execute("SELECT round, silos FROM picks ORDER BY round").fetchall()
         return {silo: r for r, silos in rows for silo in json.loads(silos)}
+
+    # --- the survivor sets silos are asked to release a round's sums for (silo.releases) --------------
+
+    def pin_release(self, round_number: int, purpose: str, silos: Collection[str]) -> None:
+        """Kept before any silo is asked to release the round's `purpose` sum for `silos`: each silo signs one
+        survivor set a round and refuses any other, so every later attempt of the round, after a restart
+        too, must run over this set. The first set kept stays."""
+        with self._transaction() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO releases VALUES (?, ?, ?)",
+                (round_number, purpose, json.dumps(sorted(silos))),
+            )
+
+    def pinned_releases(self, round_number: int) -> dict[str, list[str]]:
+        """The survivor set kept for each sum of the round (by purpose) that silos were asked to release."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT purpose, silos FROM releases WHERE round = ?", (round_number,)
+            ).fetchall()
+        return {purpose: json.loads(silos) for purpose, silos in rows}
 
     # --- the census of each phase: taken once, over one set of silos (fedlt.aggregation.tail_guard) ---
 

@@ -8,6 +8,10 @@ running agent seals it to every silo at its next heartbeat, and the next RoundSp
 
 `python -m silo budget --config silo.toml`: this silo's differential-privacy budget, what it has spent and on
 what (its ledger, which the agent charges before any private work).
+
+`python -m silo certificate-request --config silo.toml --out FILE`: a certificate request for this silo's
+key (made, owner-only, if `[connection] key` does not exist yet), for the CA holder to issue or renew its
+certificate without the key leaving the silo (`python -m aggregator ca issue-silo|renew-silo --csr FILE`).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import threading
 from pathlib import Path
 
 from fedlt.errors import FedltError
-from privacy.pki.identity import read_certificate
+from privacy.pki.identity import read_certificate, silo_id_of
+from privacy.pki.renewal import certificate_request, new_private_key
 from privacy.pki.roster import SILO, Roster
 from privacy.pki.signing import load_private_key
 from silo.config import SiloConfig, load_silo_config
@@ -46,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     rotate.add_argument("--config", required=True, help="silo.toml")
     budget = commands.add_parser("budget", help="this silo's privacy budget, spending and ledger")
     budget.add_argument("--config", required=True, help="silo.toml")
+    request = commands.add_parser(
+        "certificate-request", help="a request for a renewed certificate of this silo's key (it stays here)"
+    )
+    request.add_argument("--config", required=True, help="silo.toml")
+    request.add_argument("--out", type=Path, required=True, help="where to write the request (PEM)")
+    request.add_argument("--silo-id", help="this silo's id (default: the one its certificate names)")
     args = parser.parse_args(argv)
     try:
         config = load_silo_config(args.config)
@@ -55,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             return show_budget(config)
         if args.command == "ckks":
             return _rotate_ckks_key(config)
+        if args.command == "certificate-request":
+            return _certificate_request(config, args.out, args.silo_id)
         if args.command == "roster":
             return _show_roster(config) if args.roster_command == "show" else _sign_roster(config, args.draft)
         return _run(config, args.log_level)
@@ -95,7 +108,11 @@ def _show_roster(config: SiloConfig) -> int:
 
 
 def _sign_roster(config: SiloConfig, path: Path) -> int:
-    """Sign only a draft that could follow the pinned roster, as a silo member of the pinned roster."""
+    """Sign only a draft that could follow the pinned roster, as a silo member of the pinned roster.
+
+    Peers check the signature with the key of the certificate the pinned roster names, so what matters is
+    that this silo's key is that certificate's: a renewed certificate of the same key (a certificate request)
+    may already be installed; a renewed key may not, until the roster naming it is adopted."""
     pinned, draft = _pinned(config), Roster.read(path)
     if draft.consortium != pinned.consortium or draft.version <= pinned.version:
         raise FedltError(
@@ -103,12 +120,52 @@ def _sign_roster(config: SiloConfig, path: Path) -> int:
             f"{pinned.consortium!r}, so it can only sign a later version of the same consortium"
         )
     conn = config.connection
-    me = pinned.member_of(read_certificate(config.path(conn.certificate)), role=SILO)
+    key = load_private_key(config.path(conn.key))
+    try:
+        me = pinned.member_of(read_certificate(config.path(conn.certificate)), role=SILO)
+    except FedltError:
+        me = next(
+            (m for m in pinned.members if m.role == SILO and m.cert.public_key() == key.public_key()), None
+        )
+        if me is None:
+            raise FedltError(
+                f"roster v{pinned.version}, which this silo holds, names neither the certificate in "
+                f"{config.path(conn.certificate)} nor its key ({config.path(conn.key)}): sign with the key "
+                "of the certificate the roster names (sign a draft before installing a renewed certificate "
+                "and key over the old ones)"
+            ) from None
     print(draft.describe())
-    signed = draft.signed_by(me, load_private_key(config.path(conn.key)))
+    signed = draft.signed_by(me, key)
     path.write_bytes(signed.to_json())
     print(
         f"signed as {me.id}: {len(signed.signatures)} signatures now; v{pinned.version} needs {pinned.quorum}"
+    )
+    return 0
+
+
+def _certificate_request(config: SiloConfig, out: Path, silo_id: str | None) -> int:
+    """A request for this silo's key (a new one if there is none yet), naming its id."""
+    conn = config.connection
+    key_path, cert_path = config.path(conn.key), config.path(conn.certificate)
+    if silo_id is None:
+        if not cert_path.exists():
+            raise FedltError(f"{cert_path} does not exist yet: give this silo's id with --silo-id")
+        silo_id = silo_id_of(read_certificate(cert_path))
+    new = not key_path.exists()
+    key = new_private_key(key_path) if new else load_private_key(key_path)
+    out.write_bytes(certificate_request(key, silo_id))
+    made = "a new key, made owner-only in" if new else "its key, which stays in"
+    print(f"wrote {out}: a certificate request for {silo_id}'s key ({made} {key_path})")
+    command = "renew-silo" if cert_path.exists() else "issue-silo"
+    print(
+        f"next: send it to the CA holder (python -m aggregator ca {command} --silo-id {silo_id} --csr "
+        f"{out.name} ...) and install the certificate you get back as {cert_path}"
+        + (
+            "; a renewed certificate counts once a roster naming it is in force (sign that roster draft "
+            "first): the running agent switches to it then"
+            if cert_path.exists()
+            else ""
+        )
     )
     return 0
 

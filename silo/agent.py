@@ -2,6 +2,9 @@
 
 Trust comes from the silo's pinned roster (`silo.trust`), not from the aggregator: the aggregator's TLS
 endpoint and RoundSpec signer must be the roster's aggregator, and every peer the roster's silo of that id.
+A newer roster the aggregator offers (at registration, in heartbeat replies, with a RoundSpec) is adopted only
+if a quorum signed it; the silo's own certificate, re-read when replaced on disk, is switched to a renewed
+one once the roster names it (`silo.trust.OwnCertificate`).
 For each RoundSpec the agent verifies the signature, that it is addressed to the roster's consortium and to
 this silo, that its method, privacy layer, disclosures and secure-sum parameters meet the silo's policy, that
 the plan parses and matches its hash, and that the state it streams matches the signed digest. Only then does
@@ -36,6 +39,7 @@ from fedlt.aggregation.halves import PartyKeys, SiloHalf
 from fedlt.atomic import atomic_write, atomic_write_text
 from fedlt.data.arrays import LabeledImages
 from fedlt.errors import ContributionError, FedltError
+from fedlt.keepalive import silo_options
 from fedlt.methods import GlobalState, Method, SiloContext
 from fedlt.methods.state import unpack_state
 from fedlt.plan import RoundPlan
@@ -48,8 +52,8 @@ from privacy.ckks.ceremony import CeremonyError
 from privacy.ckks.settings import CkksParameters
 from privacy.dp import BudgetExceeded, SiloPrivacy
 from privacy.pki.errors import PkiError
-from privacy.pki.identity import load_certificate, silo_id_of
-from privacy.pki.signing import load_private_key, sign
+from privacy.pki.renewal import ExpiryWatch
+from privacy.pki.signing import sign
 from privacy.roundspec import RoundSpecError
 from privacy.secagg.peers import ConsortiumPeers
 from privacy.wire import DRILL_NAMES, UPLOADS, fetched, step_from_pb
@@ -60,7 +64,7 @@ from silo.participation import Participation, round_key
 from silo.releases import ReleaseLedger
 from silo.stepping import opened_state, report_evaluation, step_and_report
 from silo.tls_probe import server_certificate
-from silo.trust import SiloTrust
+from silo.trust import Credentials, OwnCertificate, SiloTrust, expiry_watch, switch_due
 
 log = logging.getLogger("silo")
 
@@ -70,7 +74,8 @@ CALL_TIMEOUT = 120.0
 
 
 # Dropout drills (operators rehearsing, and the tests): the agent freezes itself right after sending the named
-# message of a contribution sum (`privacy.wire.DRILL_NAMES`), so a dropout can be placed at an exact stage.
+# message (`privacy.wire.DRILL_NAMES`) of a contribution sum, or of a census sum as "census:<name>", so a
+# dropout can be placed at an exact stage.
 DRILL = "FEDLT_DRILL_STOP_AFTER"
 UPLOAD_TYPES = frozenset(kind for kind, _ in UPLOADS.values())
 
@@ -91,14 +96,19 @@ class SiloAgent:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         if config.compute.threads:
             torch.set_num_threads(config.compute.threads)
-        self.data: LabeledImages = config.load_data()
         conn = config.connection
         self.ca_pem = config.path(conn.ca).read_bytes()
-        self.credentials = grpc.ssl_channel_credentials(
-            root_certificates=self.ca_pem,
-            private_key=config.path(conn.key).read_bytes(),
-            certificate_chain=config.path(conn.certificate).read_bytes(),
+        # this silo's certificate and key: checked now (an expired one stops the agent, saying so), and
+        # watched for a renewed pair installed over them (`_renewal_due`)
+        self.own = OwnCertificate(
+            config.path(conn.certificate), config.path(conn.key), self.ca_pem, ca_path=config.path(conn.ca)
         )
+        self._use(self.own.read())
+        self._switch_to: Credentials | None = None
+        self._expiry = ExpiryWatch(
+            lambda: expiry_watch(self.running, self.own), within_days=conn.renew_within_days, logger=log
+        )
+        self.data: LabeledImages = config.load_data()
         self.trust = SiloTrust(
             self.state_dir,
             ca_pem=self.ca_pem,
@@ -114,8 +124,7 @@ class SiloAgent:
         self._method: tuple[str, Method] | None = None
         self._privacy: tuple[str, SiloPrivacy] | None = None
         self.privacy_ledger = open_ledger(config)  # one per silo, across plans; read once, then kept in step
-        self._signing_key = load_private_key(config.path(conn.key))
-        self.me = silo_id_of(load_certificate(config.path(conn.certificate).read_bytes()))
+        self._expiry_warnings()
         self.ckks = CkksKeyring.for_policy(self.state_dir, config.policy.privacy)
         self.held_out = config.load_evaluation() if self.ckks else None
         keys = PartyKeys(
@@ -134,6 +143,45 @@ class SiloAgent:
     def _sign(self, data: bytes, *, context: str) -> bytes:
         return sign(self._signing_key, data, context=context)
 
+    # --- this silo's certificate: expiry and renewal ------------------------------------------------
+
+    def _use(self, credentials: Credentials) -> None:
+        self.running = credentials
+        self.credentials = grpc.ssl_channel_credentials(
+            root_certificates=self.ca_pem,
+            private_key=credentials.key_pem,
+            certificate_chain=credentials.cert_pem,
+        )
+        self._signing_key = credentials.key
+        self.me = credentials.silo_id
+
+    def _expiry_warnings(self) -> None:
+        """At start and at each registration: each warning once a day (its days left change daily)."""
+        self._expiry.check()
+
+    def _renewal_due(self) -> bool:
+        """Whether the certificate files hold a renewed pair the pinned roster names (checked after each
+        heartbeat and roster offered): then this session ends (its stream is cancelled) and the next one
+        presents it. Switching only once the roster names it keeps peers holding the roster accepting it."""
+        if self._switch_to is None:
+            renewed = self.own.renewed(self.running)
+            if switch_due(self.trust, self.running, renewed):
+                self._switch_to = renewed
+        return self._switch_to is not None
+
+    def _switch(self, *, refused: bool) -> bool:
+        """Take the renewed certificate for the next session: one found due, or, after the aggregator refused
+        the running one, any valid renewed pair on disk (the aggregator's roster may name it already; this
+        silo adopts that roster once registered). False if there is none."""
+        renewed = self._switch_to or (self.own.renewed(self.running) if refused else None)
+        self._switch_to = None
+        if renewed is None:
+            return False
+        log.warning("switching to the renewed certificate (%s); reconnecting", renewed.describe())
+        self._use(renewed)
+        self._taking_part = None  # its sums are signed under the other certificate: the round is retried
+        return True
+
     # --- the long-running loop ----------------------------------------------------------------
 
     def run(self) -> int:
@@ -144,11 +192,16 @@ class SiloAgent:
                 if self._session():
                     return 0
                 backoff = 1.0
+                if self._switch_to is not None:
+                    continue  # the session ended to present the renewed certificate: at once
             except grpc.RpcError as exc:
                 if self.stop.is_set():
                     break
                 code = exc.code()
-                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                refused = code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+                if self._switch_to is not None or (refused and self._switch(refused=True)):
+                    continue
+                if refused:
                     raise Fatal(f"the aggregator refuses this silo: {exc.details()}") from None
                 log.warning(
                     "connection problem (%s: %s); retrying in %.0f s", code.name, exc.details(), backoff
@@ -163,8 +216,12 @@ class SiloAgent:
         return 0
 
     def _session(self) -> bool:
+        if self._switch_to is not None:
+            self._switch(refused=False)
         conn = self.config.connection
-        options = [("grpc.ssl_target_name_override", conn.server_name)] if conn.server_name else []
+        options = silo_options(conn.keepalive_seconds)
+        if conn.server_name:
+            options.append(("grpc.ssl_target_name_override", conn.server_name))
         session_over = threading.Event()
         helpers: list[threading.Thread] = []
         tls_pem = server_certificate(
@@ -199,6 +256,8 @@ class SiloAgent:
     def _follow(self, stub: consortium_pb2_grpc.ConsortiumServiceStub, stream: Iterator) -> bool:
         """Act on directives until the stream ends; True when the consortium is finished."""
         for directive in stream:
+            if directive.roster and self.trust.offer_roster(directive.roster) and self._renewal_due():
+                return False  # the next session presents the renewed certificate the roster now names
             kind = directive.WhichOneof("directive")
             if kind == "round_spec":
                 self._round(stub, directive.round_spec)
@@ -222,7 +281,7 @@ class SiloAgent:
 
     def _cancel_on_stop(self, stream: grpc.Future, session_over: threading.Event) -> None:
         while not session_over.wait(0.2):
-            if self.stop.is_set():
+            if self.stop.is_set() or self._switch_to is not None:
                 stream.cancel()
                 return
 
@@ -248,6 +307,7 @@ class SiloAgent:
             raise
         self.trust.offer_roster(reply.roster)
         self.trust.offer_crl(reply.crl)
+        self._renewal_due()  # says once if the roster names another certificate than the running one
         roster = self.trust.roster
         try:
             if reply.consortium_id != roster.consortium:
@@ -264,6 +324,7 @@ class SiloAgent:
             ) from None
         self.aggregator_pem, self.silo_id = reply.aggregator_certificate, reply.silo_id
         log.info("registered as %s with consortium %r", reply.silo_id, reply.consortium_id)
+        self._expiry_warnings()
         self.key_holder = bool(self.ckks) and reply.ckks_key_holder == self.silo_id
         if self.key_holder:
             self._share_ckks_key(stub)
@@ -310,7 +371,12 @@ class SiloAgent:
 
     def _heartbeat(self) -> pb.HeartbeatRequest:
         """Activity, and the ε left in this silo's budget if (and only if) its dp.report says to tell."""
-        request = pb.HeartbeatRequest(round_id=self.round_id, activity=self.activity)
+        request = pb.HeartbeatRequest(
+            round_id=self.round_id,
+            activity=self.activity,
+            roster_sha256=self.trust.roster.digest(),
+            crl_sha256=self.trust.crl_sha256,
+        )
         if self.config.dp.report:
             request.privacy_remaining = self.privacy_ledger.remaining()
         return request
@@ -320,7 +386,12 @@ class SiloAgent:
     ) -> None:
         while not session_over.wait(self.config.connection.heartbeat_seconds) and not self.stop.is_set():
             try:
-                stub.Heartbeat(self._heartbeat(), timeout=10)
+                reply = stub.Heartbeat(self._heartbeat(), timeout=10)
+                self.trust.offer_roster(reply.roster)  # a running silo adopts a newer roster here
+                if reply.crl:
+                    self.trust.offer_crl(reply.crl)
+                if self._renewal_due():
+                    return  # the stream is cancelled; the next session presents the renewed certificate
                 if self.key_holder:
                     self._share_ckks_key(stub, again=False)
             except grpc.RpcError:
@@ -339,6 +410,8 @@ class SiloAgent:
             return
         if self._taking_part is not None and self._taking_part.spec.round_id == spec.round_id:
             log.info("%s: still taking part in its sums after a reconnect", spec.round_id)
+            taking_part = self._taking_part
+            self._sum_call(spec.round_id, lambda: taking_part.resume(stub))
             return
         self.round_id = spec.round_id
         self._taking_part = None
@@ -428,8 +501,8 @@ class SiloAgent:
             self._clear_pending()
             self._save_progress(committed=spec.round - 1, submitted=spec.round_id)
             log.info("round %d: contribution accepted (%s)", spec.round, type(message).__name__)
-        drill = os.environ.get(DRILL, "")
-        if drill and purpose == "contribution" and drill == DRILL_NAMES.get(type(message)):
+        drill, name = os.environ.get(DRILL, ""), DRILL_NAMES.get(type(message))
+        if drill and name and drill == (name if purpose == "contribution" else f"{purpose}:{name}"):
             log.warning("drill: stopping after sending the %s message, as %s asks", drill, DRILL)
             os.kill(os.getpid(), signal.SIGSTOP)
 

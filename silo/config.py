@@ -15,6 +15,7 @@ from fedlt.data.federation import DataConfig, Federation, build_federation
 from fedlt.data.files import load_dataset
 from fedlt.dp import DPSettings
 from fedlt.errors import ConfigError
+from fedlt.keepalive import MIN_SECONDS
 from fedlt.methods import METHODS
 from privacy.secagg.policy import SessionPolicy
 from privacy.wire import CONSORTIUM_LAYERS
@@ -36,7 +37,13 @@ class ConnectionSection:
         "", doc="a CRL file this silo keeps up to date itself, besides the one the aggregator relays"
     )
     heartbeat_seconds: float = setting(10.0, gt=0.0)
+    keepalive_seconds: float = setting(
+        30.0, ge=MIN_SECONDS, doc="ping the aggregator after this much silence; drop a link silent as long"
+    )
     max_backoff_seconds: float = setting(30.0, gt=0.0)
+    renew_within_days: int = setting(
+        30, ge=0, doc="warn when this silo's certificate or the consortium CA's expires sooner"
+    )
 
 
 @dataclass(frozen=True)

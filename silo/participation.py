@@ -15,6 +15,7 @@ import json
 import logging
 from collections.abc import Callable
 
+import grpc
 import numpy as np
 import torch
 
@@ -54,6 +55,7 @@ class Participation:
     ) -> None:
         self.spec, self.me, self._ledger = spec, me, ledger
         self._stub, self._timeout, self._on_sent = stub, timeout, on_sent
+        self._unsent: list[tuple[str, object]] = []  # of the last `_send`, until each is delivered
         sums = roundspec.sums_of(signed, spec)
         self.phase = tail_guard.phase_key(
             spec.consortium_id, spec.config_sha256, spec.seed, sums.schema.phase
@@ -88,8 +90,28 @@ class Participation:
         self._send(self.sums.step(purpose, decoded))
 
     def _send(self, outgoing: list[tuple[str, object]]) -> None:
-        for purpose, message in outgoing:
+        self._unsent = list(outgoing)
+        while self._unsent:
+            purpose, message = self._unsent[0]
             send(self._stub, self.spec.round_id, purpose, message, timeout=self._timeout)
+            del self._unsent[0]
+            self._on_sent(purpose, message)
+
+    def resume(self, stub) -> None:
+        """After a reconnect, with the new session's stub: send again what the lost connection may not have
+        delivered (the same bytes: the aggregator takes a message it already holds as it is). A refusal
+        because the sum has moved past that stage means it had arrived."""
+        self._stub = stub
+        unsent, self._unsent = self._unsent, []
+        for purpose, message in unsent:
+            try:
+                send(stub, self.spec.round_id, purpose, message, timeout=self._timeout)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                what = type(message).__name__
+                log.info("%s: its %s had arrived before the reconnect", self.spec.round_id, what)
+                continue
             self._on_sent(purpose, message)
 
     def _pin(self, purpose: str, survivors: tuple[str, ...]) -> None:

@@ -1,22 +1,46 @@
-"""What this silo trusts, kept in its state directory: the pinned roster and every revocation it has seen.
+"""What this silo trusts, kept in its state directory: the pinned roster and every revocation it has seen;
+and what it presents: its own certificate and key, re-read when the administrator replaces them.
 
 The roster from the enrollment kit (`connection.roster`) is pinned on first start. The aggregator offers the
-newest roster and CRL at every registration; a roster replaces the pinned one only when a quorum of the pinned
-roster's silos signed it, and a CRL counts only when the consortium CA signed it. Neither can go backwards:
-an older roster is refused and revocations only accumulate. A local CRL file (`connection.crl`), if the silo
-administrator keeps one, is read too, so the aggregator cannot withhold a revocation.
+newest roster and CRL at every registration and, when they differ from the silo's, in heartbeat replies; a
+roster replaces the pinned one only when a quorum of the pinned roster's silos signed it, and a CRL counts
+only when the consortium CA signed it. Neither can go backwards: an older roster is refused and revocations
+only accumulate. A local CRL file (`connection.crl`), if the silo administrator keeps one, is read too, so
+the aggregator cannot withhold a revocation.
+
+A renewed certificate (`OwnCertificate`) is installed over the files `connection.certificate` and `.key`
+name, while the agent runs. The agent switches to it once its pinned roster names it (or once the aggregator
+refuses the running one): before that, peers holding the roster would refuse it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
+import threading
+from dataclasses import dataclass
 from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
 from fedlt.atomic import atomic_write, atomic_write_text
 from privacy.pki.errors import PkiError
-from privacy.pki.identity import load_certificate, revoked_serials
-from privacy.pki.roster import Roster
+from privacy.pki.identity import (
+    check_issued_by,
+    check_valid_now,
+    describe,
+    format_utc,
+    load_certificate,
+    revoked_serials,
+    silo_id_of,
+)
+from privacy.pki.renewal import Watched, ca_watch, silo_self_renewal
+from privacy.pki.roster import SILO, Roster, fingerprint
+from privacy.pki.signing import load_private_key
 from privacy.pki.trust import MemberTrust, RevokedSerials
 
 log = logging.getLogger("silo")
@@ -47,6 +71,10 @@ class SiloTrust:
         self._roster = roster
         self.members = MemberTrust(ca_pem, self, self.revoked)
         self._local_crl = crl
+        self._lock = threading.Lock()
+        self._refused: set[str] = set()  # digests of offered rosters already refused (and logged)
+        self._noted: set[str] = set()
+        self.crl_sha256 = ""  # of the last CRL the aggregator relayed
         self.offer_crl(b"")
 
     @property
@@ -56,24 +84,41 @@ class SiloTrust:
     def current(self) -> Roster:
         return self._roster
 
-    def offer_roster(self, raw: bytes) -> None:
-        """Adopt a newer roster if a quorum of the pinned one's silos signed it; anything else is logged."""
+    def offer_roster(self, raw: bytes) -> bool:
+        """Adopt a newer roster if a quorum of the pinned one's silos signed it (True); anything else is
+        logged, once per roster offered."""
         if not raw:
-            return
-        try:
-            offered = Roster.from_json(raw, source="the roster the aggregator offers")
-            if offered.digest() == self.roster.digest():
-                return
-            self.roster.check_successor(offered)
-        except PkiError as exc:
-            log.warning("keeping the pinned roster v%d: %s", self.roster.version, exc)
-            return
-        atomic_write(self.state_dir / PINNED_ROSTER, lambda fh: fh.write(offered.to_json()))
-        self._roster = offered
+            return False
+        with self._lock:
+            seen = hashlib.sha256(raw).hexdigest()
+            if seen in self._refused:
+                return False
+            try:
+                offered = Roster.from_json(raw, source="the roster the aggregator offers")
+                if offered.digest() == self.roster.digest():
+                    return False
+                self.roster.check_successor(offered)
+            except PkiError as exc:
+                self._refused.add(seen)
+                log.warning("keeping the pinned roster v%d: %s", self.roster.version, exc)
+                return False
+            atomic_write(self.state_dir / PINNED_ROSTER, lambda fh: fh.write(offered.to_json()))
+            self._roster = offered
         log.info("adopted roster v%d (%s…), signed by a quorum", offered.version, offered.digest()[:16])
+        return True
+
+    def note_once(self, key: str, message: str) -> None:
+        """Log `message` as a warning the first time `key` comes up (checks that repeat every heartbeat)."""
+        with self._lock:
+            if key in self._noted:
+                return
+            self._noted.add(key)
+        log.warning("%s", message)
 
     def offer_crl(self, pem: bytes) -> None:
         """Take the revocations of a CRL the aggregator relays, and of the local CRL file, if any."""
+        if pem:
+            self.crl_sha256 = hashlib.sha256(pem).hexdigest()
         self._merge(pem, "the CRL the aggregator sends")
         if self._local_crl is not None:
             self._merge(_read(self._local_crl), str(self._local_crl))
@@ -86,10 +131,12 @@ class SiloTrust:
         except PkiError as exc:
             log.warning("ignoring %s: %s", source, exc)
             return
-        if self.revoked.add(serials):
+        with self._lock:
+            if not self.revoked.add(serials):
+                return
             text = json.dumps({"serials": sorted(f"{s:x}" for s in self.revoked.serials)})
             atomic_write_text(self.state_dir / REVOKED, text)
-            log.info("revocations now known: %d certificates", len(self.revoked.serials))
+        log.info("revocations now known: %d certificates", len(self.revoked.serials))
 
 
 def pinned_roster(state_dir: Path, kit_roster: Path) -> Roster:
@@ -103,3 +150,140 @@ def _read(path: Path) -> bytes:
         return path.read_bytes()
     except OSError as exc:
         raise PkiError(f"cannot read CRL {path}: {exc.strerror}") from None
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """A certificate of the consortium CA and its private key, as files held them."""
+
+    cert_pem: bytes
+    key_pem: bytes
+    cert: x509.Certificate
+    key: ec.EllipticCurvePrivateKey
+    silo_id: str
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.cert)
+
+    def describe(self) -> str:
+        expires = format_utc(self.cert.not_valid_after_utc)
+        return f"{describe(self.cert)}, sha256 {self.fingerprint[:16]}…, expires {expires}"
+
+
+class OwnCertificate:
+    """This silo's certificate and key files: read and checked at start (a problem there is fatal and says
+    which), then watched for a renewed pair the administrator installs over them."""
+
+    def __init__(self, certificate: Path, key: Path, ca_pem: bytes, *, ca_path: Path) -> None:
+        self.certificate, self.key = certificate, key
+        self.ca = load_certificate(ca_pem, source=f"the consortium CA certificate {ca_path}")
+        self.ca_path = ca_path
+        self._stamp: tuple | None = None
+        self._on_disk: Credentials | None = None
+        self._noted: set[str] = set()
+
+    def read(self) -> Credentials:
+        """The pair on disk, or PkiError naming the problem: expired or not yet valid (the CA or the
+        certificate), not issued by the consortium CA, not this key's, not a silo's."""
+        try:
+            check_valid_now(self.ca)
+        except PkiError as exc:
+            raise PkiError(f"the consortium CA certificate {self.ca_path}: {exc}") from None
+        try:
+            pem = self.certificate.read_bytes()
+        except OSError as exc:
+            raise PkiError(f"cannot read certificate {self.certificate}: {exc.strerror}") from None
+        cert = load_certificate(pem, source=str(self.certificate))
+        check_issued_by(cert, self.ca)
+        try:
+            check_valid_now(cert)
+        except PkiError as exc:
+            raise PkiError(f"this silo's certificate {self.certificate}: {exc}") from None
+        key = load_private_key(self.key)  # refuses a key file others may read
+        if key.public_key() != cert.public_key():
+            raise PkiError(f"{self.key} is not the key of {self.certificate}")
+        key_pem = key.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption())  # the key just checked
+        return Credentials(pem, key_pem, cert, key, silo_id_of(cert))
+
+    def renewed(self, running: Credentials) -> Credentials | None:
+        """The pair on disk if it is a valid one for the same silo other than `running`; re-read only when
+        the files change, and a pair caught half-way through replacement (certificate and key not matching)
+        waits for the next change."""
+        try:
+            stamp = tuple(
+                (st.st_ino, st.st_mtime_ns, st.st_size) for st in map(os.stat, (self.certificate, self.key))
+            )
+        except OSError:
+            return None
+        if stamp != self._stamp:
+            self._stamp = stamp
+            try:
+                found = self.read()
+            except PkiError as exc:
+                self._note(
+                    str(exc),
+                    f"the certificate files hold no usable pair yet ({exc}); keeping {running.describe()}",
+                )
+                found = None
+            if found is not None and found.silo_id != running.silo_id:
+                self._note(
+                    found.fingerprint,
+                    f"{self.certificate} now holds a certificate of silo {found.silo_id}, not "
+                    f"{running.silo_id}; ignoring it",
+                )
+                found = None
+            self._on_disk = found
+        on_disk = self._on_disk
+        if on_disk is None or on_disk.fingerprint == running.fingerprint:
+            return None
+        return on_disk
+
+    def _note(self, key: str, message: str) -> None:
+        if key not in self._noted:
+            self._noted.add(key)
+            log.warning("%s", message)
+
+
+def switch_due(trust: SiloTrust, running: Credentials, renewed: Credentials | None) -> bool:
+    """Whether to switch to `renewed` now: the pinned roster names it (peers holding the roster accept it).
+    Until then, say once what stops it."""
+    roster = trust.roster
+    if renewed is not None:
+        try:
+            roster.member_of(renewed.cert, role=SILO, member_id=renewed.silo_id)
+            return True
+        except PkiError:
+            pass
+    try:
+        roster.member_of(running.cert, role=SILO, member_id=running.silo_id)
+    except PkiError:
+        named = roster.member(running.silo_id)
+        wanted = f"sha256 {named.fingerprint[:16]}…" if named else "no certificate"
+        trust.note_once(
+            f"roster-{roster.digest()}-{renewed.fingerprint if renewed else ''}",
+            f"roster v{roster.version} does not name this silo's running certificate ({running.describe()}); "
+            f"it names {wanted} for {running.silo_id}: install that certificate and its key over "
+            "[connection] certificate and key; the agent switches to it when the files change",
+        )
+        return False
+    if renewed is not None:
+        trust.note_once(
+            f"pending-{renewed.fingerprint}-{roster.digest()}",
+            f"the certificate files hold a renewed certificate ({renewed.describe()}) that roster "
+            f"v{roster.version} does not name yet: keeping the running one ({running.describe()}) until a "
+            "roster naming it, signed by a quorum of silos, is adopted",
+        )
+    return False
+
+
+def expiry_watch(credentials: Credentials, own: OwnCertificate) -> list[Watched]:
+    """This silo's own certificate and the CA, for `privacy.pki.renewal.expiry_warnings`."""
+    return [
+        Watched(
+            f"this silo's certificate {own.certificate}",
+            credentials.cert,
+            silo_self_renewal(credentials.silo_id),
+        ),
+        ca_watch(own.ca, str(own.ca_path)),
+    ]

@@ -5,6 +5,7 @@ Every wait is bounded and every process started here is killed when the test end
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -28,6 +29,7 @@ from aggregator.server import derive_audit_key
 from aggregator.service import ConsortiumServicer, Identity
 from aggregator.store import AuditKey, Store
 from fedlt.data.federation import DataConfig
+from fedlt.keepalive import MIN_SECONDS
 from fedlt.methods import TrainConfig
 from fedlt.methods.state import GlobalState, unpack_state
 from fedlt.plan import ModelSection, RoundPlan
@@ -91,8 +93,12 @@ class Consortium:
         silos: int = 3,
         privacy: str = "secagg",
         plan: RoundPlan = PLAN,
+        stage_timeout: float | None = None,
     ) -> Consortium:
+        """`stage_timeout`: `[timeouts] stage` (default: the aggregator's), how long a failed secure-sum stage
+        holds up the retry."""
         recipe = DataConfig(**{**RECIPE.__dict__, "silos": silos})
+        stage = {} if stage_timeout is None else {"stage": stage_timeout}
         _, silo_configs = write_consortium(
             directory,
             recipe=recipe,
@@ -100,7 +106,7 @@ class Consortium:
             consortium=ConsortiumSection(
                 id="test-consortium", rounds=rounds, min_silos=min_silos, privacy=privacy
             ),
-            timeouts=TimeoutSection(gather=3.0, round=round_timeout),
+            timeouts=TimeoutSection(gather=3.0, round=round_timeout, keepalive=MIN_SECONDS, **stage),
             silo_threads=SILO_THREADS,
             layer_settings=demo_layer_settings(privacy),
         )
@@ -210,6 +216,23 @@ class Consortium:
             if time.monotonic() > until:
                 raise AssertionError(f"round {round_number} did not start within {timeout} s")
             time.sleep(0.05)
+
+    def committed(self) -> dict[int, list[str]]:
+        """Every committed round (0: the initial state) and the silos its sum counted."""
+        store = self.store()
+        try:
+            rows = store._db.execute("SELECT round, contributors FROM states ORDER BY round").fetchall()
+        finally:
+            store.close()
+        return {r: json.loads(c) for r, c in rows}
+
+    def wait_for_round(self, round_number: int, timeout: float = 180) -> None:
+        """Until round `round_number` (or a later one) is committed."""
+        until = time.monotonic() + timeout
+        while max(self.committed(), default=0) < round_number:
+            if time.monotonic() > until:
+                raise AssertionError(f"round {round_number} was not committed within {timeout} s")
+            time.sleep(0.2)
 
     def wait_aggregator(self, timeout: float) -> int:
         assert self.aggregator is not None

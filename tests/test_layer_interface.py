@@ -60,6 +60,25 @@ def test_every_layer_sums_exactly_what_the_silos_hold_to_its_precision(layer):
     assert torch.allclose(total, truth, atol=len(SILOS) * 2.0**-20)
 
 
+def test_a_sum_left_with_fewer_silos_than_the_round_needs_aborts_before_any_silo_releases(layer):
+    """Guards liveness: silos pin the survivor set they release a round's sum for (silo.releases) and never
+    sign another, so a sum the aggregator would refuse to commit for too few contributors must end before
+    any release: the round's retry over every silo would otherwise be refused forever."""
+    given = vectors()
+    sums = RoundSums("r1", SILOS, SCHEMA, k_min=0, census=None, binding=b"b", settings=layer.settings)
+    silo_sides, aggregator_side = layer.in_process(SILOS)
+    aggregator = AggregatorRound(aggregator_side, sums, min_contributors=len(SILOS))
+    pinned: dict[str, tuple[str, ...]] = {}
+    silos = {
+        u: SiloRound(silo_sides[u], sums, v, me=u, on_release=lambda _, s, u=u: pinned.setdefault(u, s))
+        for u, v in given.items()
+        if u != "d"  # gone before its first message
+    }
+    with pytest.raises(SumAborted, match="fewer than"):
+        run_round(aggregator, silos)
+    assert pinned == {}
+
+
 def test_every_layer_refuses_a_message_from_a_silo_outside_the_sum(layer):
     silo_sides, aggregator_side = layer.in_process(SILOS)
     spec = SumSpec("r1", "contribution", SILOS[:3], SCHEMA, b"b", layer.settings)

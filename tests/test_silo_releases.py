@@ -90,6 +90,8 @@ class Subtraction:
         self.aborted = threading.Event()
         step, self.engine._next_state = self.engine._next_state, self._abort_first
         self._next_state = step
+        # it ignores the survivor set it asked silos to release for (an honest aggregator retries over it)
+        self.engine._pinned = lambda round_number, stop: []
         self.stop = threading.Event()
 
     def _abort_first(self, attempt, sums: Sums, stop: threading.Event):

@@ -52,6 +52,22 @@ def test_open_attempts_are_abandoned_and_the_round_gets_a_new_attempt(store):
     assert events == ["initial_state", "attempt_started", "attempt_abandoned", "attempt_started"]
 
 
+def test_the_first_survivor_set_a_round_asked_silos_to_release_is_kept_across_reopening(tmp_path):
+    """Silos release a round's sum for one set only (silo.releases): the set kept is the one asked first."""
+    s = Store(tmp_path / "db.sqlite", audit_key=AUDIT_KEY)
+    s.pin_release(1, "contribution", ["silo-2", "silo-0", "silo-1"])
+    s.pin_release(1, "contribution", ["silo-0", "silo-1", "silo-2", "silo-3"])
+    s.pin_release(1, "census", ["silo-0", "silo-1", "silo-2", "silo-3"])
+    s.close()
+    again = Store(tmp_path / "db.sqlite", audit_key=AUDIT_KEY)
+    assert again.pinned_releases(1) == {
+        "contribution": ["silo-0", "silo-1", "silo-2"],
+        "census": ["silo-0", "silo-1", "silo-2", "silo-3"],
+    }
+    assert again.pinned_releases(2) == {}
+    again.close()
+
+
 def test_audit_log_is_append_only(store):
     store.audit("test", {"k": 1})
     with pytest.raises(sqlite3.IntegrityError, match="append-only"):

@@ -249,6 +249,13 @@ class AggregatorRound:
         if isinstance(out, Released):
             return self._released(out)
         counted = self.half.counted
+        left = len(counted if counted is not None else out)
+        if left < self.min_contributors:
+            # now, before silos sign for (and so pin: silo.releases) a survivor set the round would not commit
+            raise SumAborted(
+                f"{self.purpose} sum: {left} silos left, fewer than the {self.min_contributors} the round "
+                "needs"
+            )
         if self.whole and counted is not None and counted != self.whole:
             gone = ", ".join(sorted(set(self.whole) - set(counted)))
             raise SumAborted(

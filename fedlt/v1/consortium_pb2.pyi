@@ -88,16 +88,18 @@ class JoinRequest(_message.Message):
     def __init__(self, last_round: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("round_spec", "abort", "finished", "sum_step")
+    __slots__ = ("round_spec", "abort", "finished", "sum_step", "roster")
     ROUND_SPEC_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     SUM_STEP_FIELD_NUMBER: _ClassVar[int]
+    ROSTER_FIELD_NUMBER: _ClassVar[int]
     round_spec: _round_pb2.SignedRoundSpec
     abort: Abort
     finished: Finished
     sum_step: SumStep
-    def __init__(self, round_spec: _Optional[_Union[_round_pb2.SignedRoundSpec, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., sum_step: _Optional[_Union[SumStep, _Mapping]] = ...) -> None: ...
+    roster: bytes
+    def __init__(self, round_spec: _Optional[_Union[_round_pb2.SignedRoundSpec, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., sum_step: _Optional[_Union[SumStep, _Mapping]] = ..., roster: _Optional[bytes] = ...) -> None: ...
 
 class SumStep(_message.Message):
     __slots__ = ("round_id", "sum", "keys", "inbox", "survivors", "signatures", "census", "encrypted_sum")
@@ -200,20 +202,28 @@ class Finished(_message.Message):
     def __init__(self, rounds: _Optional[int] = ..., state_digest: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("round_id", "activity", "privacy_remaining")
+    __slots__ = ("round_id", "activity", "privacy_remaining", "roster_sha256", "crl_sha256")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     ACTIVITY_FIELD_NUMBER: _ClassVar[int]
     PRIVACY_REMAINING_FIELD_NUMBER: _ClassVar[int]
+    ROSTER_SHA256_FIELD_NUMBER: _ClassVar[int]
+    CRL_SHA256_FIELD_NUMBER: _ClassVar[int]
     round_id: str
     activity: SiloActivity
     privacy_remaining: float
-    def __init__(self, round_id: _Optional[str] = ..., activity: _Optional[_Union[SiloActivity, str]] = ..., privacy_remaining: _Optional[float] = ...) -> None: ...
+    roster_sha256: str
+    crl_sha256: str
+    def __init__(self, round_id: _Optional[str] = ..., activity: _Optional[_Union[SiloActivity, str]] = ..., privacy_remaining: _Optional[float] = ..., roster_sha256: _Optional[str] = ..., crl_sha256: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("server_time_unix_ms",)
+    __slots__ = ("server_time_unix_ms", "roster", "crl")
     SERVER_TIME_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    ROSTER_FIELD_NUMBER: _ClassVar[int]
+    CRL_FIELD_NUMBER: _ClassVar[int]
     server_time_unix_ms: int
-    def __init__(self, server_time_unix_ms: _Optional[int] = ...) -> None: ...
+    roster: bytes
+    crl: bytes
+    def __init__(self, server_time_unix_ms: _Optional[int] = ..., roster: _Optional[bytes] = ..., crl: _Optional[bytes] = ...) -> None: ...
 
 class FetchStateRequest(_message.Message):
     __slots__ = ("round_id",)

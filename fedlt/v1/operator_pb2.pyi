@@ -27,7 +27,7 @@ class SiloStatus(_message.Message):
     def __init__(self, silo_id: _Optional[str] = ..., connected: _Optional[bool] = ..., last_seen_unix_ms: _Optional[int] = ..., activity: _Optional[str] = ..., last_contributed_round: _Optional[int] = ..., privacy_remaining: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("consortium_id", "method", "privacy", "committed_rounds", "total_rounds", "round_id", "stage", "stage_deadline_unix_ms", "participants", "submitted", "silos", "state_digest")
+    __slots__ = ("consortium_id", "method", "privacy", "committed_rounds", "total_rounds", "round_id", "stage", "stage_deadline_unix_ms", "participants", "submitted", "silos", "state_digest", "certificate_warnings")
     CONSORTIUM_ID_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     PRIVACY_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class StatusResponse(_message.Message):
     SUBMITTED_FIELD_NUMBER: _ClassVar[int]
     SILOS_FIELD_NUMBER: _ClassVar[int]
     STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_WARNINGS_FIELD_NUMBER: _ClassVar[int]
     consortium_id: str
     method: str
     privacy: str
@@ -52,4 +53,5 @@ class StatusResponse(_message.Message):
     submitted: _containers.RepeatedScalarFieldContainer[str]
     silos: _containers.RepeatedCompositeFieldContainer[SiloStatus]
     state_digest: str
-    def __init__(self, consortium_id: _Optional[str] = ..., method: _Optional[str] = ..., privacy: _Optional[str] = ..., committed_rounds: _Optional[int] = ..., total_rounds: _Optional[int] = ..., round_id: _Optional[str] = ..., stage: _Optional[str] = ..., stage_deadline_unix_ms: _Optional[int] = ..., participants: _Optional[_Iterable[str]] = ..., submitted: _Optional[_Iterable[str]] = ..., silos: _Optional[_Iterable[_Union[SiloStatus, _Mapping]]] = ..., state_digest: _Optional[str] = ...) -> None: ...
+    certificate_warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, consortium_id: _Optional[str] = ..., method: _Optional[str] = ..., privacy: _Optional[str] = ..., committed_rounds: _Optional[int] = ..., total_rounds: _Optional[int] = ..., round_id: _Optional[str] = ..., stage: _Optional[str] = ..., stage_deadline_unix_ms: _Optional[int] = ..., participants: _Optional[_Iterable[str]] = ..., submitted: _Optional[_Iterable[str]] = ..., silos: _Optional[_Iterable[_Union[SiloStatus, _Mapping]]] = ..., state_digest: _Optional[str] = ..., certificate_warnings: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -1,10 +1,13 @@
 """The consortium CA, kept in one directory: `ca.pem`, `ca.key`, `crl.pem` and the index `issued.json`.
 
 The index is the CA's memory: it is what lets the operator revoke a silo by name and what stops two live
-certificates for one identity. Every change writes the CRL before the index, each by atomic rename, so an
-interrupted revocation is either in force or not recorded at all (and can simply be run again), never
-recorded but not in force. Issued keys are written after the index, so no certificate exists that the CA
-could not revoke.
+certificates for one identity, except during a renewal (`renew_silo`, `renew_server`): then the renewed
+certificate stands beside the old one, because the roster names each member's exact certificate and the old
+one must keep working until a roster naming the new one is in force; the old one is revoked by serial after
+that (`revoke(..., roster=...)` checks the order). Every change writes the CRL before the index, each by
+atomic rename, so an interrupted revocation is either in force or not recorded at all (and can simply be run
+again), never recorded but not in force. Issued keys are written after the index, so no certificate exists
+that the CA could not revoke.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID, ObjectIdentifier
 from fedlt.atomic import atomic_write
 from privacy.pki.errors import PkiError  # callers import it from here too
 from privacy.pki.identity import OPERATOR, SILO, check_id, format_utc, identity_uri, read_certificate
+from privacy.pki.roster import AGGREGATOR, Roster
 from privacy.pki.signing import load_private_key
 
 SERVER = "server"
@@ -55,10 +59,11 @@ class CaPaths:
 @dataclass(frozen=True)
 class IssuedPaths:
     certificate: Path
-    key: Path
+    key: Path | None  # None when the certificate is for a key the member keeps (a certificate request)
     serial: int
     not_after: datetime
     replaced: int | None = None  # the serial this certificate replaced, now revoked
+    renews: int | None = None  # the live certificate a renewal stands beside (revoke it after the roster)
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,10 @@ class IssuedRecord:
 
     def live(self, now: datetime) -> bool:
         return self.revoked_at is None and now < self.not_after
+
+    def days_left(self, now: datetime) -> int:
+        """Whole days until it expires (negative once expired)."""
+        return (self.not_after - now) // timedelta(days=1)
 
     def to_json(self) -> dict[str, str | None]:
         return {
@@ -148,9 +157,20 @@ def issue_silo(
     days: int = 825,
     valid_from: datetime | None = None,
     replace: bool = False,
+    csr: bytes | None = None,
 ) -> IssuedPaths:
-    """A silo's client certificate (`<silo_id>.pem`/`.key`); `replace` revokes the silo's live one."""
-    return _member(ca_dir, out_dir, SILO, silo_id, days=days, valid_from=valid_from, replace=replace)
+    """A silo's client certificate (`<silo_id>.pem`/`.key`); `replace` revokes the silo's live one. With
+    `csr` (a request the silo made for its own key) it is for that key, and no key is written."""
+    return _member(
+        ca_dir,
+        out_dir,
+        SILO,
+        silo_id,
+        days=days,
+        valid_from=valid_from,
+        replace=replace,
+        public_key=None if csr is None else csr_public_key(csr),
+    )
 
 
 def issue_operator(
@@ -166,29 +186,164 @@ def issue_operator(
     return _member(ca_dir, out_dir, OPERATOR, name, days=days, valid_from=valid_from, replace=replace)
 
 
-def revoke(ca_dir: str | os.PathLike[str], *, silo_id: str | None = None, serial: int | None = None) -> int:
-    """Revoke a silo's live certificate, or any certificate by serial; returns the serial revoked."""
+def renew_silo(
+    ca_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    silo_id: str,
+    days: int = 825,
+    csr: bytes | None = None,
+) -> IssuedPaths:
+    """A new certificate for silo `silo_id` beside its live one, which is NOT revoked.
+
+    The roster names the live certificate, so the silo keeps using it until a roster naming the new one is
+    signed by a quorum and in force; only then is the old one revoked (by serial). With `csr` (PEM, from
+    `python -m silo certificate-request`) the certificate is for the key the silo keeps, and no key is
+    written; the request proves possession of the key, and the identity is `silo_id`, whatever it names.
+    """
+    public_key = None if csr is None else csr_public_key(csr)
+    return _issue(
+        ca_dir,
+        out_dir,
+        kind=SILO,
+        subject_id=check_id(SILO, silo_id),
+        names=[x509.UniformResourceIdentifier(identity_uri(SILO, silo_id))],
+        usage=ExtendedKeyUsageOID.CLIENT_AUTH,
+        days=days,
+        valid_from=None,
+        replace=False,
+        renew=True,
+        public_key=public_key,
+    )
+
+
+def renew_server(
+    ca_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, hosts: Sequence[str], days: int = 825
+) -> IssuedPaths:
+    """A new aggregator certificate beside the live one (see `renew_silo`: the roster names it too)."""
+    return _issue(
+        ca_dir,
+        out_dir,
+        kind=SERVER,
+        subject_id=SERVER_ID,
+        names=_host_names(hosts),
+        usage=ExtendedKeyUsageOID.SERVER_AUTH,
+        days=days,
+        valid_from=None,
+        replace=False,
+        renew=True,
+    )
+
+
+def renew_ca(ca_dir: str | os.PathLike[str], *, days: int = 3650) -> CaPaths:
+    """The CA certificate again, with the same key and subject and a new validity, written over `ca.pem`.
+
+    Certificates and CRLs the CA issued name its subject and verify with its key, so they stay valid under the
+    renewed CA certificate: members replace their copy of `ca.pem` and restart at their convenience, before
+    the old one expires. The old certificate is kept beside it as `ca-<serial>.pem`.
+    """
+    ca = _Ca.open(ca_dir)
+    now = datetime.now(UTC)
+    cert = (
+        _builder(ca.cert.subject, ca.cert.subject, ca.key.public_key(), now - CLOCK_SKEW, now + _days(days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(_key_usage(key_cert_sign=True, crl_sign=True), critical=True)
+        .sign(ca.key, hashes.SHA256())
+    )
+    old = ca.paths.directory / f"ca-{ca.cert.serial_number:x}.pem"
+    _write(old, ca.cert.public_bytes(serialization.Encoding.PEM), private=False)
+    _write(ca.paths.certificate, cert.public_bytes(serialization.Encoding.PEM), private=False)
+    return ca.paths
+
+
+def revoke(
+    ca_dir: str | os.PathLike[str],
+    *,
+    silo_id: str | None = None,
+    serial: int | None = None,
+    roster: Roster | None = None,
+    expel: bool = False,
+) -> int:
+    """Revoke a silo's live certificate, or any certificate by serial; returns the serial revoked.
+
+    While a renewal is pending (the identity has another live certificate) revoking is the last step of a
+    rotation, so it asks for the roster in force and refuses a certificate that roster still names: revoking
+    it would cut the member off until a roster naming its new certificate is in force. `expel` skips this.
+    """
     if (silo_id is None) == (serial is None):
         raise TypeError("revoke takes exactly one of silo_id and serial")
     ca = _Ca.open(ca_dir)
     now = datetime.now(UTC)
     if silo_id is not None:
-        target = ca.live(SILO, silo_id, now)
-        if target is None:
+        live = ca.live_all(SILO, silo_id, now)
+        if not live:
             raise PkiError(f"silo {silo_id!r} has no live certificate in {ca.paths.directory} to revoke")
+        if len(live) > 1:
+            listed = ", ".join(f"serial {r.serial:x} (expires {format_utc(r.not_after)})" for r in live)
+            raise PkiError(
+                f"silo {silo_id!r} has {len(live)} live certificates, a renewal being under way: {listed}; "
+                "name the one to revoke with --serial"
+            )
+        target = live[0]
     else:
         target = next((r for r in ca.records if r.serial == serial), None)
         if target is None:
             raise PkiError(f"{ca.paths.directory} issued no certificate with serial {serial:x}")
         if target.revoked_at is not None:
             raise PkiError(f"certificate {serial:x} was already revoked on {format_utc(target.revoked_at)}")
+    if not expel:
+        _check_rotation_order(ca, target, roster, now)
     ca.revoke(target, now)
     ca.save(now)
     return target.serial
 
 
+def _check_rotation_order(ca: _Ca, target: IssuedRecord, roster: Roster | None, now: datetime) -> None:
+    others = [r for r in ca.live_all(target.kind, target.subject_id, now) if r.serial != target.serial]
+    if not others or target.kind not in _ROSTER_ROLE:
+        return
+    who = f"{target.kind} {target.subject_id!r}"
+    newer = ", ".join(f"{r.serial:x}" for r in others)
+    if roster is None:
+        raise PkiError(
+            f"{who} has another live certificate (serial {newer}): revoking {target.serial:x} is the last "
+            "step of a rotation, once the roster names the new certificate; give --roster with the roster "
+            "the aggregator serves, so that this can be checked (or --expel to revoke it regardless)"
+        )
+    role = _ROSTER_ROLE[target.kind]
+    named = [m for m in roster.members if m.role == role and m.cert.serial_number == target.serial]
+    if named:
+        raise PkiError(
+            f"roster v{roster.version} still names certificate {target.serial:x} for {named[0].id!r}: "
+            f"revoking it now cuts {named[0].id} off until a roster naming its new certificate (serial "
+            f"{newer}) is in force; first draft one (python -m aggregator roster draft --previous), have a "
+            "quorum of silos sign it, put it in [server] roster, then revoke (or give --expel to revoke it "
+            "regardless)"
+        )
+
+
 def list_issued(ca_dir: str | os.PathLike[str]) -> list[IssuedRecord]:
     return _read_index(_existing(ca_dir))
+
+
+def csr_public_key(pem: bytes) -> ec.EllipticCurvePublicKey:
+    """The key of a certificate request, once its signature proves the requester holds the private half."""
+    try:
+        request = x509.load_pem_x509_csr(pem)
+    except ValueError as exc:
+        raise PkiError(f"not a PEM certificate request: {exc}") from None
+    public = request.public_key()
+    if not isinstance(public, ec.EllipticCurvePublicKey) or not isinstance(public.curve, ec.SECP256R1):
+        raise PkiError(
+            "the certificate request is not for an ECDSA P-256 key, the only kind a consortium uses"
+        )
+    if not request.is_signature_valid:
+        raise PkiError("the certificate request's signature does not verify: it was not made with its key")
+    return public
+
+
+# which roster role a certificate kind serves as (operators are not on the roster)
+_ROSTER_ROLE = {SILO: SILO, SERVER: AGGREGATOR}
 
 
 @dataclass
@@ -208,9 +363,11 @@ class _Ca:
         return cls(paths, cert, key, _read_index(paths))
 
     def live(self, kind: str, subject_id: str, now: datetime) -> IssuedRecord | None:
-        return next(
-            (r for r in self.records if (r.kind, r.subject_id) == (kind, subject_id) and r.live(now)), None
-        )
+        return next(iter(self.live_all(kind, subject_id, now)), None)
+
+    def live_all(self, kind: str, subject_id: str, now: datetime) -> list[IssuedRecord]:
+        """Oldest first: one, or two while a renewal is under way."""
+        return [r for r in self.records if (r.kind, r.subject_id) == (kind, subject_id) and r.live(now)]
 
     def revoke(self, record: IssuedRecord, now: datetime) -> None:
         self.records[self.records.index(record)] = dataclasses.replace(record, revoked_at=now)
@@ -249,6 +406,7 @@ def _member(
     days: int,
     valid_from: datetime | None,
     replace: bool,
+    public_key: ec.EllipticCurvePublicKey | None = None,
 ) -> IssuedPaths:
     return _issue(
         ca_dir,
@@ -260,6 +418,7 @@ def _member(
         days=days,
         valid_from=valid_from,
         replace=replace,
+        public_key=public_key,
     )
 
 
@@ -274,8 +433,13 @@ def _issue(
     days: int,
     valid_from: datetime | None,
     replace: bool,
+    renew: bool = False,
+    public_key: ec.EllipticCurvePublicKey | None = None,
 ) -> IssuedPaths:
-    """One leaf certificate and key, as `<subject_id>.pem`/`.key` in out_dir; valid no longer than the CA."""
+    """One leaf certificate and key, as `<subject_id>.pem`/`.key` in out_dir; valid no longer than the CA.
+
+    `renew`: beside the live certificate, which stays live; `public_key`: for a key the member keeps (no key
+    file is written)."""
     if valid_from is not None and valid_from.tzinfo is None:
         raise ValueError("valid_from must be timezone-aware")
     ca = _Ca.open(ca_dir)
@@ -288,22 +452,44 @@ def _issue(
     if now >= ca.cert.not_valid_after_utc:
         raise PkiError(f"the consortium CA expired on {format_utc(ca.cert.not_valid_after_utc)}")
     cert_path, key_path = out / f"{subject_id}.pem", out / f"{subject_id}.key"
-    previous = ca.live(kind, subject_id, now)
-    if not replace:
+    live = ca.live_all(kind, subject_id, now)
+    previous = live[-1] if live else None
+    written = (cert_path,) if public_key is not None else (key_path, cert_path)
+    if renew:
+        if len(live) > 1:
+            raise PkiError(
+                f"{kind} {subject_id!r} already has a renewed certificate (serial {live[-1].serial:x}) "
+                f"beside serial {live[0].serial:x}: finish that rotation (revoke {live[0].serial:x} once the "
+                f"roster names {live[-1].serial:x}), or revoke {live[-1].serial:x} to start over"
+            )
+        clash = next((p for p in written if p.exists()), None)
+        if clash is not None:
+            raise PkiError(
+                f"{clash} already exists, and the certificate it may hold must keep working until the roster "
+                "names the renewed one: write the renewal to another --out directory"
+            )
+    elif not replace:
         if previous is not None:
+            renewal = (
+                f", or renew-{kind} for a certificate beside it (which the roster must name before the old "
+                "one is revoked)"
+                if kind in _ROSTER_ROLE
+                else ""
+            )
             raise PkiError(
                 f"{kind} {subject_id!r} already has a live certificate (serial {previous.serial:x}, "
                 f"expires {format_utc(previous.not_after)}); use --replace (replace=True) to revoke it and "
-                "issue a new one"
+                f"issue a new one{renewal}"
             )
-        clash = next((p for p in (key_path, cert_path) if p.exists()), None)
+        clash = next((p for p in written if p.exists()), None)
         if clash is not None:
             raise PkiError(f"{clash} already exists; use --replace (replace=True) to overwrite it")
-    key = ec.generate_private_key(ec.SECP256R1())
+    key = ec.generate_private_key(ec.SECP256R1()) if public_key is None else None
+    public = public_key if key is None else key.public_key()
     not_after = min((valid_from or now) + _days(days), ca.cert.not_valid_after_utc)
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject_id)])
     cert = (
-        _builder(subject, ca.cert.subject, key.public_key(), valid_from or (now - CLOCK_SKEW), not_after)
+        _builder(subject, ca.cert.subject, public, valid_from or (now - CLOCK_SKEW), not_after)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(_key_usage(digital_signature=True), critical=True)
         .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
@@ -313,15 +499,22 @@ def _issue(
         )
         .sign(ca.key, hashes.SHA256())
     )
-    if previous is not None:
-        ca.revoke(previous, now)
+    if replace:
+        for record in live:
+            ca.revoke(record, now)
     ca.records.append(IssuedRecord(cert.serial_number, kind, subject_id, not_after))
     ca.save(now)
     out.mkdir(parents=True, exist_ok=True)
-    _write(key_path, _private_pem(key), private=True)
+    if key is not None:
+        _write(key_path, _private_pem(key), private=True)
     _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), private=False)
     return IssuedPaths(
-        cert_path, key_path, cert.serial_number, not_after, None if previous is None else previous.serial
+        cert_path,
+        key_path if key is not None else None,
+        cert.serial_number,
+        not_after,
+        replaced=previous.serial if replace and previous is not None else None,
+        renews=previous.serial if renew and previous is not None else None,
     )
 
 

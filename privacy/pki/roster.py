@@ -17,6 +17,7 @@ import base64
 import binascii
 import hashlib
 import json
+import logging
 import os
 import threading
 from collections.abc import Iterable, Mapping
@@ -30,6 +31,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from privacy.pki.errors import PkiError
 from privacy.pki.identity import check_id, load_certificate
 from privacy.pki.signing import sign, verify
+
+log = logging.getLogger(__name__)
 
 ROSTER_CONTEXT = "fedlt/roster/v1"
 AGGREGATOR = "aggregator"
@@ -123,10 +126,24 @@ class Roster:
             if m.role == role and m.fingerprint == print_ and member_id in (None, m.id):
                 return m
         who = f"{role} {member_id!r}" if member_id else f"the {role}"
+        named = self.member(member_id, role=role) if member_id else None
+        if named is None and role == AGGREGATOR:
+            named = next((m for m in self.members if m.role == AGGREGATOR), None)
+        renewal = (
+            ""
+            if named is None
+            else f"; it names another certificate (sha256 {named.fingerprint[:16]}…) for {named.id}. A "
+            "renewed certificate counts only once a roster naming it, signed by a quorum of the silos, is in "
+            "force (python -m aggregator roster draft --previous, then python -m silo roster sign); until "
+            "then use the certificate the roster names"
+        )
         raise PkiError(
             f"roster v{self.version} of {self.consortium!r} does not name this certificate "
-            f"(sha256 {print_[:16]}…) as {who}"
+            f"(sha256 {print_[:16]}…) as {who}{renewal}"
         )
+
+    def member(self, member_id: str, *, role: str = SILO) -> Member | None:
+        return next((m for m in self.members if m.id == member_id and m.role == role), None)
 
     def signed_by(self, member: Member, key: ec.EllipticCurvePrivateKey) -> Roster:
         """This roster with `member`'s signature added (its administrator signs after checking the body)."""
@@ -186,7 +203,7 @@ class Roster:
             if not isinstance(version, int) or not isinstance(quorum, int) or isinstance(version, bool):
                 raise TypeError("version and quorum are integers")
             return cls(str(tree["consortium"]), version, quorum, members, signatures)
-        except (ValueError, KeyError, TypeError, AttributeError, binascii.Error) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, binascii.Error, RecursionError) as exc:
             raise PkiError(f"{source} is not a fedlt roster: {exc}") from None
 
     @classmethod
@@ -201,8 +218,10 @@ class Roster:
 class RosterFile:
     """The aggregator's roster file, re-read when the operator replaces it with a version the silos signed.
 
-    The aggregator offers it to every silo at registration and admits only the silos it names; each silo
-    decides for itself whether to adopt it (`Roster.check_successor`).
+    The aggregator offers it to every silo (at registration and in heartbeat replies) and admits only the
+    silos it names; each silo decides for itself whether to adopt it (`Roster.check_successor`). A
+    replacement that silos will not adopt (too few signatures, not newer) is still served, since the operator
+    may be on the way to a signed one, but `problem` says why silos refuse it, and it is logged once.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -211,6 +230,8 @@ class RosterFile:
         self._stamp: tuple[int, int, int] | None = None
         self._raw = b""
         self._roster: Roster | None = None
+        self._adopted: Roster | None = None  # the last version read that silos would adopt
+        self.problem = ""
         self.current()
 
     def current(self) -> Roster:
@@ -220,17 +241,56 @@ class RosterFile:
         return self._load()[1]
 
     def _load(self) -> tuple[Roster, bytes]:
+        """The roster in the file; once one was read, a file that cannot be read or parsed (caught half-way
+        through a copy, say) leaves the last good one in force, with a `problem`, and is read again."""
         with self._lock:
             try:
                 st = self.path.stat()
                 stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
                 if stamp != self._stamp or self._roster is None:
                     raw = self.path.read_bytes()
-                    self._roster, self._raw = Roster.from_json(raw, source=str(self.path)), raw
-                    self._stamp = stamp
-            except OSError as exc:
-                raise PkiError(f"cannot read roster {self.path}: {exc.strerror}") from None
+                    roster = Roster.from_json(raw, source=str(self.path))
+                    self._roster, self._raw, self._stamp = roster, raw, stamp
+                    self._check_succession(roster)
+            except (OSError, PkiError) as exc:
+                reason = (
+                    str(exc)
+                    if isinstance(exc, PkiError)
+                    else f"cannot read roster {self.path}: {exc.strerror}"
+                )
+                if self._roster is None:
+                    raise PkiError(reason) from None
+                problem = f"{reason}; serving v{self._roster.version}, read before"
+                if problem != self.problem:
+                    self.problem = problem
+                    log.error("%s", problem)
             return self._roster, self._raw
+
+    def _check_succession(self, roster: Roster) -> None:
+        """Against the last version read that silos would adopt (the first read counts as adopted)."""
+        before = self._adopted
+        if before is None or before.digest() == roster.digest():
+            self._adopted, self.problem = roster, ""
+            return
+        try:
+            before.check_successor(roster)
+        except PkiError as exc:
+            self.problem = (
+                f"{self.path} now holds roster v{roster.version}, which silos holding v{before.version} will "
+                f"not adopt: {exc}. Members it adds or re-certifies will be refused by those silos; collect "
+                "the signatures (python -m silo roster sign), check them (python -m aggregator roster check) "
+                "and replace the file again"
+            )
+            log.error("%s", self.problem)
+            return
+        log.warning(
+            "roster v%d (%s…) is in force, signed by a quorum of v%d's silos; silos adopt it at their next "
+            "heartbeat",
+            roster.version,
+            roster.digest()[:16],
+            before.version,
+        )
+        self._adopted, self.problem = roster, ""
 
 
 def _order(member: Member) -> tuple[int, str]:

@@ -178,4 +178,10 @@ RECEIVERS: dict[str, Callable[[object, str, bytes], object]] = {
 }
 
 # what operators call the messages in dropout drills (FEDLT_DRILL_STOP_AFTER)
-DRILL_NAMES: dict[type, str] = {Shares: "shares", MaskedInput: "masked", ConsistencySignature: "consistency"}
+DRILL_NAMES: dict[type, str] = {
+    AdvertisedKeys: "keys",
+    Shares: "shares",
+    MaskedInput: "masked",
+    ConsistencySignature: "consistency",
+    Reveal: "unmask",
+}
