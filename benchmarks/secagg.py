@@ -1,8 +1,11 @@
 """Secure aggregation's costs at ResNet-8 size: masking, unmasking, bytes on the wire, and a whole round.
 
     python benchmarks/secagg.py session [--silos 3 10 30] [--repeats 5] [--model resnet8]
+        [--graphs full secagg+]
     python benchmarks/secagg.py rounds [--silos 3 10] [--rounds 6] [--pairs 2] [--model resnet8]
         [--layers plaintext secagg [ckks]] [--budget-minutes 15] [--keep DIR]
+
+(`benchmarks/load.py` runs 3 to 30 silo processes with the full graph and SecAgg+'s, for latency and memory.)
 
 `session` runs whole secure sums in this process, as `privacy.secagg.local` does, with the real clients and
 server, consortium certificates as credentials, and every message in its Protobuf form
@@ -22,6 +25,11 @@ For each n and repeat it measures:
   (the aggregator's `SecAggStep`s as they travel, inside a `JoinResponse`), without gRPC, HTTP/2 or TLS
   framing, against the plaintext Submit stream of the same contribution (float64). The key list carries
   every silo's certificate PEM, which peers need to check the keys' signatures.
+With `--graphs full secagg+` it does all of this for the complete graph and for SecAgg+'s sparse graph of
+`secagg_plus_degree(n)` = k neighbours (skipped where that degree would reach n − 1: the graph would be the
+complete one), and adds the masking time summed over all n silos: the consortium's pairwise work, O(n²) for
+the complete graph and O(n log n) for SecAgg+. A SecAgg+ silo has k + 1 masks, not n, so its `bare` and
+`apply_masks` expand k + 1 seeds; a seed's k + 1 holders, not n, decide which dropouts the sum survives.
 
 `rounds` runs a real consortium (aggregator + n silo processes over mutual TLS on 127.0.0.1, one torch
 thread per silo, the demo's recipe and training plan: FedAvg, LT MNIST-5k, IF 100, α 0.5) with each privacy
@@ -40,6 +48,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import platform
 import secrets
@@ -48,6 +57,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -67,6 +77,8 @@ from aggregator.demo import DEMO_PLAN, RECIPE, demo_layer_settings, write_consor
 from aggregator.store import AuditRecord
 from fedlt.aggregation import Schema
 from fedlt.aggregation.halves import AggregatorHalf, Released, SumSpec
+from fedlt.data.federation import DataConfig
+from fedlt.models import MODELS
 from fedlt.plan import ModelSection, RoundPlan
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.wire import submit_stream
@@ -82,6 +94,7 @@ from privacy.secagg.peers import ConsortiumPeers
 from privacy.secagg.protocol import Inbox, KeyList, Signer
 from privacy.secagg.settings import SecAggSettings
 from privacy.wire import RECEIVERS, received, send, step_from_pb, step_to_pb, upload_of
+from tests.consortium_harness import RECIPE as DIGITS
 from tests.consortium_harness import SILO_THREADS, Consortium
 
 DROPOUTS = {"none": "", "after_masked": "consistency", "before_masked": "masked"}  # first stage not answered
@@ -111,8 +124,37 @@ def _read(path: str) -> list[str]:
 
 
 def plan_for(model: str) -> RoundPlan:
-    """The demo's plan (FedAvg on 1×28×28 LT MNIST-5k) with another model."""
-    return replace(DEMO_PLAN, model=ModelSection(name=model, image_shape=DEMO_PLAN.model.image_shape))
+    """The demo's plan (FedAvg on 1×28×28 LT MNIST-5k) with another model; a model that takes no 28×28
+    images (cnn-small) gets its own side (8×8, scikit-learn's digits)."""
+    channels, side, _ = DEMO_PLAN.model.image_shape
+    side = side if side in MODELS[model].sides else MODELS[model].sides[0]
+    return replace(DEMO_PLAN, model=ModelSection(name=model, image_shape=(channels, side, side)))
+
+
+def recipe_for(model: str) -> DataConfig:
+    """The demo's LT MNIST-5k for a model that takes 28×28 images, the tests' 8×8 digits for cnn-small."""
+    return DIGITS if plan_for(model).model.image_shape[-1] == 8 else RECIPE
+
+
+GRAPHS = ("full", "secagg+")
+
+
+def secagg_plus_degree(n: int) -> int:
+    """SecAgg+'s neighbours per silo for n silos: 2⌈log2 n⌉, docs/operator.md's suggestion (Bell et al.,
+    CCS 2020: a degree of order log n keeps the protocol secure and correct with high probability). 0, the
+    complete graph, where that degree would reach n − 1 and the graph would be complete anyway.
+
+    >>> [secagg_plus_degree(n) for n in (3, 10, 30, 100, 1000)]
+    [0, 8, 10, 14, 20]
+    """
+    k = 2 * math.ceil(math.log2(n)) if n > 1 else 0
+    return k if k < n - 1 else 0
+
+
+def neighbours_for(graph: str, n: int) -> int:
+    if graph not in GRAPHS:
+        raise ValueError(f"unknown graph {graph!r}; allowed: {', '.join(GRAPHS)}")
+    return secagg_plus_degree(n) if graph == "secagg+" else 0
 
 
 def contribution_schema(model: str) -> Schema:
@@ -295,24 +337,30 @@ def run_session(
     return SessionRun(masking, seconds, up, down, certificates)
 
 
-def session_costs(n: int, repeats: int, schema: Schema, members: Members) -> dict:
-    """Items 1–3 for n silos: medians over `repeats` fresh sessions (new keys and seeds every time)."""
+def session_costs(n: int, repeats: int, schema: Schema, members: Members, *, neighbours: int = 0) -> dict:
+    """Items 1–3 for n silos: medians over `repeats` fresh sessions (new keys and seeds every time).
+
+    `neighbours` 0 is the consortium default, the complete graph; otherwise SecAgg+'s degree. The threshold
+    is the default: more than two thirds of a seed's holders.
+    """
     participants = tuple(sorted(f"silo-{k}" for k in range(n)))
-    settings = SecAggSettings()  # the consortium default: complete graph, t = more than two thirds
+    settings = SecAggSettings(neighbours=neighbours)
     codec = FixedPointCodec(schema, max_silos=n)
     flats = {u: contribution(schema, seed=k) for k, u in enumerate(participants)}
     inputs = {u: codec.encode(v) for u, v in flats.items()}
     words = schema.size
-    t = settings.session("r0", "contribution", participants, words, b"").t
-    scenarios = [s for s in DROPOUTS if s == "none" or n - 1 >= t]
+    shape = settings.session("r0", "contribution", participants, words, b"")
+    t, holders = shape.t, shape.holder_count
+    # losing a silo leaves its neighbours holders - 1 holders of each other's seeds
+    scenarios = [s for s in DROPOUTS if s == "none" or holders - 1 >= t]
     drop = participants[-1]
 
     bare_keystream([secrets.token_bytes(prg.SEED_BYTES)], words)  # warm up the cipher and the allocator
-    bare, masking, ratios, apply_only, encode, decode = [], [], [], [], [], []
+    bare, masking, ratios, apply_only, encode, decode, masking_total = [], [], [], [], [], [], []
     unmask: dict[str, list[float]] = {s: [] for s in scenarios}
     sizes: SessionRun | None = None
     for repeat in range(repeats):
-        seeds = [secrets.token_bytes(prg.SEED_BYTES) for _ in range(n)]
+        seeds = [secrets.token_bytes(prg.SEED_BYTES) for _ in range(holders)]  # a silo's masks: self + peers
         bare.append(bare_keystream(seeds, words))
         apply_only.append(masks_only(seeds, inputs[participants[0]]))
         encode.append(timed(lambda: codec.encode(flats[participants[0]]))[1])
@@ -326,6 +374,7 @@ def session_costs(n: int, repeats: int, schema: Schema, members: Members) -> dic
             if scenario == "none":
                 typical = statistics.median(run.masking_s.values())
                 masking.append(typical)
+                masking_total.append(sum(run.masking_s.values()))
                 ratios.append(typical / bare[-1])
                 sizes = run
         decode.append(timed(lambda: codec.decode(inputs[participants[0]]))[1])
@@ -345,21 +394,25 @@ def session_costs(n: int, repeats: int, schema: Schema, members: Members) -> dic
     )
     return {
         "silos": n,
+        "neighbours": neighbours,
+        "holders": holders,
         "threshold": t,
         "words": words,
         "repeats": repeats,
         "masking_s_median": median(masking),
+        "masking_all_silos_s_median": median(masking_total),
         "bare_keystream_s_median": median(bare),
         "ratio_masking_over_bare": median(ratios, 3),
         "ratio_samples": [round(r, 3) for r in ratios],
         "apply_mask_only_s_median": median(apply_only),
-        "keystream_gb_per_s": round(n * words * 8 / statistics.median(bare) / 1e9, 2),
+        "keystream_gb_per_s": round(holders * words * 8 / statistics.median(bare) / 1e9, 2),
         "codec_encode_s_median": median(encode),
         "codec_decode_s_median": median(decode),
         "unmask_s_median": {s: median(unmask[s]) if s in unmask else None for s in DROPOUTS},
         "unmask_note": ""
         if len(scenarios) == len(DROPOUTS)
-        else f"no dropout case: losing one of {n} silos leaves {n - 1} < t = {t}, the session would abort",
+        else f"no dropout case: losing one of {holders} holders leaves {holders - 1} < t = {t}, the session "
+        "would abort",
         "bytes_per_silo": {
             "up": up,
             "down": down,
@@ -376,28 +429,46 @@ def session_costs(n: int, repeats: int, schema: Schema, members: Members) -> dic
     }
 
 
-def session(silos: list[int], repeats: int, model: str) -> dict:
+def session(silos: list[int], repeats: int, model: str, graphs: tuple[str, ...] = ("full",)) -> dict:
+    """Every n with each graph of `graphs`, the graphs in turn for each n (a drift of the machine then shows
+    in both graphs' numbers at that n rather than between them). SecAgg+ is skipped where its degree gives
+    the complete graph (n = 3): that row would repeat the full graph's."""
     schema = contribution_schema(model)
     with tempfile.TemporaryDirectory() as tmp:
         members = Members.issue(Path(tmp), max(silos))
-        results = [session_costs(n, repeats, schema, members) for n in silos]
-    return {"machine": machine(), "model": model, "words": schema.size, "by_silos": results}
+        results = [
+            {"graph": graph} | session_costs(n, repeats, schema, members, neighbours=neighbours_for(graph, n))
+            for n in silos
+            for graph in graphs
+            if graph == "full" or neighbours_for(graph, n)
+        ]
+    return {
+        "machine": machine(),
+        "model": model,
+        "words": schema.size,
+        "graphs": list(graphs),
+        "by_silos": results,
+    }
 
 
 def session_table(result: dict) -> str:
+    graphs = result.get("graphs", ["full"]) != ["full"]
     rows = [
         f"{'n':>3} {'t':>3} {'mask s':>7} {'bare s':>7} {'ratio':>6} {'apply s':>7} {'encode s':>8} "
         f"{'unmask s none/after/before':>27} {'up B':>9} {'down B':>8} {'plain up B':>10} {'up/plain':>8}"
+        + (f" {'graph':>7} {'k':>3} {'all silos mask s':>16}" if graphs else "")
     ]
     for r in result["by_silos"]:
         unmask = "/".join("-" if v is None else f"{v:.3f}" for v in r["unmask_s_median"].values())
         b = r["bytes_per_silo"]
+        k = r["neighbours"] or r["silos"] - 1
+        graph = f" {r['graph']:>7} {k:>3} {r['masking_all_silos_s_median']:>16.3f}" if graphs else ""
         rows.append(
             f"{r['silos']:>3} {r['threshold']:>3} {r['masking_s_median']:>7.3f} "
             f"{r['bare_keystream_s_median']:>7.3f} {r['ratio_masking_over_bare']:>6.3f} "
             f"{r['apply_mask_only_s_median']:>7.3f} {r['codec_encode_s_median']:>8.4f} {unmask:>27} "
             f"{b['up_total']:>9} {b['down_total']:>8} {b['plaintext_up']:>10} "
-            f"{b['ratio_up_over_plaintext']:>8.4f}"
+            f"{b['ratio_up_over_plaintext']:>8.4f}{graph}"
         )
     return "\n".join(rows)
 
@@ -441,23 +512,37 @@ def consortium_run(
     model: str,
     silo_threads: int,
     budget_s: float,
+    recipe: DataConfig | None = None,
+    layer_settings: object | None = None,
+    silo_policy: Mapping[str, int] | None = None,
+    monitor: Callable[[Consortium], AbstractContextManager[dict]] | None = None,
 ) -> dict:
-    """One consortium run: its per-round times from the audit log, and its last evaluation."""
+    """One consortium run: its per-round times from the audit log, and its last evaluation.
+
+    `recipe` is the data (by default `recipe_for(model)`; its `silos` is set to `silos`), `layer_settings`
+    the privacy layer's section (the demo's by default), `silo_policy` settings added to every silo's
+    `[policy]`, and `monitor` watches the processes while they run: it is entered before they start, and
+    what it yields, filled in by then, is the run's "monitor" entry.
+    """
     _, configs = write_consortium(
         directory,
-        recipe=replace(RECIPE, silos=silos),
+        recipe=replace(recipe or recipe_for(model), silos=silos),
         plan=plan_for(model),
         consortium=ConsortiumSection(id="bench-secagg", rounds=n_rounds, min_silos=silos, privacy=privacy),
         timeouts=TimeoutSection(gather=5.0, round=budget_s, stage=budget_s),
         silo_threads=silo_threads,
-        layer_settings=demo_layer_settings(privacy),
+        layer_settings=demo_layer_settings(privacy) if layer_settings is None else layer_settings,
     )
+    for path in configs:
+        add_to_policy(path, silo_policy or {})
     consortium = Consortium(directory, configs)
     started = time.monotonic()
     code: int | None = None
+    watching = monitor(consortium) if monitor else nullcontext({})
     try:
-        consortium.start()
-        code = consortium.wait_aggregator(timeout=budget_s)
+        with watching as watched:
+            consortium.start()
+            code = consortium.wait_aggregator(timeout=budget_s)
     except AssertionError:
         pass  # over budget: report what was committed
     finally:
@@ -486,11 +571,25 @@ def consortium_run(
         # training amplifies it, so compare what they reach rather than their weights
         "final_accuracy": evaluated[-1]["accuracy"] if evaluated else None,
     }
+    if monitor:
+        run["monitor"] = watched
     if code is None:
         run["reason"] = f"stopped after {budget_s / 60:.0f} minutes with {len(times)}/{n_rounds} rounds"
     elif code != 0:
         run["reason"] = f"the aggregator exited with {code}: " + " | ".join(consortium.output[-5:])
     return run
+
+
+def add_to_policy(silo_config: Path, settings: Mapping[str, int]) -> None:
+    """Settings added to the `[policy]` table of a silo config `write_consortium` wrote (which sets none of
+    them), such as `min_neighbours` for a silo that accepts SecAgg+ graphs."""
+    if not settings:
+        return
+    text = silo_config.read_text()
+    if text.count("\n[policy]\n") != 1:
+        raise ValueError(f"{silo_config}: expected one [policy] table")
+    lines = "".join(f"{key} = {value}\n" for key, value in settings.items())
+    silo_config.write_text(text.replace("\n[policy]\n", f"\n[policy]\n{lines}"))
 
 
 PHASES = (
@@ -611,6 +710,9 @@ def main() -> None:
     s.add_argument("--silos", type=int, nargs="+", default=[3, 10, 30])
     s.add_argument("--repeats", type=int, default=5)
     s.add_argument("--model", default="resnet8")
+    s.add_argument(
+        "--graphs", nargs="+", choices=GRAPHS, default=["full"], help="secagg+: 2⌈log2 n⌉ neighbours per silo"
+    )
     r = commands.add_parser("rounds", help="a real consortium's round time, plaintext against secagg")
     r.add_argument("--silos", type=int, nargs="+", default=[3, 10])
     r.add_argument("--rounds", type=int, default=6, help="per run; the first is excluded from the median")
@@ -624,7 +726,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.command == "session":
-        result = session(args.silos, args.repeats, args.model)
+        result = session(args.silos, args.repeats, args.model, tuple(args.graphs))
         table = session_table(result)
     else:
         if args.layers[0] != "plaintext":
