@@ -242,8 +242,8 @@ def test_a_round_released_over_fewer_silos_is_retried_over_exactly_them_after_a_
 
 # --- traffic dropped, delayed, reordered and stalled ------------------------------------------------------
 
-CHAOS = Chaos(delay=0.02, late=0.005, late_seconds=6.0, lifetime=30.0)
-CHAOS_ROUNDS = 16
+CHAOS = Chaos(delay=0.02, late=0.005, late_seconds=6.0, lifetime=60.0)
+CHAOS_ROUNDS = 12
 
 
 @pytest.mark.slow

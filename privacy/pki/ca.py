@@ -134,8 +134,10 @@ def issue_server(
     days: int = 825,
     valid_from: datetime | None = None,
     replace: bool = False,
+    renew: bool = False,
 ) -> IssuedPaths:
-    """The aggregator's TLS certificate (`aggregator.pem`/`.key`): it must name every host silos dial."""
+    """The aggregator's TLS certificate (`aggregator.pem`/`.key`): it must name every host silos dial.
+    `renew`: beside the live one (`renew_server`)."""
     return _issue(
         ca_dir,
         out_dir,
@@ -146,6 +148,7 @@ def issue_server(
         days=days,
         valid_from=valid_from,
         replace=replace,
+        renew=renew,
     )
 
 
@@ -202,18 +205,16 @@ def renew_silo(
     written; the request proves possession of the key, and the identity is `silo_id`, whatever it names.
     """
     public_key = None if csr is None else csr_public_key(csr)
-    return _issue(
+    return _member(
         ca_dir,
         out_dir,
-        kind=SILO,
-        subject_id=check_id(SILO, silo_id),
-        names=[x509.UniformResourceIdentifier(identity_uri(SILO, silo_id))],
-        usage=ExtendedKeyUsageOID.CLIENT_AUTH,
+        SILO,
+        silo_id,
         days=days,
         valid_from=None,
         replace=False,
-        renew=True,
         public_key=public_key,
+        renew=True,
     )
 
 
@@ -221,18 +222,7 @@ def renew_server(
     ca_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, hosts: Sequence[str], days: int = 825
 ) -> IssuedPaths:
     """A new aggregator certificate beside the live one (see `renew_silo`: the roster names it too)."""
-    return _issue(
-        ca_dir,
-        out_dir,
-        kind=SERVER,
-        subject_id=SERVER_ID,
-        names=_host_names(hosts),
-        usage=ExtendedKeyUsageOID.SERVER_AUTH,
-        days=days,
-        valid_from=None,
-        replace=False,
-        renew=True,
-    )
+    return issue_server(ca_dir, out_dir, hosts=hosts, days=days, renew=True)
 
 
 def renew_ca(ca_dir: str | os.PathLike[str], *, days: int = 3650) -> CaPaths:
@@ -407,6 +397,7 @@ def _member(
     valid_from: datetime | None,
     replace: bool,
     public_key: ec.EllipticCurvePublicKey | None = None,
+    renew: bool = False,
 ) -> IssuedPaths:
     return _issue(
         ca_dir,
@@ -419,6 +410,7 @@ def _member(
         valid_from=valid_from,
         replace=replace,
         public_key=public_key,
+        renew=renew,
     )
 
 
