@@ -96,8 +96,14 @@ class SiloAgent:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         if config.compute.threads:
             torch.set_num_threads(config.compute.threads)
+        self.data: LabeledImages = config.load_data()
         conn = config.connection
-        self.ca_pem = config.path(conn.ca).read_bytes()
+        try:
+            self.ca_pem = config.path(conn.ca).read_bytes()
+        except OSError as exc:
+            raise PkiError(
+                f"cannot read the consortium CA certificate {config.path(conn.ca)}: {exc.strerror}"
+            ) from None
         # this silo's certificate and key: checked now (an expired one stops the agent, saying so), and
         # watched for a renewed pair installed over them (`_renewal_due`)
         self.own = OwnCertificate(
@@ -108,7 +114,6 @@ class SiloAgent:
         self._expiry = ExpiryWatch(
             lambda: expiry_watch(self.running, self.own), within_days=conn.renew_within_days, logger=log
         )
-        self.data: LabeledImages = config.load_data()
         self.trust = SiloTrust(
             self.state_dir,
             ca_pem=self.ca_pem,

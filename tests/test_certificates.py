@@ -512,6 +512,7 @@ def rotating(tmp_path):
     consortium.stop()
 
 
+@pytest.mark.slow  # 30-70 s; every step of it is also a test of its own in the default run
 def test_a_silos_certificate_is_rotated_on_a_running_secure_consortium(rotating, tmp_path, capsys):
     c = rotating
     pki = c.directory / "pki"

@@ -80,8 +80,9 @@ def contributors(consortium: Consortium) -> dict[int, list[str]]:
 QUICK_OPTIONS = {"sfd": {"rff_features": 200, "synthesis_steps": 5, "finetune_epochs": 5}}
 
 
-# one method per kind of upload in the default run (statistics: ccvr; per-class gradients: creff); the
-# rest of the same paths in `make test-all`, to keep the default run under ten minutes
+# statistics (ccvr) in the default run; per-class gradients (creff, redgrape) and the rest of the same paths
+# in `make test-all` (RedGrape's through every fault-injection test), to keep the default run under ten
+# minutes; tests/test_methods_smoke.py sends per-class fields through the secure layer in every run
 HEAVY = pytest.mark.slow
 
 
@@ -89,7 +90,7 @@ HEAVY = pytest.mark.slow
     "name",
     [
         "ccvr",
-        "creff",
+        pytest.param("creff", marks=HEAVY),
         pytest.param("redgrape", marks=HEAVY),
         pytest.param("sfd", marks=HEAVY),
         pytest.param("dflfs", marks=HEAVY),
@@ -221,6 +222,7 @@ def test_silo_and_aggregator_stop_cleanly_when_the_operator_stops_them(make_cons
     assert not any("Traceback" in line for line in consortium.output)
 
 
+@HEAVY  # and twenty kills across every stage in tests/test_fault_injection.py
 def test_aggregator_killed_mid_run_resumes_to_the_same_model(make_consortium, tmp_path):
     consortium = make_consortium(rounds=3, min_silos=3)
     consortium.start()
@@ -245,6 +247,7 @@ def test_aggregator_killed_mid_run_resumes_to_the_same_model(make_consortium, tm
         ("shares", 3),  # left before it: left out, the masks others made with it rebuilt from its mask key
     ],
 )
+@HEAVY  # and silos killed after every message of a sum in tests/test_fault_injection.py
 def test_secure_round_recovers_a_silo_killed_mid_protocol(make_consortium, tmp_path, drill, counted):
     consortium = make_consortium(rounds=1, min_silos=3, silos=4)  # threshold 3 of 4: one may leave
     consortium.start(drills={3: drill})

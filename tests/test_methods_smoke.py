@@ -15,7 +15,13 @@ QUICK = {"sfd": {"rff_features": 200, "synthesis_steps": 5, "finetune_epochs": 5
 CLOSING_ROUND = {"ccvr", "sfd", "dflfs"}
 
 
-@pytest.mark.parametrize("name", sorted(METHODS))
+# the three slowest here (20-25 s each) in `make test-all`; their own test modules run in every run
+SLOW_HERE = {"creff", "dflfs", "sfd"}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_HERE else n for n in sorted(METHODS)]
+)
 def test_method_runs_in_the_simulator(tmp_path, name):
     method = {"name": name, **QUICK.get(name, {})}
     config = load_sim_config("configs/demo.toml", DEMO_SETTING, method=method)
