@@ -197,6 +197,8 @@ def _renew_ca(args: argparse.Namespace) -> int:
 
 def _announce(issued: IssuedPaths, what: str) -> None:
     print(f"issued {what}, serial {issued.serial:x}, valid until {format_utc(issued.not_after)}")
+    if issued.replaced is not None:
+        print(f"revoked the certificate it replaces, serial {issued.replaced:x}")
     if issued.renews is not None:
         print(f"the certificate it renews, serial {issued.renews:x}, stays valid: the roster still names it")
     _wrote(issued.certificate, "the certificate")
@@ -237,12 +239,7 @@ def _issue_operator(args: argparse.Namespace) -> int:
 
 
 def _issued(issued: IssuedPaths, what: str, next_step: str) -> int:
-    print(f"issued {what}, serial {issued.serial:x}, valid until {format_utc(issued.not_after)}")
-    if issued.replaced is not None:
-        print(f"revoked the certificate it replaces, serial {issued.replaced:x}")
-    _wrote(issued.certificate, "the certificate")
-    if issued.key is not None:
-        _wrote(issued.key, "its private key (mode 0600)")
+    _announce(issued, what)
     print(f"next: {next_step}")
     return 0
 
