@@ -477,7 +477,7 @@ class RoundEngine:
     def _sums(self, attempt: Attempt, stop: threading.Event) -> Sums | Released | None:
         """The round's sums stage by stage until the contribution sum is released: its `Sums`, or `Released`
         without a total where only silos can read it; None if stopping."""
-        sums, first = attempt.sums, True
+        sums, first, pinned = attempt.sums, True, set()
         while True:
             deadline = attempt.deadline_ms if first else now_ms() + int(1000 * self.config.timeouts.stage)
             if not self._await_stage(sums, deadline, stop):
@@ -490,8 +490,10 @@ class RoundEngine:
                 self.store.save_census(self._phase(attempt.schema), sums.census_taken)
             if isinstance(out, Released):
                 break
-            if sums.half.counted is not None:  # the steps out ask silos to release the sum for this set
+            if sums.half.counted is not None and sums.purpose not in pinned:
+                # the steps out ask silos to release the sum for this set: kept first, once a sum
                 self.store.pin_release(attempt.round, sums.purpose, sums.half.counted)
+                pinned.add(sums.purpose)
             for silo, purpose, step in out:
                 self.sessions.step(silo, attempt.round_id, purpose, step)
         if sums.sums.guarded:

@@ -450,7 +450,7 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
             consortium_id=self.engine.config.consortium.id,
             aggregator_certificate=self.aggregator_pem,
             roster=self.roster.raw(),
-            crl=self.identity.revocations.crl_path.read_bytes(),
+            crl=self.identity.revocations.current()[0],
             ckks_key_holder=self.relay.key_holder,
         )
 
@@ -503,8 +503,8 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
             if request.roster_sha256 != self.roster.current().digest():
                 reply.roster = self.roster.raw()
         if request.crl_sha256:
-            crl = self.identity.revocations.crl_path.read_bytes()
-            if hashlib.sha256(crl).hexdigest() != request.crl_sha256:
+            crl, digest = self.identity.revocations.current()
+            if digest != request.crl_sha256:
                 reply.crl = crl
         return reply
 

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from procfs import status_kb
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.consortium_harness
 
@@ -29,13 +30,8 @@ SAMPLE_SECONDS = 2.0
 
 
 def rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
+    kb = status_kb(pid, ("VmRSS",)).get("VmRSS")
+    return None if kb is None else kb / 1024
 
 
 def committed_round(database: Path) -> int:

@@ -20,6 +20,7 @@ import hashlib
 import queue
 import sqlite3
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,12 +117,12 @@ _INT_RANGES: dict[int, tuple[int, int]] = {
 Known = tuple[str | bytes, ...]
 
 
-class Recipe:
+class Recipe(ABC):
     """How to make a value, drawn in its place and made by `build` in the test: Hypothesis keeps every value
     it draws for the rest of the test, and the huge ones took gigabytes over thousands of inputs."""
 
-    def build(self) -> object:
-        raise NotImplementedError
+    @abstractmethod
+    def build(self) -> object: ...
 
 
 def build(value: object) -> object:

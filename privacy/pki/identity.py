@@ -7,6 +7,7 @@ Certificates that arrive inside messages (the aggregator's signing certificate) 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import threading
@@ -130,6 +131,7 @@ class RevocationList:
         self._lock = threading.Lock()
         self._stamp: tuple[int, int, int] | None = None
         self._revoked: frozenset[int] = frozenset()
+        self._pem, self._sha256 = b"", ""
         self.reload()
 
     @classmethod
@@ -147,8 +149,15 @@ class RevocationList:
                 raise PkiError(f"cannot read CRL {self.crl_path}: {exc.strerror}") from None
             stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
             if stamp != self._stamp:
-                self._revoked = self._parse(_read(self.crl_path, "CRL"))
+                pem = _read(self.crl_path, "CRL")
+                self._revoked = self._parse(pem)
+                self._pem, self._sha256 = pem, hashlib.sha256(pem).hexdigest()
                 self._stamp = stamp
+
+    def current(self) -> tuple[bytes, str]:
+        """The CRL last verified (re-read if it changed) and its SHA-256, which silos compare with theirs."""
+        self.reload()
+        return self._pem, self._sha256
 
     def is_revoked(self, cert: x509.Certificate) -> bool:
         self.reload()
