@@ -330,6 +330,7 @@ class RoundEngine:
                 else self.picker.pick(self.held.trains, round_number, connected, avoid=self._let_down)
             )
             attempt = self._start_attempt(*picked)
+            self.store.checkpoint()  # while silos train: off the path between a commit and its RoundSpec
             try:
                 summed = self._sums(attempt, stop)
                 if summed is not None:

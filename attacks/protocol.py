@@ -65,6 +65,7 @@ from privacy.secagg.protocol import (
     SessionSpec,
     pair_seed,
 )
+from privacy.secagg.ring import Ring
 from silo.participation import Participation
 from silo.releases import LEDGER, ReleaseLedger
 
@@ -367,7 +368,7 @@ def _ledger_finding(first: Attempt, second: Attempt) -> Finding:
 
 # --- (3) split views and weak sessions ----------------------------------------------------------------------
 
-WORDS = 8
+RING = Ring(8)  # wide words only: inputs and sums read as uint64
 POLICY = SessionPolicy()
 
 
@@ -375,29 +376,29 @@ def split_views(seed: int = 0) -> list[Finding]:
     """The split-view attack mounted on a bare majority and on the default threshold, the silo policy's
     refusal of every weak session, and the clients' refusal of key lists that differ between silos."""
     findings = []
-    bare = SessionSpec("r1.a1", "contribution", _ids(5), WORDS, threshold=3)
+    bare = SessionSpec("r1.a1", "contribution", _ids(5), RING, threshold=3)
     findings.append(_split_view_finding(bare, 1, "silos without a session policy", audited=False, seed=seed))
     findings.append(_policy_finding("a bare-majority threshold, where one colluder splits views", bare))
-    default = SessionSpec("r1.a1", "contribution", _ids(5), WORDS)
+    default = SessionSpec("r1.a1", "contribution", _ids(5), RING)
     below_bound = 2 * default.t - len(default.participants) - 1  # one colluder fewer than 2t − n
     findings.append(_split_view_finding(default, below_bound, "silo session policy", audited=True, seed=seed))
     findings.append(_two_silos_contrast(seed))
     weak = [
         (
             "two silos: the sum minus one's own input is the other's",
-            SessionSpec("r", "contribution", _ids(2), 1),
+            SessionSpec("r", "contribution", _ids(2), Ring(1)),
         ),
         (
             "threshold 6 of 9, two thirds and not above",
-            SessionSpec("r", "contribution", _ids(9), WORDS, threshold=6),
+            SessionSpec("r", "contribution", _ids(9), RING, threshold=6),
         ),
         (
             "a SecAgg+ graph of 2 neighbours over 12 silos, which a colluder could steer",
-            SessionSpec("r", "contribution", _ids(12), WORDS, neighbours=2),
+            SessionSpec("r", "contribution", _ids(12), RING, neighbours=2),
         ),
         (
             "a census on a 2-neighbour graph with threshold 2",
-            SessionSpec("r", "census", _ids(12), WORDS, neighbours=2, threshold=2),
+            SessionSpec("r", "census", _ids(12), RING, neighbours=2, threshold=2),
         ),
     ]
     findings += [_policy_finding(target, spec) for target, spec in weak]
@@ -431,7 +432,7 @@ class _Silos:
         peers = KeyPeers({u: k.public_key() for u, k in keys.items()})
         clients = {u: SecAggClient(spec, u, sign=partial(sign, k), peers=peers) for u, k in keys.items()}
         rng = np.random.default_rng(seed)
-        inputs = {u: rng.integers(0, 2**64, spec.words, dtype=np.uint64) for u in spec.participants}
+        inputs = {u: RING.random(rng) for u in spec.participants}
         return cls(spec, keys, clients, inputs)
 
     def through_masked(self, shown: Tamper = lambda _, keys: keys) -> Stages:
@@ -522,7 +523,7 @@ def _split_view(spec: SessionSpec, colluders: int, seed: int) -> bool:
     unmasked = masked[victim].copy()
     masks = [(b_victim, True)]  # the victim added PRG(b), and subtracted PRG(s_uv) for each u above it
     masks += [(pair_seed(keyed, s_victim, victim, advertised[u].s_public, u), victim > u) for u in ids[1:]]
-    apply_masks(unmasked, masks)
+    apply_masks(keyed.ring, unmasked, masks)
     return bool(np.array_equal(unmasked, silos.inputs[victim]))
 
 
@@ -584,12 +585,12 @@ def _policy_finding(target: str, spec: SessionSpec) -> Finding:
 
 def _two_silos_contrast(seed: int) -> Finding:
     """A two-silo sum run to the end (no policy): one silo's input is the sum minus the other's."""
-    spec = SessionSpec("r", "contribution", _ids(2), WORDS)
+    spec = SessionSpec("r", "contribution", _ids(2), RING)
     rng = np.random.default_rng(seed)
-    inputs = {u: rng.integers(0, 2**64, WORDS, dtype=np.uint64) for u in spec.participants}
+    inputs = {u: RING.random(rng) for u in spec.participants}
     total, _ = run_session(spec, inputs)
     mine, other = spec.participants
-    recovered = bool(np.array_equal(total - inputs[mine], inputs[other]))
+    recovered = bool(np.array_equal(total.view("<u8") - inputs[mine].view("<u8"), inputs[other].view("<u8")))
     return Finding(
         attack="protocol: split views",
         mode="silos without a session policy",
@@ -606,7 +607,7 @@ def _key_list_findings(seed: int) -> list[Finding]:
     """Key lists that differ between silos (a peer left out of one silo's list), or that carry keys the
     aggregator made in a victim's name: a silo shown one must stop before it reveals any share for that view
     (substituted keys fail their signature at once; an omitted peer, at the consistency signatures)."""
-    spec = SessionSpec("r1.a1", "contribution", _ids(4), WORDS)
+    spec = SessionSpec("r1.a1", "contribution", _ids(4), RING)
 
     def omit(silo: str, keys: list[AdvertisedKeys]) -> list[AdvertisedKeys]:
         return [k for k in keys if k.silo != "silo-02"] if silo == "silo-03" else keys

@@ -1,7 +1,7 @@
 """Secure aggregation's costs at ResNet-8 size: masking, unmasking, bytes on the wire, and a whole round.
 
     python benchmarks/secagg.py session [--silos 3 10 30] [--repeats 5] [--model resnet8]
-        [--graphs full secagg+]
+        [--graphs full secagg+] [--flower .flwr/bin/python]
     python benchmarks/secagg.py rounds [--silos 3 10] [--rounds 6] [--pairs 2] [--model resnet8]
         [--layers plaintext secagg [ckks]] [--budget-minutes 15] [--keep DIR]
 
@@ -11,20 +11,27 @@
 server, consortium certificates as credentials, and every message in its Protobuf form
 (`privacy.secagg.wire`).
 The vector is the FedAvg contribution of the model on the embedded 1×28×28 data: its float entries and n
-(1,229,131 words for ResNet-8).
+(1,229,131 numbers for ResNet-8), in the ring the codec chooses for n silos (32-bit words for the model
+change up to 51 silos, `privacy.secagg.codec`).
 For each n and repeat it measures:
 - masking: one silo's `masked_input` (opening its envelopes, X25519 agreements, the self mask and n − 1
-  pairwise masks), median over the silos, against `bare`: the same n × words × 8 bytes of ChaCha20
-  keystream from cryptography's `update_into` into one reused buffer of `prg.BLOCK_WORDS` words, with no
-  arithmetic; also `apply_masks` alone (the n masks, no protocol) and the codec's encode and decode.
+  pairwise masks), median over the silos, against `bare`: the same n × ring bytes of the masks' keystream
+  (AES-128-CTR) from cryptography's `update_into` into one reused buffer of `prg.BLOCK_BYTES`, with no
+  arithmetic; ChaCha20's bare keystream on the same seeds too, in the same loop (the choice of cipher);
+  also `apply_masks` alone (the n masks, no protocol) and the codec's encode and decode.
+- with `--flower PYTHON` (an interpreter of an environment of its own with flwr installed:
+  `python3 -m venv .flwr && .flwr/bin/pip install flwr==1.42.0`), Flower SecAgg+'s masked-input stage for
+  one of n clients on the same model's parameter arrays (benchmarks/flower_secaggplus.py, Flower's own
+  client code), right after ours in each repeat; the ratio is Flower's stage over our encode + masking.
 - unmasking: the aggregator's `close_unmask` with no dropout, with one silo gone after its masked input (its
   self mask is rebuilt from shares, like everyone's) and with one gone before it (its mask key is rebuilt and
   its pairwise mask with every survivor removed). A silo can be lost only if n − 1 silos still reach the
   threshold t; at n = 3, t = 3, so both dropout cases are skipped there.
 - bytes: the serialized Protobuf size of every message one silo sends and receives in the secure sum
   (the aggregator's `SecAggStep`s as they travel, inside a `JoinResponse`), without gRPC, HTTP/2 or TLS
-  framing, against the plaintext Submit stream of the same contribution (float64). The key list carries
-  every silo's certificate PEM, which peers need to check the keys' signatures.
+  framing, against the contribution's numbers as float32 (4 bytes each) and the plaintext Submit stream of
+  the same contribution. The key list carries every silo's certificate PEM, which peers need to check the
+  keys' signatures.
 With `--graphs full secagg+` it does all of this for the complete graph and for SecAgg+'s sparse graph of
 `secagg_plus_degree(n)` = k neighbours (skipped where that degree would reach n − 1: the graph would be the
 complete one), and adds the masking time summed over all n silos: the consortium's pairwise work, O(n²) for
@@ -53,6 +60,7 @@ import os
 import platform
 import secrets
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -68,7 +76,6 @@ import numpy as np
 import torch
 from cryptography.hazmat.backends.openssl.backend import backend as openssl
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.consortium_harness
 
@@ -77,7 +84,9 @@ from aggregator.demo import DEMO_PLAN, RECIPE, demo_layer_settings, write_consor
 from aggregator.store import AuditRecord
 from fedlt.aggregation import Schema
 from fedlt.aggregation.halves import AggregatorHalf, Released, SumSpec
+from fedlt.aggregation.plaintext import to_wire
 from fedlt.data.federation import DataConfig
+from fedlt.methods.state import float_keys
 from fedlt.models import MODELS
 from fedlt.plan import ModelSection, RoundPlan
 from fedlt.v1 import consortium_pb2 as pb
@@ -92,6 +101,7 @@ from privacy.secagg.halves import SecAggAggregatorSide, SecAggSiloSide
 from privacy.secagg.local import STAGES
 from privacy.secagg.peers import ConsortiumPeers
 from privacy.secagg.protocol import Inbox, KeyList, Signer
+from privacy.secagg.ring import Ring
 from privacy.secagg.settings import SecAggSettings
 from privacy.wire import RECEIVERS, received, send, step_from_pb, step_to_pb, upload_of
 from tests.consortium_harness import RECIPE as DIGITS
@@ -180,24 +190,24 @@ def median(values: Iterable[float], digits: int = 4) -> float:
 # --- item 1: keystream floor ---------------------------------------------------------------------------
 
 
-def bare_keystream(seeds: list[bytes], words: int) -> float:
-    """Seconds to expand len(seeds) × words × 8 bytes of ChaCha20 keystream in `prg`'s blocks, no arithmetic:
-    the floor that masking is measured against."""
-    zeros = memoryview(bytes(8 * prg.BLOCK_WORDS))
-    buffer = bytearray(8 * prg.BLOCK_WORDS + 64)
+def bare_keystream(seeds: list[bytes], nbytes: int, keystream: str = prg.MASK_KEYSTREAM) -> float:
+    """Seconds to expand len(seeds) × nbytes of `keystream` in `prg`'s blocks, no arithmetic: the floor that
+    masking is measured against."""
+    zeros = memoryview(bytes(prg.BLOCK_BYTES))
+    buffer = bytearray(prg.BLOCK_BYTES + 64)
     started = time.perf_counter()
     for seed in seeds:
-        encryptor = Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor()
-        for start in range(0, words, prg.BLOCK_WORDS):
-            encryptor.update_into(zeros[: 8 * min(prg.BLOCK_WORDS, words - start)], buffer)
+        encryptor = prg.stream(seed, keystream)
+        for start in range(0, nbytes, prg.BLOCK_BYTES):
+            encryptor.update_into(zeros[: min(prg.BLOCK_BYTES, nbytes - start)], buffer)
     return time.perf_counter() - started
 
 
-def masks_only(seeds: list[bytes], vector: np.ndarray) -> float:
+def masks_only(seeds: list[bytes], ring: Ring, vector: np.ndarray) -> float:
     """Seconds for `prg.apply_masks` alone over all the seeds: masking without envelopes or key agreement."""
     target = vector.copy()
     started = time.perf_counter()
-    prg.apply_masks(target, [(seed, False) for seed in seeds])
+    prg.apply_masks(ring, target, [(seed, False) for seed in seeds])
     return time.perf_counter() - started
 
 
@@ -328,41 +338,78 @@ def run_session(
                 outgoing[u], took = timed(lambda u=u, decoded=decoded: halves[u].step(decoded))
                 if isinstance(decoded, Inbox):
                     masking[u] = took
-    codec = FixedPointCodec(spec.schema, max_silos=len(spec.silos))
-    expected = np.zeros(spec.schema.size, dtype=np.uint64)
-    for u in out.survivors:
-        np.add(expected, codec.encode(inputs[u]), out=expected)
-    if not torch.equal(out.total, codec.decode(expected)):
-        raise RuntimeError(f"{spec.round_id}: the unmasked sum is not the sum of the survivors' inputs")
+    check_sum(spec.schema, out, inputs)
     return SessionRun(masking, seconds, up, down, certificates)
 
 
-def session_costs(n: int, repeats: int, schema: Schema, members: Members, *, neighbours: int = 0) -> dict:
+def check_sum(schema: Schema, out: Released, inputs: Mapping[str, torch.Tensor]) -> None:
+    """The unmasked sum is the survivors' inputs' sum within the codec's stated bound (where it rounds
+    stochastically, the silos' own draws are not known here)."""
+    codec = FixedPointCodec(schema, max_silos=len(inputs))
+    truth = schema.unflatten(sum(inputs[u] for u in out.survivors))
+    released = schema.unflatten(out.total)
+    for f in schema.fields:
+        error = float((released[f.name] - truth[f.name]).abs().max())
+        if error > codec.error_bound(f.name):
+            raise RuntimeError(f"the unmasked sum of {f.name} is off by {error:g}, beyond the codec's bound")
+
+
+def flower_masking(flower: str, n: int, shapes: list[list[int]]) -> float:
+    """Seconds of Flower SecAgg+'s masked-input stage for one of n clients, run by `flower` (a Python with
+    flwr installed) in benchmarks/flower_secaggplus.py; its start-up is not timed."""
+    script = Path(__file__).with_name("flower_secaggplus.py")
+    command = [flower, str(script), "--silos", str(n), "--shapes", json.dumps(shapes)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(command[:2])} failed:\n{done.stderr.strip()}")
+    return json.loads(done.stdout)["seconds"][0]
+
+
+def flower_version(flower: str) -> str:
+    done = subprocess.run(
+        [flower, "-c", "import flwr; print(flwr.__version__)"], capture_output=True, text=True
+    )
+    return done.stdout.strip() or "not installed"
+
+
+def session_costs(
+    n: int,
+    repeats: int,
+    schema: Schema,
+    members: Members,
+    *,
+    neighbours: int = 0,
+    flower: Flower | None = None,
+) -> dict:
     """Items 1–3 for n silos: medians over `repeats` fresh sessions (new keys and seeds every time).
 
     `neighbours` 0 is the consortium default, the complete graph; otherwise SecAgg+'s degree. The threshold
-    is the default: more than two thirds of a seed's holders.
+    is the default: more than two thirds of a seed's holders. With `flower`, each repeat also times Flower
+    SecAgg+'s masked-input stage for the same n and model, right after ours.
     """
     participants = tuple(sorted(f"silo-{k}" for k in range(n)))
     settings = SecAggSettings(neighbours=neighbours)
     codec = FixedPointCodec(schema, max_silos=n)
+    ring = codec.ring
     flats = {u: contribution(schema, seed=k) for k, u in enumerate(participants)}
     inputs = {u: codec.encode(v) for u, v in flats.items()}
-    words = schema.size
-    shape = settings.session("r0", "contribution", participants, words, b"")
+    shape = settings.session("r0", "contribution", participants, ring, b"")
     t, holders = shape.t, shape.holder_count
     # losing a silo leaves its neighbours holders - 1 holders of each other's seeds
     scenarios = [s for s in DROPOUTS if s == "none" or holders - 1 >= t]
     drop = participants[-1]
 
-    bare_keystream([secrets.token_bytes(prg.SEED_BYTES)], words)  # warm up the cipher and the allocator
-    bare, masking, ratios, apply_only, encode, decode, masking_total = [], [], [], [], [], [], []
+    for keystream in prg.KEYSTREAMS:  # warm up the ciphers and the allocator
+        bare_keystream([secrets.token_bytes(prg.SEED_BYTES)], ring.nbytes, keystream)
+    bare: dict[str, list[float]] = {k: [] for k in prg.KEYSTREAMS}
+    masking, ratios, apply_only, encode, decode, masking_total, flowers = [], [], [], [], [], [], []
     unmask: dict[str, list[float]] = {s: [] for s in scenarios}
     sizes: SessionRun | None = None
     for repeat in range(repeats):
         seeds = [secrets.token_bytes(prg.SEED_BYTES) for _ in range(holders)]  # a silo's masks: self + peers
-        bare.append(bare_keystream(seeds, words))
-        apply_only.append(masks_only(seeds, inputs[participants[0]]))
+        for keystream in prg.KEYSTREAMS:
+            bare[keystream].append(bare_keystream(seeds, ring.nbytes, keystream))
+        apply_only.append(masks_only(seeds, ring, inputs[participants[0]]))
         encode.append(timed(lambda: codec.encode(flats[participants[0]]))[1])
         for scenario in scenarios:
             round_id = f"r{repeat + 1}.a1.{secrets.token_hex(4)}"
@@ -375,8 +422,10 @@ def session_costs(n: int, repeats: int, schema: Schema, members: Members, *, nei
                 typical = statistics.median(run.masking_s.values())
                 masking.append(typical)
                 masking_total.append(sum(run.masking_s.values()))
-                ratios.append(typical / bare[-1])
+                ratios.append(typical / bare[prg.MASK_KEYSTREAM][-1])
                 sizes = run
+        if flower is not None:
+            flowers.append(flower_masking(flower.python, n, flower.shapes))
         decode.append(timed(lambda: codec.decode(inputs[participants[0]]))[1])
     assert sizes is not None
 
@@ -386,28 +435,49 @@ def session_costs(n: int, repeats: int, schema: Schema, members: Members, *, nei
         return {m: round(statistics.fmean(table[u][m] for u in participants)) for m in names}
 
     up, down = per_silo(sizes.up), per_silo(sizes.down)
-    plaintext_payload = np.zeros(words, dtype="<f8").tobytes()
+    plaintext_payload = to_wire(schema, torch.zeros(schema.size, dtype=torch.float64))
     plaintext_up = stream_bytes(
         submit_stream(
             "r1.a1.00000000", plaintext_payload, kind=pb.CONTRIBUTION_KIND_PLAINTEXT, purpose="contribution"
         )
     )
+    float32_bytes = 4 * schema.size  # the contribution's numbers as float32: the model's entries and n
+    ours = [m + e for m, e in zip(masking, encode, strict=True)]
     return {
         "silos": n,
         "neighbours": neighbours,
         "holders": holders,
         "threshold": t,
-        "words": words,
+        "words": schema.size,
+        "ring": {"wide_words": ring.wide, "narrow_words": ring.narrow, "bytes": ring.nbytes},
+        "encodings": {
+            e.field.name: {"bits": e.bits, "frac_bits": e.frac_bits, "stochastic": e.stochastic}
+            for e in codec.encodings
+        },
         "repeats": repeats,
         "masking_s_median": median(masking),
         "masking_all_silos_s_median": median(masking_total),
-        "bare_keystream_s_median": median(bare),
+        "bare_keystream_s_median": median(bare[prg.MASK_KEYSTREAM]),
+        "bare_keystream_s_median_by_cipher": {k: median(v) for k, v in bare.items()},
+        "keystream": prg.MASK_KEYSTREAM,
         "ratio_masking_over_bare": median(ratios, 3),
         "ratio_samples": [round(r, 3) for r in ratios],
         "apply_mask_only_s_median": median(apply_only),
-        "keystream_gb_per_s": round(holders * words * 8 / statistics.median(bare) / 1e9, 2),
+        "keystream_gb_per_s": {
+            k: round(holders * ring.nbytes / statistics.median(v) / 1e9, 2) for k, v in bare.items()
+        },
         "codec_encode_s_median": median(encode),
         "codec_decode_s_median": median(decode),
+        "flower": None
+        if flower is None
+        else {
+            "masked_input_stage_s_median": median(flowers),
+            "samples": [round(f, 4) for f in flowers],
+            "ratio_flower_over_ours": round(
+                statistics.median(f / o for f, o in zip(flowers, ours, strict=True)), 2
+            ),
+            "ours": "encode + masked_input (the codec, the envelopes, key agreement, every mask)",
+        },
         "unmask_s_median": {s: median(unmask[s]) if s in unmask else None for s in DROPOUTS},
         "unmask_note": ""
         if len(scenarios) == len(DROPOUTS)
@@ -419,25 +489,51 @@ def session_costs(n: int, repeats: int, schema: Schema, members: Members, *, nei
             "up_total": sum(up.values()),
             "down_total": sum(down.values()),
             "key_list_certificates": sizes.certificate_bytes,
-            "plaintext_payload": 8 * words,
+            "float32_contribution": float32_bytes,
+            "ratio_up_over_float32": round(sum(up.values()) / float32_bytes, 4),
+            "ratio_up_and_down_over_float32": round(
+                (sum(up.values()) + sum(down.values())) / float32_bytes, 4
+            ),
+            "plaintext_payload": len(plaintext_payload),
             "plaintext_up": plaintext_up,
             "ratio_up_over_plaintext": round(sum(up.values()) / plaintext_up, 4),
-            "ratio_up_and_down_over_plaintext": round(
-                (sum(up.values()) + sum(down.values())) / plaintext_up, 4
-            ),
         },
     }
 
 
-def session(silos: list[int], repeats: int, model: str, graphs: tuple[str, ...] = ("full",)) -> dict:
+@dataclass(frozen=True)
+class Flower:
+    python: str  # an interpreter with flwr installed
+    shapes: list[list[int]]  # the model's parameter arrays, as Flower's client would hold them
+
+
+def model_shapes(model: str) -> list[list[int]]:
+    method = plan_for(model).build_method()
+    state = method.init_state(seed=0)
+    return [list(state.model[k].shape) for k in float_keys(state.model)]
+
+
+def session(
+    silos: list[int], repeats: int, model: str, graphs: tuple[str, ...] = ("full",), flower: str = ""
+) -> dict:
     """Every n with each graph of `graphs`, the graphs in turn for each n (a drift of the machine then shows
     in both graphs' numbers at that n rather than between them). SecAgg+ is skipped where its degree gives
-    the complete graph (n = 3): that row would repeat the full graph's."""
+    the complete graph (n = 3): that row would repeat the full graph's. With `flower` (a Python with flwr),
+    Flower's masked-input stage is timed beside the full graph's."""
     schema = contribution_schema(model)
+    against = Flower(flower, model_shapes(model)) if flower else None
     with tempfile.TemporaryDirectory() as tmp:
         members = Members.issue(Path(tmp), max(silos))
         results = [
-            {"graph": graph} | session_costs(n, repeats, schema, members, neighbours=neighbours_for(graph, n))
+            {"graph": graph}
+            | session_costs(
+                n,
+                repeats,
+                schema,
+                members,
+                neighbours=neighbours_for(graph, n),
+                flower=against if graph == "full" else None,
+            )
             for n in silos
             for graph in graphs
             if graph == "full" or neighbours_for(graph, n)
@@ -447,28 +543,38 @@ def session(silos: list[int], repeats: int, model: str, graphs: tuple[str, ...] 
         "model": model,
         "words": schema.size,
         "graphs": list(graphs),
+        "flwr": flower_version(flower) if flower else None,
         "by_silos": results,
     }
 
 
 def session_table(result: dict) -> str:
     graphs = result.get("graphs", ["full"]) != ["full"]
+    flower = result.get("flwr") is not None
     rows = [
-        f"{'n':>3} {'t':>3} {'mask s':>7} {'bare s':>7} {'ratio':>6} {'apply s':>7} {'encode s':>8} "
-        f"{'unmask s none/after/before':>27} {'up B':>9} {'down B':>8} {'plain up B':>10} {'up/plain':>8}"
+        f"{'n':>3} {'t':>3} {'mask s':>7} {'bare s':>7} {'ratio':>6} {'chacha s':>8} {'encode s':>8} "
+        f"{'unmask s none/after/before':>27} {'up B':>9} {'down B':>8} {'f32 B':>9} {'up/f32':>7}"
+        + (f" {'flower s':>8} {'x':>5}" if flower else "")
         + (f" {'graph':>7} {'k':>3} {'all silos mask s':>16}" if graphs else "")
     ]
     for r in result["by_silos"]:
         unmask = "/".join("-" if v is None else f"{v:.3f}" for v in r["unmask_s_median"].values())
         b = r["bytes_per_silo"]
         k = r["neighbours"] or r["silos"] - 1
+        against = r["flower"] or {}
+        versus = (
+            f" {against.get('masked_input_stage_s_median', '-'):>8}"
+            f" {against.get('ratio_flower_over_ours', '-'):>5}"
+            if flower
+            else ""
+        )
         graph = f" {r['graph']:>7} {k:>3} {r['masking_all_silos_s_median']:>16.3f}" if graphs else ""
         rows.append(
             f"{r['silos']:>3} {r['threshold']:>3} {r['masking_s_median']:>7.3f} "
             f"{r['bare_keystream_s_median']:>7.3f} {r['ratio_masking_over_bare']:>6.3f} "
-            f"{r['apply_mask_only_s_median']:>7.3f} {r['codec_encode_s_median']:>8.4f} {unmask:>27} "
-            f"{b['up_total']:>9} {b['down_total']:>8} {b['plaintext_up']:>10} "
-            f"{b['ratio_up_over_plaintext']:>8.4f}{graph}"
+            f"{r['bare_keystream_s_median_by_cipher']['chacha20']:>8.3f} {r['codec_encode_s_median']:>8.4f} "
+            f"{unmask:>27} {b['up_total']:>9} {b['down_total']:>8} {b['float32_contribution']:>9} "
+            f"{b['ratio_up_over_float32']:>7.4f}{versus}{graph}"
         )
     return "\n".join(rows)
 
@@ -724,9 +830,15 @@ def main() -> None:
     r.add_argument(
         "--layers", nargs="+", default=["plaintext", "secagg"], help="plaintext first: the others' baseline"
     )
+    s.add_argument(
+        "--flower",
+        default="",
+        metavar="PYTHON",
+        help="a Python with flwr installed (its own venv): Flower SecAgg+'s masked-input stage beside ours",
+    )
     args = parser.parse_args()
     if args.command == "session":
-        result = session(args.silos, args.repeats, args.model, tuple(args.graphs))
+        result = session(args.silos, args.repeats, args.model, tuple(args.graphs), args.flower)
         table = session_table(result)
     else:
         if args.layers[0] != "plaintext":

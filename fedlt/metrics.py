@@ -40,7 +40,10 @@ class ShotThresholds:
 
 
 @torch.no_grad()
-def predict(model: nn.Module, x: np.ndarray, batch_size: int = 1024) -> np.ndarray:
+def predict(model: nn.Module, x: np.ndarray, batch_size: int = 128) -> np.ndarray:
+    """Batches small enough that the allocator reuses their activations: at 1024 images the McMahan CNN's
+    ~100 MB of activations went back to the kernel after each call and page-faulted in again (128,000 faults
+    for 1,000 images; none at 128, and a quarter less time)."""
     model.eval()
     images = torch.from_numpy(x)
     return np.concatenate(

@@ -2,7 +2,7 @@
 
 Schemas, censuses and which sum a message belongs to travel the same way whatever the privacy layer; large
 payloads move in `CHUNK`-sized parts, a Submit stream as a header (round, kind, size, SHA-256) and chunks. The
-plaintext layer's upload is float64 little-endian in schema order.
+plaintext layer's upload is its own bytes (`fedlt.aggregation.plaintext`).
 """
 
 from __future__ import annotations
@@ -10,14 +10,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 
-import numpy as np
-import torch
-
 from fedlt.aggregation.plaintext import Upload
 from fedlt.aggregation.round_sums import CensusResult
 from fedlt.aggregation.schema import Field, Schema
 from fedlt.aggregation.tail_guard import Census
-from fedlt.errors import ContributionError
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import round_pb2
 
@@ -40,6 +36,7 @@ def schema_to_pb(schema: Schema) -> round_pb2.Schema:
             frac_bits=f.frac_bits,
             per_class=f.per_class,
             sensitivity=f.sensitivity,
+            float64=f.float64,
         )
         for f in schema.fields
     ]
@@ -55,6 +52,7 @@ def schema_from_pb(schema: round_pb2.Schema) -> Schema:
             frac_bits=f.frac_bits,
             per_class=f.per_class,
             sensitivity=f.sensitivity,
+            float64=f.float64,
         )
         for f in schema.fields
     )
@@ -99,15 +97,8 @@ def submit_stream(
 
 
 def upload_payload(upload: Upload) -> bytes:
-    return np.ascontiguousarray(upload.vector.numpy(), dtype="<f8").tobytes()
+    return upload.payload
 
 
 def upload_of(payload: bytes) -> Upload:
-    return Upload(torch.from_numpy(words(payload, "<f8").copy()))
-
-
-def words(payload: bytes, dtype: str) -> np.ndarray:
-    """A payload read as 8-byte little-endian words; a payload of another length is refused, not cut."""
-    if len(payload) % 8:
-        raise ContributionError(f"an upload of {len(payload)} bytes is not a whole number of 8-byte values")
-    return np.frombuffer(payload, dtype=dtype)
+    return Upload(payload)

@@ -53,8 +53,8 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 # simulator runs they are compared with use the same count (results depend on it at float precision).
 SILO_THREADS = 1
 # Server steps that re-train a head (CReFF, CCVR) reduce in BLAS in an order that depends on the thread count;
-# the aggregator runs with the simulator's count too, so their states can be compared bit for bit.
-AGGREGATOR_ENV = {**ENV, "OMP_NUM_THREADS": str(SILO_THREADS)}
+# the aggregator runs with the simulator's count too (`Consortium.aggregator_threads`), so their states can be
+# compared bit for bit.
 # Stores tests build themselves; a live aggregator's store is keyed by its private key (`Consortium.store`).
 AUDIT_KEY = AuditKey(b"fedlt tests' fixed audit key ...")
 
@@ -81,6 +81,9 @@ class Consortium:
     silos: dict[int, subprocess.Popen] = field(default_factory=dict)
     output: list[str] = field(default_factory=list)
     address: str = ""
+    aggregator_threads: int = (
+        SILO_THREADS  # benchmarks give it the simulator's count, which they compare with
+    )
 
     @classmethod
     def create(
@@ -152,7 +155,7 @@ class Consortium:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=AGGREGATOR_ENV,
+            env={**ENV, "OMP_NUM_THREADS": str(self.aggregator_threads)},
         )
         threading.Thread(target=self._pump, args=(self.aggregator,), daemon=True).start()
         address = wait_for_address(self.data_dir, self.aggregator, timeout=60)

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedlt.aggregation import LAYERS, Field, Schema, SumLayer, Sums, make_layer
-from fedlt.aggregation.plaintext import PlaintextSum
+from fedlt.aggregation.plaintext import PlaintextSum, from_wire, to_wire, upload_bytes
 from fedlt.errors import ConfigError, ContributionError
 
 SCHEMA = Schema((Field("delta", (3,), 5.0), Field("n", (), 100.0)))
@@ -88,3 +88,34 @@ def test_unflatten_round_trip_and_shape_check():
     assert parts["n"].shape == ()
     with pytest.raises(ContributionError, match=r"schema needs \(4,\)"):
         SCHEMA.unflatten(torch.zeros(5))
+
+
+WIRE = Schema(
+    (
+        Field("delta", (4,), 10.0),  # float32
+        Field("second_moment", (2,), 1e6, float64=True),  # asks for float64
+        Field("count", (), 2.0**30, frac_bits=0),  # integers past float32's exact range: float64
+        Field("small_count", (), 1000.0, frac_bits=0),  # exact in float32
+    )
+)
+
+
+def test_a_plaintext_upload_is_float32_except_where_a_field_needs_float64():
+    assert [f.wire_dtype for f in WIRE.fields] == ["<f4", "<f8", "<f8", "<f4"]
+    assert upload_bytes(WIRE) == 4 * 4 + 2 * 8 + 8 + 4
+    vector = torch.tensor(
+        [0.1, -0.2, 1e-9, 3.0, 123456.789012345, -1e-12, 2.0**30 - 1, 999.0], dtype=torch.float64
+    )
+    back = from_wire(WIRE, to_wire(WIRE, vector))
+    assert torch.equal(back[:4], vector[:4].float().double())  # rounded to float32, as the model is
+    assert torch.equal(back[4:], vector[4:])  # float64 fields, and counts, exactly
+    with pytest.raises(ContributionError, match="the schema needs 44"):
+        from_wire(WIRE, to_wire(WIRE, vector)[:-4])
+
+
+def test_the_simulators_plaintext_sum_is_of_the_uploaded_bytes():
+    """In-process halves exchange the same bytes as the consortium: the sum is of float32-rounded deltas."""
+    rows = [torch.tensor([0.1, 0.2, 0.3, 0.4, 1.0, 2.0, 3.0, 4.0], dtype=torch.float64) for _ in range(2)]
+    sums = PlaintextSum().aggregate(WIRE, [WIRE.contribution(**WIRE.unflatten(r)) for r in rows])
+    assert torch.equal(sums["delta"], 2 * rows[0][:4].float().double())
+    assert float(sums["second_moment"][0]) == 2.0

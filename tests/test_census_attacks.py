@@ -17,6 +17,7 @@ from fedlt.aggregation import tail_guard
 from fedlt.aggregation.tail_guard import CensusError
 from privacy.secagg.local import run_session
 from privacy.secagg.protocol import SessionSpec
+from privacy.secagg.ring import Ring
 
 CLASSES, SILOS = 6, 10
 NAMES = [f"silo-{k}" for k in range(SILOS)]
@@ -29,15 +30,21 @@ def holdings(seed: int = 3) -> np.ndarray:
     return (rng.random((SILOS, CLASSES)) < p).astype(np.int64)
 
 
+def summed(spec: SessionSpec, inputs: dict[str, np.ndarray]) -> tuple[np.ndarray, tuple[str, ...]]:
+    """A secure sum of uint64 words (a ring of wide words only), as the protocol runs it."""
+    total, counted = run_session(spec, {u: v.view(np.uint8) for u, v in inputs.items()})
+    return total.view("<u8"), counted
+
+
 def test_two_censuses_of_one_phase_over_sets_that_differ_by_one_silo_would_give_it_away():
     """Why a silo signs one census per phase (tests/test_silo_releases.py shows it refusing the second)."""
     truth = holdings()
     ids = tuple(NAMES)
     present = {u: truth[k].astype(np.uint64) for k, u in enumerate(ids)}
-    spec = SessionSpec("r1", "census", ids, CLASSES, threshold=SILOS)
-    full, _ = run_session(spec, present)
-    without = SessionSpec("r1.retry", "census", ids[1:], CLASSES, threshold=SILOS - 1)
-    rest, _ = run_session(without, {u: present[u] for u in ids[1:]})
+    spec = SessionSpec("r1", "census", ids, Ring(CLASSES), threshold=SILOS)
+    full, _ = summed(spec, present)
+    without = SessionSpec("r1.retry", "census", ids[1:], Ring(CLASSES), threshold=SILOS - 1)
+    rest, _ = summed(without, {u: present[u] for u in ids[1:]})
     assert np.array_equal(full - rest, truth[0])
 
 
@@ -48,16 +55,16 @@ def test_one_malicious_silo_can_lift_a_class_to_k_min_and_no_further_than_the_si
     honest = {"a": [1, 0, 1], "b": [1, 0, 0], "c": [1, 0, 0]}  # class 2: only a holds it
     inputs = {u: np.array(v, dtype=np.uint64) for u, v in honest.items()}
     inputs["mallory"] = np.array([1, 0, 1], dtype=np.uint64)  # k_min - 1 = 1 extra for class 2
-    counts, counted = run_session(SessionSpec("r", "census", ids, 3), inputs)
+    counts, counted = summed(SessionSpec("r", "census", ids, Ring(3)), inputs)
     tail_guard.check_census(counts, inputs["a"], len(counted))  # a cannot tell
     census = tail_guard.Census.of(counted, counts)
     assert census.guarded(ids, k_min=2) == []  # class 2 passes the guard: a's row is summed with mallory's
     inputs["mallory"] = np.array([1, 0, 2**64 - 1], dtype=np.uint64)  # a wrapped count is caught
-    counts, counted = run_session(SessionSpec("r", "census", ids, 3), inputs)
+    counts, counted = summed(SessionSpec("r", "census", ids, Ring(3)), inputs)
     with pytest.raises(CensusError, match="cannot be the sum"):
         tail_guard.check_census(counts, inputs["a"], len(counted))
     inputs["mallory"] = np.array([1, 0, 4], dtype=np.uint64)  # more holders than silos: caught
-    counts, counted = run_session(SessionSpec("r", "census", ids, 3), inputs)
+    counts, counted = summed(SessionSpec("r", "census", ids, Ring(3)), inputs)
     with pytest.raises(CensusError, match="cannot be the sum"):
         tail_guard.check_census(counts, inputs["b"], len(counted))
 

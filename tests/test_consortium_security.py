@@ -17,9 +17,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from fedlt.aggregation.plaintext import upload_bytes
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc, operator_pb2, operator_pb2_grpc, round_pb2
-from fedlt.wire import submit_stream
+from fedlt.wire import schema_from_pb, submit_stream
 from privacy.pki.ca import init_ca, issue_silo, revoke
 from tests.consortium_harness import Consortium, channel, code_of, payload_server, read_all, register
 
@@ -125,7 +126,8 @@ def test_bad_requests_get_precise_codes_and_change_nothing(live):
         signed = directives.get(timeout=60).round_spec
         spec = round_pb2.RoundSpec.FromString(signed.spec)
         size = sum(int(np.prod(f.shape)) for f in spec.schema.fields)
-        good = np.zeros(size, dtype="<f8")
+        assert upload_bytes(schema_from_pb(spec.schema)) == 4 * size  # FedAvg's fields travel as float32
+        good = np.zeros(size, dtype="<f4")
         good[-1] = 5.0  # n = 5, delta = 0: a harmless, valid contribution
         nan = good.copy()
         nan[0] = np.nan
@@ -133,7 +135,7 @@ def test_bad_requests_get_precise_codes_and_change_nothing(live):
         def submit(parts):
             return stub.Submit(iter(parts), timeout=30)
 
-        def header(round_id=spec.round_id, total=size * 8, digest=""):
+        def header(round_id=spec.round_id, total=size * 4, digest=""):
             return pb.SubmitRequest(
                 header=pb.SubmitHeader(
                     round_id=round_id,

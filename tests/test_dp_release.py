@@ -347,7 +347,8 @@ def test_without_dp_the_sum_of_a_singleton_class_is_its_record_and_with_dp_it_is
     assert float(record.norm()) == pytest.approx(NORM)  # the record was clipped
     silos = ["silo-0", "silo-1", "silo-2"]
     plain = make_layer("plaintext").aggregate(FEATURES, contributions, silos=silos)
-    torch.testing.assert_close(_singleton_guess(plain), record, rtol=0, atol=1e-12)
+    # to float32's precision, in which plaintext uploads carry the feature sums
+    torch.testing.assert_close(_singleton_guess(plain), record, rtol=1e-6, atol=0)
 
     noise = {u: _silo(Plan(FEATURES.fields), seed=f"attack/{u}") for u in silos}
     private = make_layer("plaintext").aggregate(FEATURES, contributions, silos=silos, noise=noise)

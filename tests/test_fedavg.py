@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedlt.aggregation import Field, Schema
+from fedlt.aggregation import Field, Schema, make_layer
 from fedlt.aggregation.plaintext import PlaintextSum
 from fedlt.data.arrays import LabeledImages
 from fedlt.methods import METHODS, ModelSpec, ServerContext, SiloContext, TrainConfig
@@ -37,7 +37,11 @@ def test_server_step_is_the_hand_computed_weighted_average():
     # two silos with 30 and 10 samples whose local models moved by d1 and d2
     d1 = torch.full_like(w0, 0.2)
     d2 = torch.linspace(-1, 1, len(w0), dtype=torch.float64)
-    contributions = [schema.contribution(delta=30 * d1, n=30), schema.contribution(delta=10 * d2, n=10)]
+    big = method.options.max_silo_samples  # silos send (n_k / N) Δw_k
+    contributions = [
+        schema.contribution(delta=30 / big * d1, n=30),
+        schema.contribution(delta=10 / big * d2, n=10),
+    ]
     new = method.server_step(state, PlaintextSum().aggregate(schema, contributions), ServerContext(1, 0))
     expected = w0 + (30 * d1 + 10 * d2) / 40
     assert new.round == 1
@@ -50,7 +54,7 @@ def test_server_lr_scales_the_step():
     state = method.init_state(seed=0)
     schema = method.schema(state)
     size = schema.fields[0].size  # "delta"
-    c = schema.contribution(delta=torch.full((size,), 2.0 * 4), n=4)
+    c = schema.contribution(delta=torch.full((size,), 2.0 * 4 / method.options.max_silo_samples), n=4)
     new = method.server_step(state, PlaintextSum().aggregate(schema, [c]), ServerContext(1, 0))
     keys = float_keys(state.model)
     assert torch.allclose(flatten(new.model, keys) - flatten(state.model, keys), torch.full((size,), 1.0))
@@ -63,7 +67,7 @@ def test_local_round_contributes_weighted_delta_and_count():
     c = method.local_round(state, data, SiloContext(1, "silo-0", 0))
     assert float(c.values["n"]) == 24
     keys = float_keys(state.model)
-    # the delta is n times the actual model change: redo the training and compare
+    # the delta is n / N times the actual model change: redo the training and compare
     again = method.local_round(state, data, SiloContext(1, "silo-0", 0))
     assert torch.equal(c.values["delta"], again.values["delta"])
     assert c.values["delta"].abs().max() > 0
@@ -125,3 +129,54 @@ def test_digest_changes_with_any_weight():
 
 def test_registry_names():
     assert set(METHODS) == {"fedavg", "fedprox", "ccvr", "creff", "redgrape", "sfd", "dflfs"}
+
+
+def test_the_weight_scale_follows_the_summed_sample_count_and_caps_a_larger_silo():
+    """N_r starts at max_silo_samples, then is twice the samples the last round summed; a silo with more
+    samples than N_r reports N_r, with a weight of one."""
+    method = _fedavg()
+    state = method.init_state(seed=0)
+    assert method.weight_scale(state) == method.options.max_silo_samples
+    schema = method.schema(state)
+    size = schema.fields[0].size
+    sums = PlaintextSum().aggregate(
+        schema, [schema.contribution(delta=torch.zeros(size), n=n) for n in (7, 13)]
+    )
+    following = method.server_step(state, sums, ServerContext(1, 0))
+    assert method.weight_scale(following) == 40
+    small = method.local_round(following, _silo(24, 1), SiloContext(2, "silo-0", 0))
+    big = method.local_round(following, _silo(50, 1), SiloContext(2, "silo-0", 0))
+    assert (float(small.values["n"]), float(big.values["n"])) == (24, 40)
+    trained = method.local_round(following, _silo(24, 1), SiloContext(2, "silo-0", 0)).values["delta"]
+    again = method.local_round(state, _silo(24, 1), SiloContext(2, "silo-0", 0)).values["delta"]
+    # the same training from the same model: only the weight differs, 24/40 against 24/max_silo_samples
+    assert torch.allclose(trained * 40, again * method.options.max_silo_samples)
+
+
+@pytest.mark.parametrize("later", [False, True], ids=["first round", "a later round"])
+def test_a_secure_step_is_the_plaintext_step_within_the_codecs_stated_bound(later):
+    """The compact ring changes the numbers: each silo's (n_k / N_r)·Δw_k is rounded to 2^-(f+1), so the
+    step is off by at most N_r / Σn_k · K · 2^-(f+1), per element. N_r is max_silo_samples in the first round,
+    2 Σ n_k after it: the later round's bound is about a thousand times tighter here."""
+    method = _fedavg()
+    state = method.init_state(seed=0)
+    if later:
+        schema = method.schema(state)
+        size = schema.fields[0].size
+        counts = [schema.contribution(delta=torch.zeros(size), n=n) for n in (30, 40, 50)]
+        state = method.server_step(state, PlaintextSum().aggregate(schema, counts), ServerContext(1, 0))
+    schema = method.schema(state)
+    contributions = [
+        method.local_round(state, _silo(n, k), SiloContext(1, f"silo-{k}", 0))
+        for k, n in enumerate((30, 40, 50))
+    ]
+    steps = {
+        name: method.server_step(state, layer.aggregate(schema, contributions), ServerContext(1, 0))
+        for name, layer in {"plaintext": PlaintextSum(), "secagg": make_layer("secagg")}.items()
+    }
+    keys = float_keys(state.model)
+    error = flatten(steps["secagg"].model, keys).double() - flatten(steps["plaintext"].model, keys).double()
+    f = schema.fields[0].frac_bits  # 3 silos: 32-bit words at the field's own 24 bits
+    bound = method.weight_scale(state) / 120 * 3 * 2.0 ** -(f + 1) + 1e-7  # + float32 rounding of the model
+    assert 0 < error.abs().max().item() <= bound
+    assert bound < (1e-5 if later else 1e-3)

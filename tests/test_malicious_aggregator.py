@@ -33,8 +33,9 @@ from privacy.secagg.protocol import (
     default_threshold,
     pair_seed,
 )
+from privacy.secagg.ring import Ring
 
-WORDS = 8
+RING = Ring(8)
 
 
 def silos(n: int) -> tuple[str, ...]:
@@ -55,7 +56,7 @@ class Session:
             for u, k in self.keys.items()
         }
         rng = np.random.default_rng(7)
-        self.inputs = {u: rng.integers(0, 2**64, WORDS, dtype=np.uint64) for u in spec.participants}
+        self.inputs = {u: RING.random(rng) for u in spec.participants}
         self.advertised = {u: c.advertise() for u, c in self.clients.items()}
 
     def through_masked(self, key_lists=None) -> dict[str, np.ndarray]:
@@ -69,7 +70,7 @@ class Session:
 
 def split_view_attack(n: int, colluders: int, *, threshold: int = 0) -> np.ndarray | None:
     """The victim's input if the attack succeeds, None if the honest silos' refusals stop it."""
-    spec = SessionSpec("r1.a1", "contribution", silos(n), WORDS, threshold=threshold)
+    spec = SessionSpec("r1.a1", "contribution", silos(n), RING, threshold=threshold)
     session = Session(spec)
     masked = session.through_masked()
     ids, t = spec.participants, spec.t
@@ -116,7 +117,7 @@ def split_view_attack(n: int, colluders: int, *, threshold: int = 0) -> np.ndarr
     for u in ids[1:]:
         seed = pair_seed(final, s_v, victim, session.advertised[u].s_public, u)
         masks.append((seed, victim >= u))  # the victim subtracted PRG(s_uv) when victim < u: undo it
-    apply_masks(unmasked, masks)
+    apply_masks(final.ring, unmasked, masks)
     return unmasked if np.array_equal(unmasked, session.inputs[victim]) else None
 
 
@@ -137,16 +138,16 @@ def test_a_bare_majority_falls_to_one_colluder_so_silos_refuse_it():
     """Watch it succeed at the protocol level, then see the silo's policy refuse such a session outright."""
     assert split_view_attack(5, 1, threshold=3) is not None
     with pytest.raises(PolicyRefusal, match="threshold 3 of 5 share holders is not above 2/3"):
-        SessionPolicy().check(SessionSpec("r1.a1", "contribution", silos(5), WORDS, threshold=3))
+        SessionPolicy().check(SessionSpec("r1.a1", "contribution", silos(5), RING, threshold=3))
 
 
 @pytest.mark.parametrize(
     ("spec", "refusal"),
     [
-        (SessionSpec("r", "contribution", silos(2), WORDS), "2 silos in the contribution sum"),
-        (SessionSpec("r", "contribution", silos(12), WORDS, neighbours=2), "accepts only the complete graph"),
-        (SessionSpec("r", "census", silos(12), WORDS, neighbours=2, threshold=2), "not above 2/3"),
-        (SessionSpec("r", "contribution", silos(9), WORDS, threshold=6), "threshold 6 of 9"),
+        (SessionSpec("r", "contribution", silos(2), RING), "2 silos in the contribution sum"),
+        (SessionSpec("r", "contribution", silos(12), RING, neighbours=2), "accepts only the complete graph"),
+        (SessionSpec("r", "census", silos(12), RING, neighbours=2, threshold=2), "not above 2/3"),
+        (SessionSpec("r", "contribution", silos(9), RING, threshold=6), "threshold 6 of 9"),
     ],
 )
 def test_silo_policy_refuses_weak_sessions_by_default(spec, refusal):
@@ -157,22 +158,24 @@ def test_silo_policy_refuses_weak_sessions_by_default(spec, refusal):
 def test_a_silo_that_opts_into_secagg_plus_still_sets_a_floor():
     policy = SessionPolicy(min_neighbours=6)
     with pytest.raises(PolicyRefusal, match=r"4 neighbours per silo, fewer than policy\.min_neighbours 6"):
-        policy.check(SessionSpec("r", "contribution", silos(30), WORDS, neighbours=4))
-    policy.check(SessionSpec("r", "contribution", silos(30), WORDS, neighbours=8))
+        policy.check(SessionSpec("r", "contribution", silos(30), RING, neighbours=4))
+    policy.check(SessionSpec("r", "contribution", silos(30), RING, neighbours=8))
 
 
 @given(n=st.integers(3, 60))
 @settings(max_examples=40, deadline=None)
 def test_every_default_session_meets_the_default_policy(n):
     """A default consortium must never be refused by default silos, whatever its size."""
-    SessionPolicy().check(SessionSpec("r", "contribution", silos(n), WORDS))
-    assert not SessionPolicy(threshold_above=Fraction(2, 3)).problems(SessionSpec("r", "census", silos(n), 4))
+    SessionPolicy().check(SessionSpec("r", "contribution", silos(n), RING))
+    assert not SessionPolicy(threshold_above=Fraction(2, 3)).problems(
+        SessionSpec("r", "census", silos(n), Ring(4))
+    )
 
 
 def test_the_sparse_graph_comes_from_the_silos_keys_so_the_aggregator_cannot_draw_it_in_advance():
     """Re-drawing round ids used to re-draw the graph; now the RoundSpec alone determines no graph at all,
     and the key list every silo checked does, identically for silos and aggregator."""
-    spec = SessionSpec("r1.a1", "contribution", silos(12), WORDS, neighbours=4)
+    spec = SessionSpec("r1.a1", "contribution", silos(12), RING, neighbours=4)
     with pytest.raises(StageError, match="drawn from the advertised keys"):
         _ = spec.graph
     first, second = Session(spec), Session(spec)
@@ -186,7 +189,7 @@ def test_the_sparse_graph_comes_from_the_silos_keys_so_the_aggregator_cannot_dra
 
 def test_silos_shown_different_key_lists_do_not_sign_the_same_view():
     """The key list (hence the graph) is signed in the consistency round: a silo shown another list stops."""
-    spec = SessionSpec("r1.a1", "contribution", silos(4), WORDS)
+    spec = SessionSpec("r1.a1", "contribution", silos(4), RING)
     session = Session(spec)
     full = list(session.advertised.values())
     shown = {"silo-03": [k for k in full if k.silo != "silo-02"]}

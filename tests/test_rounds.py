@@ -13,7 +13,7 @@ from aggregator.config import ConsortiumConfig, ConsortiumSection
 from aggregator.rounds import AlreadySubmitted, NotParticipant, RoundEngine, Stage, WrongRound
 from aggregator.store import Store
 from fedlt.aggregation.halves import PartyKeys, SumAborted
-from fedlt.aggregation.plaintext import PlaintextSum
+from fedlt.aggregation.plaintext import PlaintextSum, to_wire
 from fedlt.data.embedded import load_embedded, split_balanced_test
 from fedlt.errors import ContributionError
 from fedlt.methods.state import GlobalState, pack_state
@@ -49,9 +49,9 @@ def engine(tmp_path):
 
 
 def payload(engine: RoundEngine, n: float) -> tuple[bytes, str]:
-    vector = np.zeros(engine.held.schema.size, dtype="<f8")
+    vector = torch.zeros(engine.held.schema.size, dtype=torch.float64)
     vector[-1] = n
-    data = vector.tobytes()
+    data = to_wire(engine.held.schema, vector)
     return data, hashlib.sha256(data).hexdigest()
 
 

@@ -12,15 +12,51 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedlt.aggregation import Field, Schema
+from privacy.dp.noise import SecureRandom
 from privacy.secagg import shamir
-from privacy.secagg.codec import FixedPointCodec, OverflowRisk
-from privacy.secagg.prg import mask
+from privacy.secagg.codec import FixedPointCodec, OverflowRisk, choose_encoding
+from privacy.secagg.prg import BLOCK_BYTES, MASK_KEYSTREAM, apply_masks, keystream_bytes, mask
+from privacy.secagg.ring import Ring
 
 
-def test_mask_known_answer_rfc8439_zero_key():
+def test_chacha20_keystream_known_answer_rfc8439_zero_key():
     # RFC 8439 Appendix A.1, test vector 1: key and nonce all zero, block counter 0.
     expected = bytes.fromhex("76b8e0ada0f13d90405d6ae55386bd28bdd219b8a08ded1aa836efcc8b770dc7")
-    assert mask(bytes(32), 4).tobytes() == expected
+    assert keystream_bytes(bytes(32), 32, "chacha20") == expected
+
+
+# NIST SP 800-38A F.5.1, CTR-AES128.Encrypt: the seed is the key, then the initial counter block
+AES_KEY, AES_COUNTER = (
+    bytes.fromhex("2b7e151628aed2a6abf7158809cf4f3c"),
+    bytes.fromhex("f0f1f2f3f4f5f6f7f8f9fafbfcfdfeff"),
+)
+AES_PLAIN = bytes.fromhex(
+    "6bc1bee22e409f96e93d7e117393172aae2d8a571e03ac9c9eb76fac45af8e51"
+    "30c81c46a35ce411e5fbc1191a0a52eff69f2445df4f9b17ad2b417be66c3710"
+)
+AES_CIPHER = bytes.fromhex(
+    "874d6191b620e3261bef6864990db6ce9806f66b7970fdff8617187bb9fffdff"
+    "5ae4df3edbd5d35e5b4f09020db03eab1e031dda2fbe03d1792170a0f3009cee"
+)
+
+
+def test_aes_128_ctr_keystream_known_answer_nist_sp800_38a():
+    expected = bytes(p ^ c for p, c in zip(AES_PLAIN, AES_CIPHER, strict=True))
+    assert keystream_bytes(AES_KEY + AES_COUNTER, 64, "aes-128-ctr") == expected
+    assert MASK_KEYSTREAM == "aes-128-ctr"
+    assert mask(AES_KEY + AES_COUNTER, 8).tobytes() == expected  # masks are that keystream's words
+
+
+def test_masks_cover_a_mixed_ring_with_one_keystream_read_in_its_word_sizes():
+    """Wide words take the first 8·wide bytes of the stream, narrow words the rest; adding a mask to zeros
+    gives the stream's bytes, subtracting gives each word's negation at its own width."""
+    seed, ring = secrets.token_bytes(32), Ring(wide=BLOCK_BYTES // 8 + 3, narrow=BLOCK_BYTES // 4 + 5)
+    added, subtracted = ring.zeros(), ring.zeros()
+    apply_masks(ring, added, [(seed, False)])
+    apply_masks(ring, subtracted, [(seed, True)])
+    assert added.tobytes() == keystream_bytes(seed, ring.nbytes)
+    for plus, minus in zip(ring.parts(added), ring.parts(subtracted), strict=True):
+        assert not np.any(plus + minus)
 
 
 def test_mask_is_a_function_of_the_whole_seed():
@@ -73,40 +109,91 @@ def test_shamir_refuses_too_few_and_detects_tampering():
         shamir.combine(tampered, threshold=3)
 
 
-def schema_at(frac_bits: int) -> Schema:
-    return Schema(
-        (Field("delta", (6,), 4.0, frac_bits=frac_bits), Field("n", (), 1000.0, frac_bits=frac_bits))
+@pytest.mark.parametrize(
+    ("bound", "frac_bits", "sensitivity", "silos", "expected"),
+    [
+        (10.0, 24, 0.0, 12, (32, 24, False)),  # 12 · 10 · 2^24 < 2^31: 32-bit words at the field's precision
+        (10.0, 24, 0.0, 13, (32, 23, True)),  # one silo more: a bit of precision less, rounded stochastically
+        (10.0, 24, 0.0, 51, (32, 22, True)),
+        (10.0, 24, 0.0, 52, (32, 21, True)),
+        (10.0, 24, 0.0, 3300, (64, 24, False)),  # 32-bit words would leave fewer than 16 fractional bits
+        (
+            10.0,
+            24,
+            1.0,
+            13,
+            (64, 24, False),
+        ),  # a DP statistic keeps its precision: its noise is in those units
+        (1e5, 0, 0.0, 21_474, (32, 0, False)),  # counts: exact in 32 bits while n · 10^5 < 2^31
+        (1e5, 0, 0.0, 21_475, (64, 0, False)),
+    ],
+)
+def test_each_field_gets_the_narrowest_words_that_hold_its_sum(
+    bound, frac_bits, sensitivity, silos, expected
+):
+    field = Field("x", (3,), bound, frac_bits=frac_bits, sensitivity=sensitivity)
+    encoding = choose_encoding(field, silos)
+    assert (encoding.bits, encoding.frac_bits, encoding.stochastic) == expected
+
+
+MIXED = Schema(
+    (
+        Field("delta", (5,), 10.0, frac_bits=24),  # narrow, lowered for more than 12 silos
+        Field("stat", (3,), 1e9, frac_bits=20, sensitivity=1.0),  # wide
+        Field("n", (), 1e5, frac_bits=0),  # narrow, exact
     )
+)
 
 
 @given(
-    rows=st.lists(st.lists(st.floats(-10, 10), min_size=7, max_size=7), min_size=1, max_size=10),
-    frac_bits=st.integers(8, 24),
+    rows=st.lists(st.lists(st.floats(-1e10, 1e10), min_size=9, max_size=9), min_size=1, max_size=30),
+    silos=st.integers(1, 60),
 )
-@settings(max_examples=60, deadline=None)
-def test_codec_sums_within_the_bound(rows, frac_bits):
-    codec = FixedPointCodec(schema_at(frac_bits), max_silos=10)
+@settings(max_examples=80, deadline=None)
+def test_codec_sums_within_the_stated_bound_in_either_word_size(rows, silos):
+    silos = max(silos, len(rows))
+    codec = FixedPointCodec(MIXED, max_silos=silos)
+    assert codec.ring.nbytes == 8 * codec.ring.wide + 4 * codec.ring.narrow
+    total = codec.ring.zeros()
     vectors = [torch.tensor(r, dtype=torch.float64) for r in rows]
-    total = np.zeros(codec.schema.size, dtype=np.uint64)
     for v in vectors:
-        total += codec.encode(v)  # uint64 wraps around, as masked sums do
-    clipped = [torch.clamp(v, -torch.tensor(codec.bounds), torch.tensor(codec.bounds)) for v in vectors]
-    error = (codec.decode(total) - torch.stack(clipped).sum(0)).abs().max().item()
-    assert error <= len(rows) * 2.0**-frac_bits
+        codec.ring.add(total, codec.encode(v))  # each part wraps around, as masked sums do
+    bounds = torch.cat([torch.full((f.size,), f.bound, dtype=torch.float64) for f in MIXED.fields])
+    truth = MIXED.unflatten(torch.stack([torch.clamp(v, -bounds, bounds) for v in vectors]).sum(0))
+    decoded = MIXED.unflatten(codec.decode(total))
+    for f in MIXED.fields:
+        error = (decoded[f.name] - truth[f.name]).abs().max().item()
+        assert error <= codec.error_bound(f.name) * (1 + 1e-9), f.name  # the float sum itself rounds too
+    assert codec.error_bound("delta") <= silos * 2.0**-16
+
+
+def test_stochastic_rounding_is_unbiased_where_rounding_to_nearest_is_not():
+    """At 40 silos the delta field drops to 22 fractional bits; a value of 0.3 units of 2^-22 rounds to 0
+    every time to nearest, but to 1 three times in ten stochastically, so the mean decodes to the value."""
+    codec = FixedPointCodec(MIXED, max_silos=40)
+    assert (codec.encodings[0].frac_bits, codec.encodings[0].stochastic) == (22, True)
+    value = 0.3 * 2.0**-22
+    vector = torch.tensor([value] * 5 + [0.0] * 4, dtype=torch.float64)
+    rng = SecureRandom.seeded("rounding")
+    decoded = torch.stack([codec.decode(codec.encode(vector, rng))[:5] for _ in range(2_000)])
+    mean, spread = decoded.mean().item(), decoded.std().item() / (decoded.numel() ** 0.5)
+    assert abs(mean - value) < 4 * spread  # ~0.3 · 2^-22, not 0
+    assert set(decoded.flatten().tolist()) == {0.0, 2.0**-22}  # off by less than one unit each time
 
 
 def test_codec_refuses_a_round_that_could_overflow():
-    with pytest.raises(OverflowRisk, match="could overflow 64 bits in n"):
-        FixedPointCodec(schema_at(52), max_silos=100)
-    FixedPointCodec(schema_at(40), max_silos=100)  # 100 · 1000 · 2^40 < 2^63
+    wide = Schema((Field("stat", (6,), 1000.0, frac_bits=52, sensitivity=1.0),))
+    with pytest.raises(OverflowRisk, match="could overflow 64 bits in stat"):
+        FixedPointCodec(wide, max_silos=100)
+    FixedPointCodec(Schema((Field("stat", (6,), 1000.0, frac_bits=40, sensitivity=1.0),)), max_silos=100)
 
 
 def test_codec_refuses_wrong_shapes_and_non_finite_values():
-    codec = FixedPointCodec(schema_at(16), max_silos=2)
+    codec = FixedPointCodec(MIXED, max_silos=2)
     with pytest.raises(ValueError, match="schema needs"):
         codec.encode(torch.zeros(3))
     with pytest.raises(ValueError, match="non-finite"):
-        codec.encode(torch.tensor([float("nan")] * 7))
+        codec.encode(torch.tensor([float("nan")] * 9))
 
 
 def test_shamir_catches_a_corrupted_share_beyond_the_threshold():

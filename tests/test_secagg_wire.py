@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from fedlt.aggregation.halves import PartyKeys
+from fedlt.methods.fedavg import FedAvgOptions
 from fedlt.methods.state import flatten, float_keys
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc, round_pb2
@@ -89,9 +90,9 @@ def test_a_secure_round_played_by_hand_refuses_tampering_and_sums_right(tmp_path
             contributions = []
             for _ in (0, 1):
                 values = schema.unflatten(torch.zeros(schema.size, dtype=torch.float64))
-                values["delta"] = torch.randn(
+                values["delta"] = (5 / FedAvgOptions().max_silo_samples) * torch.randn(
                     schema.fields[0].shape, generator=generator, dtype=torch.float64
-                )
+                )  # (n/N)·Δw
                 values["n"] = torch.tensor(5.0, dtype=torch.float64)
                 contributions.append(schema.flatten(values))
             rounds = [
@@ -131,7 +132,10 @@ def test_a_secure_round_played_by_hand_refuses_tampering_and_sums_right(tmp_path
         initial, final = PLAN.build_method().init_state(seed=0), consortium.final_state()
         keys_ = float_keys(initial.model)
         moved = flatten(final.model, keys_).double() - flatten(initial.model, keys_).double()
-        expected = (contributions[0][:-1] + contributions[1][:-1]) / 10.0  # Σ n·Δw / Σ n, n = 5 each
-        assert (moved - expected).abs().max() < 1e-6
+        # N · Σ (n/N)·Δw / Σ n with n = 5 each, N = the method's max_silo_samples (FedAvg's weighting), each
+        # silo's value off by at most 2^-25 (24 fractional bits, rounded to nearest), then scaled by N / Σ n
+        big = FedAvgOptions().max_silo_samples
+        expected = (contributions[0][:-1] + contributions[1][:-1]) * big / 10.0
+        assert (moved - expected).abs().max() <= 2 * 2.0**-25 * big / 10.0 * 1.001
     finally:
         consortium.stop()

@@ -231,7 +231,7 @@ def test_a_headless_browser_renders_the_page(page, tmp_path):
 def test_a_served_aggregator_names_its_page_in_listening_json(tmp_path):
     """End to end: `python -m aggregator serve` with `[server] status_page` (the demo's consortium.toml sets
     it on loopback) serves it before any silo joins."""
-    from tests.consortium_harness import AGGREGATOR_ENV, write_kit
+    from tests.consortium_harness import ENV, write_kit
 
     write_kit(tmp_path, silos=2)
     config = tmp_path / "consortium.toml"
@@ -241,7 +241,7 @@ def test_a_served_aggregator_names_its_page_in_listening_json(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=AGGREGATOR_ENV,
+        env=ENV,
     )
     try:
         assert process.stdout is not None

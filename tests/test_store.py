@@ -41,6 +41,27 @@ def test_rounds_commit_in_order_and_survive_reopening(tmp_path):
     again.close()
 
 
+def test_metrics_of_a_database_from_before_their_table_are_kept(tmp_path):
+    """Metrics used to live in the states' rows; a database of that layout opens with its history whole, and
+    saving a round's metrics no longer touches the state's row."""
+    s = Store(tmp_path / "db.sqlite", audit_key=AUDIT_KEY)
+    s.save_initial_state("d0", b"state0")
+    s.close()
+    db = sqlite3.connect(tmp_path / "db.sqlite")
+    db.execute("ALTER TABLE states ADD COLUMN metrics TEXT")  # the old layout: a column of the state's row
+    db.execute("""UPDATE states SET metrics = '{"round": 0, "accuracy": 0.1}' WHERE round = 0""")
+    db.commit()
+    db.close()
+    again = Store(tmp_path / "db.sqlite", audit_key=AUDIT_KEY)
+    _, round_id = again.begin_attempt(1, ["silo-0"], "n1")
+    again.commit_round(
+        round_number=1, round_id=round_id, digest="d1", data=b"state1", contributors=["silo-0"]
+    )
+    again.save_metrics(1, {"round": 1, "accuracy": 0.5})
+    assert again.metrics_history() == [{"round": 0, "accuracy": 0.1}, {"round": 1, "accuracy": 0.5}]
+    again.close()
+
+
 def test_open_attempts_are_abandoned_and_the_round_gets_a_new_attempt(store):
     store.save_initial_state("d0", b"")
     _, first = store.begin_attempt(1, ["a"], "n1")
@@ -150,3 +171,23 @@ def test_a_shorter_retention_after_a_restart_blanks_what_it_no_longer_keeps(tmp_
     _commit_rounds(store, 9, 9)
     assert _kept(store) == [8, 9]
     store.close()
+
+
+def test_a_committed_state_waits_in_the_log_until_the_checkpoint(tmp_path):
+    """SQLite would copy a multi-megabyte state into the file inside the commit; the engine checkpoints later,
+    and a crash before then loses nothing: the reopened store reads the state from the log."""
+    path = tmp_path / "db.sqlite"
+    s = Store(path, audit_key=AUDIT_KEY)
+    s.save_initial_state("d0", b"")
+    _, round_id = s.begin_attempt(1, ["silo-0"], "n1")
+    state = bytes(range(256)) * (8 * 1024 * 6)  # 12 MB, three times SQLite's default threshold
+    s.commit_round(round_number=1, round_id=round_id, digest="d1", data=state, contributors=["silo-0"])
+    wal = path.with_name(path.name + "-wal")
+    assert wal.stat().st_size > len(state)  # still in the log: no checkpoint ran in the commit
+    assert path.stat().st_size < len(state)
+    reopened = sqlite3.connect(path)  # another process, as after a crash
+    assert reopened.execute("SELECT data FROM states WHERE round = 1").fetchone()[0] == state
+    reopened.close()
+    s.checkpoint()
+    assert path.stat().st_size > len(state)
+    s.close()

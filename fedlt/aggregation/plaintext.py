@@ -1,16 +1,20 @@
 """The `plaintext` privacy layer: a float64 sum in the clear, for research and tests only.
 
-Its halves have one stage: each silo uploads its vector as it is (`Upload`), the aggregator checks it against
-the schema and adds the uploads in silo order. Whoever aggregates sees every silo's values, so the layer says
-so, and a silo takes part only if its policy lists it.
+Its halves have one stage: each silo uploads its vector (`Upload`), the aggregator checks it against the
+schema and adds the uploads in silo order, in float64. Whoever aggregates sees every silo's values, so the
+layer says so, and a silo takes part only if its policy lists it. An upload is each field in its `wire_dtype`
+(float32, the model's own precision, except second moments and large counts), little-endian, in schema order:
+half the bytes of float64 for a model change. The simulator's halves exchange the same bytes, so its sums are
+the consortium's.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from fedlt.aggregation.halves import (
@@ -23,6 +27,7 @@ from fedlt.aggregation.halves import (
     SumAborted,
     SumSpec,
 )
+from fedlt.aggregation.schema import Schema
 from fedlt.aggregation.sums import SumLayer
 from fedlt.errors import ContributionError
 
@@ -33,9 +38,34 @@ UPLOAD = "upload"
 
 @dataclass(frozen=True)
 class Upload:
-    """One silo's contribution in the clear, float64 in schema order."""
+    """One silo's contribution in the clear: its fields in their wire dtypes, in schema order."""
 
-    vector: torch.Tensor
+    payload: bytes = field(repr=False)
+
+
+def upload_bytes(schema: Schema) -> int:
+    return sum(f.size * np.dtype(f.wire_dtype).itemsize for f in schema.fields)
+
+
+def to_wire(schema: Schema, vector: torch.Tensor) -> bytes:
+    values = vector.detach().cpu().numpy()
+    parts, start = [], 0
+    for f in schema.fields:
+        parts.append(np.ascontiguousarray(values[start : start + f.size], dtype=f.wire_dtype).tobytes())
+        start += f.size
+    return b"".join(parts)
+
+
+def from_wire(schema: Schema, payload: bytes) -> torch.Tensor:
+    """The float64 vector of an upload; one of another length is refused, not cut."""
+    if len(payload) != upload_bytes(schema):
+        raise ContributionError(f"an upload of {len(payload)} bytes; the schema needs {upload_bytes(schema)}")
+    out, start, offset = np.empty(schema.size, dtype=np.float64), 0, 0
+    for f in schema.fields:
+        values = np.frombuffer(payload, dtype=f.wire_dtype, count=f.size, offset=offset)
+        out[start : start + f.size] = values
+        start, offset = start + f.size, offset + values.nbytes
+    return torch.from_numpy(out)
 
 
 class PlaintextSiloHalf(SiloHalf):
@@ -45,7 +75,7 @@ class PlaintextSiloHalf(SiloHalf):
 
     def start(self, vector: torch.Tensor) -> list[object]:
         self._sent = True
-        return [Upload(vector.to(torch.float64))]
+        return [Upload(to_wire(self.spec.schema, vector))]
 
     def step(self, step: object) -> list[object]:
         raise SumAborted(f"the plaintext layer has one stage; {type(step).__name__} does not belong to it")
@@ -62,7 +92,8 @@ class PlaintextSiloHalf(SiloHalf):
 class PlaintextAggregatorHalf(AggregatorHalf):
     def __init__(self, spec: SumSpec) -> None:
         self.spec = spec
-        self._uploads: dict[str, torch.Tensor] = {}
+        self._uploads: dict[str, bytes] = {}
+        self._vectors: dict[str, torch.Tensor] = {}
         self._closed = False
 
     @property
@@ -82,29 +113,29 @@ class PlaintextAggregatorHalf(AggregatorHalf):
             raise SumAborted(f"{silo} may not upload to this sum now")
         if not isinstance(message, Upload):
             raise SumAborted(f"the plaintext layer takes uploads, not {type(message).__name__}")
-        vector = message.vector
         if silo in self._uploads:
-            if not torch.equal(self._uploads[silo], vector):
+            if self._uploads[silo] != message.payload:
                 raise SumAborted(f"{silo} already uploaded other values")
             return
         schema = self.spec.schema
-        if vector.shape != (schema.size,):
-            raise ContributionError(f"an upload of {vector.numel()} values; the schema needs {schema.size}")
-        schema.contribution(**schema.unflatten(vector))  # non-finite values, wrong shapes: refused here
-        self._uploads[silo] = vector
+        vector = from_wire(schema, message.payload)
+        schema.contribution(
+            **schema.unflatten(vector)
+        )  # non-finite values, values out of bounds: refused here
+        self._uploads[silo], self._vectors[silo] = message.payload, vector
 
     def close(self) -> Mapping[str, object] | Released:
         self._closed = True
         survivors = tuple(u for u in self.spec.silos if u in self._uploads)
         total = torch.zeros(self.spec.schema.size, dtype=torch.float64)
         for u in survivors:
-            total += self._uploads[u]
+            total += self._vectors[u]
         return Released(survivors, total)
 
     def upload_bytes(self, silo: str, kind: type) -> int:
         if kind is not Upload or self._closed:
             raise SumAborted(f"this sum takes plaintext uploads before it closes, not a {kind.__name__}")
-        return self.spec.schema.size * 8
+        return upload_bytes(self.spec.schema)
 
 
 class PlaintextSiloSide(SiloSide):

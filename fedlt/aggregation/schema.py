@@ -15,6 +15,8 @@ import torch
 
 from fedlt.errors import ContributionError
 
+FLOAT32_EXACT_INTEGERS = 2**24
+
 
 @dataclass(frozen=True)
 class Field:
@@ -25,6 +27,8 @@ class Field:
     `sensitivity`, under DP, is the most one record can move the field (L2 norm; of one class row when per
     class, as a record belongs to one class): the field is a statistic of records that silos noise before
     release (`privacy.dp.release`). 0: not such a statistic (a model change DP-SGD made, a noised count).
+    `float64`: a plaintext upload sends it as float64, not float32 (`wire_dtype`): a second moment, whose
+    covariance subtracts nearly equal numbers, needs the digits.
     """
 
     name: str
@@ -34,6 +38,7 @@ class Field:
     frac_bits: int = 24
     per_class: bool = False
     sensitivity: float = 0.0
+    float64: bool = False
 
     @property
     def row_size(self) -> int:
@@ -43,6 +48,13 @@ class Field:
     @property
     def size(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def wire_dtype(self) -> str:
+        """How a plaintext upload carries it: float32 (the model's own precision), float64 where asked and for
+        counts beyond float32's exact integers."""
+        exact_limit = self.frac_bits == 0 and self.bound > FLOAT32_EXACT_INTEGERS
+        return "<f8" if self.float64 or exact_limit else "<f4"
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,17 @@
-"""FedAvg (McMahan et al., AISTATS 2017), sample-weighted: silos contribute n_k·Δw_k and n_k.
+"""FedAvg (McMahan et al., AISTATS 2017), sample-weighted: silos contribute (n_k / N_r)·Δw_k and n_k.
 
-w ← w + η_s · Σ_k n_k Δw_k / Σ_k n_k, with η_s = 1 the paper's rule. Averaged are all floating-point entries
-of the model's state (parameters and BatchNorm statistics, as CReFF's official code does).
-Each element of Δw_k is clipped to `delta_bound` before weighting so the summed field has a known range.
+w ← w + η_s · N_r · Σ_k (n_k / N_r) Δw_k / Σ_k n_k = w + η_s · Σ_k n_k Δw_k / Σ_k n_k, with η_s = 1 the
+paper's rule. Averaged are all floating-point entries of the model's state (parameters and BatchNorm
+statistics, as CReFF's official code does). Each element of Δw_k is clipped to `delta_bound` before weighting.
+
+Weighting by n_k / N_r ≤ 1 rather than by n_k keeps the summed field's range at `delta_bound`, not N times
+it, so secure aggregation carries it in 32-bit words (`privacy.secagg.codec`). The price is absolute
+precision: a silo's Δw_k is resolved to about 2^−f · N_r / n_k, so N_r should be near the silos' sizes. It is
+`max_silo_samples` in the first round, then twice the samples the previous round summed (kept in the state,
+`WEIGHT_SCALE`, which every silo verifies): about 2K · 2^−f for K silos of any size. Where a silo holds more
+than N_r samples (possible when rounds train different silos), its weight is capped at N_r, and it reports
+n_k = N_r, so the average stays a weighted average; the paper has no such cap. A wrong N_r from a lying
+aggregator costs precision or weighting, never privacy: the weight travels inside the secure sum.
 """
 
 from __future__ import annotations
@@ -20,12 +29,14 @@ from fedlt.methods.local import train_local
 from fedlt.methods.state import GlobalState, flatten, float_keys, unflatten
 from fedlt.models import SplitModel
 
+WEIGHT_SCALE = "fedavg.weight_scale"
+
 
 @dataclass(frozen=True)
 class FedAvgOptions:
     server_lr: float = setting(1.0, gt=0.0, doc="η_s; 1 is plain FedAvg")
     delta_bound: float = setting(10.0, gt=0.0, doc="largest |Δw| per element a silo reports")
-    max_silo_samples: int = setting(1_000_000, ge=1, doc="largest n_k; sizes the summed ranges")
+    max_silo_samples: int = setting(10_000, ge=1, doc="the largest n_k; N_r of the first round")
 
 
 class FedAvg(Method):
@@ -39,21 +50,23 @@ class FedAvg(Method):
 
     def model_fields(self, state: GlobalState) -> tuple[Field, ...]:
         size = sum(state.model[k].numel() for k in float_keys(state.model))
-        n_max = self.options.max_silo_samples
         return (
-            Field("delta", (size,), n_max * self.options.delta_bound, "n_k · Δw_k"),
-            Field("n", (), float(n_max), "n_k, the silo's training samples", frac_bits=0),
+            Field("delta", (size,), self.options.delta_bound, "(n_k / N_r) · Δw_k"),
+            Field(
+                "n", (), float(self.options.max_silo_samples), "n_k, the silo's training samples", frac_bits=0
+            ),
         )
 
     def local_round(self, state: GlobalState, data: LabeledImages, ctx: SiloContext) -> Contribution:
         return self.schema(state).contribution(**self.trained_delta(state, data, ctx))
 
     def trained_delta(self, state: GlobalState, data: LabeledImages, ctx: SiloContext) -> dict:
-        """Local training from the global model: the fields `delta` = n_k·Δw_k and `n` = n_k."""
+        """Local training from the global model: the fields `delta` = (n_k / N_r)·Δw_k and `n` = n_k."""
         n = len(data)
         if not 0 < n <= self.options.max_silo_samples:
             raise ContributionError(
-                f"silo {ctx.silo_id} has {n} samples; must be in 1..{self.options.max_silo_samples}"
+                f"silo {ctx.silo_id} has {n} samples; must be in 1..{self.options.max_silo_samples} "
+                "([method] max_silo_samples)"
             )
         model = self.load(state.model)
         keys = float_keys(state.model)
@@ -63,7 +76,23 @@ class FedAvg(Method):
         if ctx.private is not None:  # the weight is released too: counts noised once per run (DP)
             noisy = float(ctx.private.reported_counts(data.class_counts()).sum())  # unclamped: unbiased
             n = min(max(1, round(noisy)), self.options.max_silo_samples)
-        return {"delta": n * delta, "n": float(n)}
+        scale = self.weight_scale(state)
+        n = min(n, scale)
+        return {"delta": (n / scale) * delta, "n": float(n)}
+
+    def weight_scale(self, state: GlobalState) -> int:
+        """N_r, the round's weight scale: from the state, or `max_silo_samples` before any round."""
+        scale = state.extra.get(WEIGHT_SCALE)
+        return self.options.max_silo_samples if scale is None else int(scale)
+
+    def server_step(self, state: GlobalState, sums: Sums, ctx: ServerContext) -> GlobalState:
+        """Every method built on FedAvg carries N_{r+1} = 2 Σ n_k (at most `max_silo_samples`) on."""
+        following = super().server_step(state, sums, ctx)
+        if "n" not in sums:  # a round that trains no model (a closing statistics round)
+            return following
+        scale = min(2 * max(1, round(float(sums["n"]))), self.options.max_silo_samples)
+        extra = {**following.extra, WEIGHT_SCALE: torch.tensor(scale, dtype=torch.int64)}
+        return GlobalState(following.round, following.model, extra)
 
     def train_model(
         self, model: SplitModel, x: torch.Tensor, y: torch.Tensor, state: GlobalState, ctx: SiloContext
@@ -75,10 +104,11 @@ class FedAvg(Method):
         return GlobalState(state.round + 1, self.averaged_model(state, sums), state.extra)
 
     def averaged_model(self, state: GlobalState, sums: Sums) -> dict[str, torch.Tensor]:
-        """w + η_s · Σ n_k Δw_k / Σ n_k."""
+        """w + η_s · N_r · Σ (n_k / N_r) Δw_k / Σ n_k."""
         total = float(sums["n"])
         if total <= 0:
             raise ContributionError("the summed sample count is zero; nothing to average")
         keys = float_keys(state.model)
-        new = flatten(state.model, keys).double() + self.options.server_lr * sums["delta"] / total
+        scale = self.options.server_lr * self.weight_scale(state) / total
+        new = flatten(state.model, keys).double() + scale * sums["delta"]
         return unflatten(new, state.model, keys)

@@ -88,6 +88,7 @@ class PostHocHead(FedAvg):
                 frac_bits=16,
                 per_class=True,
                 sensitivity=norm**2,
+                float64=True,  # the covariance is E[zzᵀ] − μμᵀ: float32 would lose it to cancellation
             ),
             Field("count", (classes,), n_max, "per class sample count", frac_bits=0, per_class=True),
         )

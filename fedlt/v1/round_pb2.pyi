@@ -7,20 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class FieldSpec(_message.Message):
-    __slots__ = ("name", "shape", "bound", "frac_bits", "per_class", "sensitivity")
+    __slots__ = ("name", "shape", "bound", "frac_bits", "per_class", "sensitivity", "float64")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     BOUND_FIELD_NUMBER: _ClassVar[int]
     FRAC_BITS_FIELD_NUMBER: _ClassVar[int]
     PER_CLASS_FIELD_NUMBER: _ClassVar[int]
     SENSITIVITY_FIELD_NUMBER: _ClassVar[int]
+    FLOAT64_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     bound: float
     frac_bits: int
     per_class: bool
     sensitivity: float
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., bound: _Optional[float] = ..., frac_bits: _Optional[int] = ..., per_class: _Optional[bool] = ..., sensitivity: _Optional[float] = ...) -> None: ...
+    float64: bool
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., bound: _Optional[float] = ..., frac_bits: _Optional[int] = ..., per_class: _Optional[bool] = ..., sensitivity: _Optional[float] = ..., float64: _Optional[bool] = ...) -> None: ...
 
 class Schema(_message.Message):
     __slots__ = ("phase", "fields")

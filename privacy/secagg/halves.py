@@ -37,10 +37,15 @@ from privacy.secagg.protocol import (
 from privacy.secagg.settings import SecAggSettings
 
 
-def session_of(spec: SumSpec) -> SessionSpec:
+def session_of(spec: SumSpec, codec: FixedPointCodec) -> SessionSpec:
     """The protocol session of a sum: the round's signed secagg settings ride in `spec.settings`."""
     settings = spec.settings if isinstance(spec.settings, SecAggSettings) else SecAggSettings()
-    return settings.session(spec.round_id, spec.purpose, spec.silos, spec.schema.size, spec.binding)
+    return settings.session(spec.round_id, spec.purpose, spec.silos, codec.ring, spec.binding)
+
+
+def codec_of(spec: SumSpec) -> FixedPointCodec:
+    """The sum's encoding for its silos; refuses a round that could overflow (`OverflowRisk`)."""
+    return FixedPointCodec(spec.schema, max_silos=len(spec.silos))
 
 
 class SecAggSiloHalf(SiloHalf):
@@ -54,24 +59,24 @@ class SecAggSiloHalf(SiloHalf):
         policy: SessionPolicy | None,
         may_release: Callable[[tuple[str, ...]], None],
     ) -> None:
-        session = session_of(spec)
+        self.codec = codec_of(spec)
+        session = session_of(spec, self.codec)
         if policy is not None:
             policy.check(session)
-        self.codec = FixedPointCodec(spec.schema, max_silos=len(spec.silos))  # refuses an overflow risk
         self.client = SecAggClient(session, me, sign=sign, peers=peers)
         self._may_release = may_release
-        self._words = None
+        self._encoded = None
         self._done = False
 
     def start(self, vector: torch.Tensor) -> list[object]:
-        self._words = self.codec.encode(vector)
+        self._encoded = self.codec.encode(vector)
         return [self.client.advertise()]
 
     def step(self, step: object) -> list[object]:
         if isinstance(step, KeyList):
             return [Shares(tuple(self.client.share(list(step.keys))))]
         if isinstance(step, Inbox):
-            return [MaskedInput(self.client.masked_input(step, self._words))]
+            return [MaskedInput(self.client.masked_input(step, self._encoded, in_place=True))]
         if isinstance(step, SurvivorList):
             signature = self.client.consistency(step.survivors, release=self._may_release)
             return [ConsistencySignature(signature)]
@@ -93,8 +98,8 @@ class SecAggSiloHalf(SiloHalf):
 class SecAggAggregatorHalf(AggregatorHalf):
     def __init__(self, spec: SumSpec, *, peers: Peers) -> None:
         self.spec = spec
-        self.server = SecAggServer(session_of(spec), peers=peers)
-        self.codec = FixedPointCodec(spec.schema, max_silos=len(spec.silos))
+        self.codec = codec_of(spec)
+        self.server = SecAggServer(session_of(spec, self.codec), peers=peers)
 
     @property
     def stage(self) -> str:
@@ -119,7 +124,7 @@ class SecAggAggregatorHalf(AggregatorHalf):
         elif isinstance(message, Shares):
             server.add_envelopes(silo, message.envelopes)
         elif isinstance(message, MaskedInput):
-            server.add_masked(silo, message.words)
+            server.add_masked(silo, message.vector)
         elif isinstance(message, ConsistencySignature):
             server.add_signature(silo, message.signature)
         elif isinstance(message, Reveal):
@@ -149,7 +154,7 @@ class SecAggAggregatorHalf(AggregatorHalf):
             raise StageError(f"a secure sum takes masked inputs, not a {kind.__name__}")
         if self.server.stage != "masked":
             raise StageError(f"the {self.spec.purpose} sum is at {self.stage!r}, not 'masked'")
-        return self.spec.schema.size * 8
+        return self.codec.ring.nbytes
 
 
 class SecAggSiloSide(SiloSide):
@@ -164,10 +169,10 @@ class SecAggSiloSide(SiloSide):
         )
 
     def problems(self, spec: SumSpec) -> list[str]:
-        return [] if self.policy is None else self.policy.problems(session_of(spec))
+        return [] if self.policy is None else self.policy.problems(session_of(spec, codec_of(spec)))
 
     def min_counted(self, spec: SumSpec) -> int:
-        return session_of(spec).t  # a session with fewer survivors aborts
+        return session_of(spec, codec_of(spec)).t  # a session with fewer survivors aborts
 
 
 class SecAggAggregatorSide(AggregatorSide):

@@ -1,54 +1,83 @@
-"""The mask generator: ChaCha20 keyed with the whole 256-bit seed, read as little-endian uint64 words.
+"""The mask generator: a block cipher's keystream keyed with the whole 256-bit seed.
 
 A peer's mask must be unpredictable without its seed, so it comes from a cipher keystream, never from a
 statistical generator seeded with a folded-down seed (the weakness of Flower's SecAgg+, flwrlabs/flower
-#7522). ChaCha20 is RFC 8439's (key, 32-bit block counter starting at 0, 96-bit nonce of zeros): each seed is
-used for exactly one stream, so a fixed nonce is safe.
+#7522). Two keystreams are known here, both from `cryptography` (OpenSSL):
+- `aes-128-ctr`: the seed's first 16 bytes are the AES key, its last 16 the initial counter block (NIST SP
+  800-38A's CTR, the counter block incremented as one 128-bit big-endian number). With AES-NI it is the
+  faster of the two on this machine's kind, by about 2.5× (`benchmarks/secagg.py keystreams`); masks use it.
+- `chacha20`: RFC 8439's (the seed is the key, a 32-bit block counter from 0, a 96-bit nonce of zeros), the
+  generator of earlier versions; kept for machines without AES instructions and for the benchmark.
+Each seed is used for exactly one stream, so a fixed nonce (or a counter block taken from the seed) is safe.
 
-`apply_masks` adds or subtracts masks in place, a cache-sized block at a time, so masking a large vector
-costs little more than generating its keystream (benchmarks/secagg.py measures the ratio).
+`apply_masks` adds or subtracts masks in place over a ring (`ring.Ring`), a cache-sized block at a time, so
+masking a large vector costs little more than generating its keystream (benchmarks/secagg.py measures the
+ratio). The keystream covers the ring's bytes in order: its wide words, then its narrow ones.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.ciphers import Cipher, CipherContext, algorithms, modes
+
+from privacy.secagg.ring import Ring
 
 SEED_BYTES = 32
-BLOCK_WORDS = 1 << 15  # 256 KiB of keystream per step: stays in cache between generation and addition
-_NONCE = bytes(16)  # cryptography's 16-byte ChaCha20 nonce: 4-byte little-endian counter, then 12-byte nonce
-_ZEROS = bytes(8 * BLOCK_WORDS)
+BLOCK_BYTES = 1 << 18  # 256 KiB of keystream per step: stays in cache between generation and addition
+_SLACK = 64  # update_into wants room for a cipher block beyond its input
+_ZEROS = bytes(BLOCK_BYTES)
+
+
+def _aes_128_ctr(seed: bytes) -> CipherContext:
+    return Cipher(algorithms.AES(seed[:16]), modes.CTR(seed[16:])).encryptor()
+
+
+def _chacha20(seed: bytes) -> CipherContext:
+    # cryptography's 16-byte ChaCha20 nonce: the 4-byte little-endian counter, then RFC 8439's 12-byte nonce
+    return Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor()
+
+
+KEYSTREAMS: dict[str, Callable[[bytes], CipherContext]] = {"aes-128-ctr": _aes_128_ctr, "chacha20": _chacha20}
+MASK_KEYSTREAM = "aes-128-ctr"
+
+
+def stream(seed: bytes, keystream: str = MASK_KEYSTREAM) -> CipherContext:
+    """The keystream of `seed`, read by encrypting zeros."""
+    if len(seed) != SEED_BYTES:
+        raise ValueError(f"a mask seed has {SEED_BYTES} bytes, got {len(seed)}")
+    return KEYSTREAMS[keystream](seed)
+
+
+def keystream_bytes(seed: bytes, count: int, keystream: str = MASK_KEYSTREAM) -> bytes:
+    """The first `count` bytes of `seed`'s keystream."""
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    return stream(seed, keystream).update(bytes(count))
 
 
 def mask(seed: bytes, words: int) -> np.ndarray:
     """`words` pseudo-random uint64 values determined by `seed` alone."""
     if words < 0:
         raise ValueError(f"words must be >= 0, got {words}")
-    out = np.zeros(words, dtype=np.uint64)
-    apply_masks(out, [(seed, False)])
-    return out
+    ring = Ring(words) if words else None
+    out = np.zeros(8 * words, dtype=np.uint8)
+    if ring is not None:
+        apply_masks(ring, out, [(seed, False)])
+    return out.view("<u8").astype(np.uint64, copy=False)
 
 
-def apply_masks(target: np.ndarray, masks: Sequence[tuple[bytes, bool]]) -> None:
+def apply_masks(ring: Ring, target: np.ndarray, masks: Sequence[tuple[bytes, bool]]) -> None:
     """target ← target ± every (seed, subtract) mask, block-major: each block of `target` is read and written
     once for all the masks while it sits in cache, instead of once per mask."""
-    if target.dtype != np.uint64 or target.ndim != 1 or not target.flags.c_contiguous:
-        raise ValueError("apply_masks needs a contiguous 1-D uint64 array")
-    if any(len(seed) != SEED_BYTES for seed, _ in masks):
-        raise ValueError(f"a mask seed has {SEED_BYTES} bytes")
-    streams = [
-        (
-            Cipher(algorithms.ChaCha20(seed, _NONCE), mode=None).encryptor(),
-            np.subtract if subtract else np.add,
-        )
-        for seed, subtract in masks
-    ]
-    buffer = bytearray(8 * BLOCK_WORDS + 64)
-    block = np.frombuffer(buffer, dtype="<u8", count=BLOCK_WORDS)
-    for start in range(0, len(target), BLOCK_WORDS):
-        part = target[start : start + BLOCK_WORDS]
-        for encryptor, combine in streams:
-            encryptor.update_into(_ZEROS[: 8 * len(part)], buffer)
-            combine(part, block[: len(part)], out=part)
+    streams = [(stream(seed), np.subtract if subtract else np.add) for seed, subtract in masks]
+    buffer = bytearray(BLOCK_BYTES + _SLACK)
+    for part in ring.parts(target):
+        step = BLOCK_BYTES // part.itemsize
+        block = np.frombuffer(buffer, dtype=part.dtype, count=step)
+        for start in range(0, len(part), step):
+            words = part[start : start + step]
+            for encryptor, combine in streams:
+                encryptor.update_into(_ZEROS[: words.nbytes], buffer)
+                combine(words, block[: len(words)], out=words)

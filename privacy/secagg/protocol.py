@@ -6,7 +6,7 @@ a `SecAggServer`, which only routes messages and, at the end, removes masks. The
 0. keys      each silo advertises two X25519 public keys, signed with its certificate key.      U1
 1. shares    each silo Shamir-shares its self-mask seed b_u and its mask key s_u among its holders
              (itself and its neighbours), sealed to each holder; the aggregator only relays.      U2
-2. masked    y_u = x_u + PRG(b_u) + Σ_{v ∈ U2 ∩ N(u)} ±PRG(s_uv)   (mod 2^64)                   U3
+2. masked    y_u = x_u + PRG(b_u) + Σ_{v ∈ U2 ∩ N(u)} ±PRG(s_uv)   (in the ring: `ring.Ring`)        U3
 3. consistency  each survivor signs (session, RoundSpec hash, state digest, U3).                  U4
 4. unmask    a silo that verified every signature reveals, per peer, b-shares of survivors (U3)
              or s-shares of the dropped (U2 \\ U3) — never both kinds for one peer.               U5
@@ -42,6 +42,7 @@ from fedlt.aggregation.halves import BadMessage, SumAborted, WrongStage
 from fedlt.errors import FedltError
 from privacy.secagg import crypto, shamir
 from privacy.secagg.prg import apply_masks
+from privacy.secagg.ring import Ring
 
 KEYS_CONTEXT = "fedlt/secagg/keys/v1"
 CONSISTENCY_CONTEXT = "fedlt/secagg/consistency/v1"
@@ -111,9 +112,9 @@ class Shares:
 
 @dataclass(frozen=True)
 class MaskedInput:
-    """Stage 2 from a silo: its masked fixed-point vector (uint64 words)."""
+    """Stage 2 from a silo: its masked fixed-point vector (the bytes of a ring vector)."""
 
-    words: np.ndarray = field(repr=False)
+    vector: np.ndarray = field(repr=False)
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,7 @@ class SessionSpec:
     round_id: str
     purpose: str
     participants: tuple[str, ...]
-    words: int
+    ring: Ring
     binding: bytes = field(default=b"", repr=False)  # what the consistency round signs: RoundSpec and state
     threshold: int = 0  # shares needed per seed; 0 = more than two thirds of a seed's holders
     neighbours: int = 0  # SecAgg+ degree (even); 0 or >= n - 1 = complete graph
@@ -177,8 +178,6 @@ class SessionSpec:
             problems.append(f"unknown purpose {self.purpose!r}")
         if n < 2 or len(set(self.participants)) != n or list(self.participants) != sorted(self.participants):
             problems.append("participants must be at least two distinct, sorted silo ids")
-        if self.words < 1:
-            problems.append("a secure sum needs at least one word")
         if self.neighbours < 0 or self.neighbours % 2:
             problems.append(f"neighbours must be even and >= 0, got {self.neighbours}")
         if problems:
@@ -298,6 +297,7 @@ class SecAggClient:
         self._stage = "keys"
         self._keys: dict[str, AdvertisedKeys] = {}
         self._held: dict[str, tuple[int, int]] = {}  # owner -> (b share, s share) sealed to me
+        self._envelope_keys: dict[str, bytes] = {}
         self._u2: set[str] = set()
         self._u3: tuple[str, ...] = ()
 
@@ -371,13 +371,14 @@ class SecAggClient:
             raise ProtocolViolation("the key list does not carry this silo's own keys unchanged")
         return keys
 
-    def masked_input(self, inbox: Inbox, vector: np.ndarray) -> np.ndarray:
-        """Open the shares sealed to this silo, then mask `vector` (uint64 words) for U2."""
+    def masked_input(self, inbox: Inbox, vector: np.ndarray, *, in_place: bool = False) -> np.ndarray:
+        """Open the shares sealed to this silo, then mask `vector` (a ring vector) for U2: a copy of it, or
+        `vector` itself if `in_place` (a caller done with it saves a pass over megabytes)."""
         self._enter("masked", "consistency")
-        if len(vector) != self.spec.words or vector.dtype != np.uint64:
-            raise SecAggError(
-                f"the session sums {self.spec.words} uint64 words, got {len(vector)} {vector.dtype}"
-            )
+        try:
+            self.spec.ring.check(vector)
+        except ValueError as exc:
+            raise SecAggError(f"the session's ring: {exc}") from None
         u2 = set(inbox.survivors)
         if not u2 <= set(self._keys) or self.me not in u2:
             raise ProtocolViolation(
@@ -399,9 +400,9 @@ class SecAggClient:
                 f"no shares from {', '.join(missing)}, though they are listed as survivors"
             )
         self._u2 = u2
-        masked = np.array(vector, dtype=np.uint64, copy=True)
+        masked = vector if in_place else vector.copy()
         pairs = [(self._pair_seed(v), _sign_of(self.me, v)) for v in sorted(expected - {self.me})]
-        apply_masks(masked, [(self._b, False), *pairs])
+        apply_masks(self.spec.ring, masked, [(self._b, False), *pairs])
         return masked
 
     def consistency(
@@ -447,13 +448,16 @@ class SecAggClient:
         return Reveal(self_mask, mask_key)
 
     def _envelope_key(self, peer: str) -> bytes:
-        return crypto.agree(
-            self._c,
-            self._keys[peer].c_public,
-            purpose=crypto.ENVELOPE_PURPOSE,
-            session=self.spec.session,
-            pair=(self.me, peer),
-        )
+        """The key of this silo's envelopes with `peer` both ways (sealing, opening): agreed once."""
+        if peer not in self._envelope_keys:
+            self._envelope_keys[peer] = crypto.agree(
+                self._c,
+                self._keys[peer].c_public,
+                purpose=crypto.ENVELOPE_PURPOSE,
+                session=self.spec.session,
+                pair=(self.me, peer),
+            )
+        return self._envelope_keys[peer]
 
     def _envelope_aad(self, sender: str, recipient: str) -> bytes:
         return crypto.transcript(self.spec.session, sender, recipient)
@@ -503,7 +507,7 @@ class SecAggServer:
         self._keys: dict[str, AdvertisedKeys] = {}
         self._envelopes: dict[str, tuple[Envelope, ...]] = {}
         self._masked_digests: dict[str, str] = {}
-        self._total = np.zeros(spec.words, dtype=np.uint64)
+        self._total = spec.ring.zeros()
         self._signatures: dict[str, bytes] = {}
         self._reveals: dict[str, Reveal] = {}
         self.u1: tuple[str, ...] = ()
@@ -602,9 +606,10 @@ class SecAggServer:
             if self._masked_digests[silo] != digest:
                 raise ProtocolViolation(f"{silo} already sent another masked input")
             return
-        if masked.shape != (self.spec.words,) or masked.dtype != np.uint64:
-            raise ProtocolViolation(f"a masked input has {self.spec.words} uint64 words")
-        np.add(self._total, masked, out=self._total)
+        try:
+            self.spec.ring.add(self._total, masked)
+        except ValueError as exc:
+            raise ProtocolViolation(f"a masked input: {exc}") from None
         self._masked_digests[silo] = digest
 
     def close_masked(self) -> tuple[str, ...]:
@@ -643,7 +648,7 @@ class SecAggServer:
         self._reveals[silo] = reveal
 
     def close_unmask(self) -> np.ndarray:
-        """Rebuild the seeds, remove every mask, and return Σ_{u ∈ U3} x_u (mod 2^64).
+        """Rebuild the seeds, remove every mask, and return Σ_{u ∈ U3} x_u in the ring.
 
         A holder that alters a self-mask share when exactly t shares arrive makes the sum wrong undetected
         (b_u carries no commitment); with more than t, `shamir.combine` catches it. A malicious silo can skew
@@ -666,7 +671,7 @@ class SecAggServer:
                 for u in partners
             ]
         total = self._total.copy()
-        apply_masks(total, masks)
+        apply_masks(self.spec.ring, total, masks)
         return total
 
     def _rebuild(

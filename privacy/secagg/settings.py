@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from fedlt.config import setting
 from privacy.secagg.protocol import SessionSpec
+from privacy.secagg.ring import Ring
 
 
 @dataclass(frozen=True)
@@ -46,14 +47,14 @@ class SecAggSettings:
         round_id: str,
         purpose: str,
         participants: list[str] | tuple[str, ...],
-        words: int,
+        ring: Ring,
         binding: bytes,
     ) -> SessionSpec:
         return SessionSpec(
             round_id=round_id,
             purpose=purpose,
             participants=tuple(sorted(participants)),
-            words=words,
+            ring=ring,
             binding=binding,
             threshold=self.threshold,
             neighbours=self.neighbours,

@@ -1,7 +1,8 @@
 """The `secagg` layer's messages to and from their Protobuf form (fedlt/v1), for silo agent and aggregator.
 
 A silo's messages each go out through their own RPC (`SENDERS`); the aggregator's stage outputs travel as
-`SumStep`s (`STEP_ENCODERS`, `STEP_DECODERS`). A masked upload is uint64 little-endian words.
+`SumStep`s (`STEP_ENCODERS`, `STEP_DECODERS`). A masked upload is the bytes of a ring vector (`ring.Ring`:
+little-endian 64-bit words, then 32-bit ones); the aggregator checks its length against the sum's ring.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 import numpy as np
 
 from fedlt.v1 import consortium_pb2 as pb
-from fedlt.wire import SUM_OF_PURPOSE, submit_stream, words
+from fedlt.wire import SUM_OF_PURPOSE, submit_stream
 from privacy.secagg.protocol import (
     AdvertisedKeys,
     ConsistencySignature,
@@ -90,11 +91,11 @@ def reveal_from_pb(request: pb.UnmaskRequest) -> Reveal:
 
 
 def masked_payload(masked: MaskedInput) -> bytes:
-    return np.ascontiguousarray(masked.words, dtype="<u8").tobytes()
+    return masked.vector.tobytes()
 
 
 def masked_of(payload: bytes) -> MaskedInput:
-    return MaskedInput(words(payload, "<u8").astype(np.uint64, copy=False))
+    return MaskedInput(np.frombuffer(payload, dtype=np.uint8))
 
 
 # --- the aggregator's stage outputs, as the fields of a SumStep ---------------------------------------------
