@@ -15,8 +15,11 @@ A model delta of bound 10 at 24 fractional bits fits 32-bit words up to 12 silos
 
 Rounding to nearest is off by at most 2^−(f+1) a value, so a decoded sum of n values is within n · 2^−(f+1)
 of the sum of the clipped values. Stochastic rounding is off by less than 2^−f' a value (n · 2^−f' for the
-sum) and is unbiased; its uniforms come from the silo's own CSPRNG (`privacy.dp.noise.SecureRandom`, fresh
-256-bit key from the operating system unless a caller passes one). `error_bound` states the bound per field.
+sum) and is unbiased (to 2^−32 of a unit); its uniforms, 32 bits each, come from the silo's own CSPRNG
+(`privacy.dp.noise.SecureRandom`, a fresh 256-bit key from the operating system unless a caller passes one).
+`error_bound` states the bound per field. Rounding to nearest is deterministic, so a simulation and a
+consortium give the same sums bit for bit while no field is narrowed (FedAvg's model change: up to 12 silos);
+where one is rounded stochastically they agree within its bound instead.
 """
 
 from __future__ import annotations
