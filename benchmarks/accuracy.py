@@ -3,7 +3,7 @@
     python benchmarks/accuracy.py [--imbalance 10 50 100] [--seeds 0 1 2]
         [--methods fedavg fedprox ccvr creff redgrape sfd dflfs dflfs:strategy=wc] [--rounds 30]
         [--workers 2] [--runs benchmarks/runs/accuracy] [--write docs/BENCHMARKS.md] [--section NAME]
-        [--set section.key=value ...]
+        [--set section.key=value ...] [--privacy plaintext|secagg|ckks]
 
 A method is a name, or a name with settings of its `[method]` table (TOML values): `sfd:aligner=false`,
 `sfd:local_loss="ce"`, `dflfs:strategy="wc"` — the ablations and variants. A dotted setting belongs to
@@ -15,7 +15,9 @@ demo's local training) and the method's default settings, changing only the meth
 the seed. The reported accuracy is the evaluated model's after the last round (for post-hoc CCVR, after its
 closing calibration round), on the balanced test split; the table gives mean ± sample standard deviation over
 seeds. Runs are kept in --runs and resumed from their checkpoints, so an interrupted benchmark loses at most
-the round in flight. Workers run one torch thread each, so results do not depend on --workers.
+the round in flight. Workers run one torch thread each, so results do not depend on --workers. The plot goes
+to docs/img/ with --write (the docs' table), otherwise beside the runs, so trying other seeds leaves the
+docs' picture alone. `--privacy secagg` sums every run securely (the compact ring's rounding, issue 17).
 """
 
 from __future__ import annotations
@@ -57,6 +59,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--runs", type=Path, default=ROOT / "benchmarks" / "runs" / "accuracy")
     p.add_argument("--write", type=Path, help="Markdown file whose accuracy table section to replace")
     p.add_argument("--set", nargs="*", default=[], help="settings for every run, as section.key=value")
+    p.add_argument(
+        "--privacy",
+        default="plaintext",
+        choices=("plaintext", "secagg", "ckks"),
+        help="the layer every run sums with; other than plaintext, runs are kept under --runs/<layer>",
+    )
     args = p.parse_args(argv)
     try:
         for label in args.methods:
@@ -83,10 +91,12 @@ def settings_of(label: str, common: list[str]) -> tuple[dict, dict]:
     return {"name": name, **options}, tables
 
 
-def run_one(method: str, common: list[str], imbalance: float, seed: int, rounds: int, out: Path) -> dict:
+def run_one(
+    method: str, common: list[str], imbalance: float, seed: int, rounds: int, privacy: str, out: Path
+) -> dict:
     """One simulation in a worker process; returns its final evaluation and the seconds its rounds took."""
     torch.set_num_threads(1)
-    flags = {"imbalance": imbalance, "seed": seed, "rounds": rounds}
+    flags = {"imbalance": imbalance, "seed": seed, "rounds": rounds, "privacy": privacy}
     table, tables = settings_of(method, common)
     config = load_sim_config(str(CONFIG), flags, method=table, tables=tables)
     result = run_simulation(config, out, echo=lambda _: None)
@@ -107,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     jobs = [(m, f, s) for f in args.imbalance for s in args.seeds for m in args.methods]
     started = time.perf_counter()
+    runs = args.runs if args.privacy == "plaintext" else args.runs / args.privacy
     calls = [
-        (run_one, (m, args.set, f, s, args.rounds, args.runs / f"if{f:g}" / folder(m) / f"s{s}"))
+        (run_one, (m, args.set, f, s, args.rounds, args.privacy, runs / f"if{f:g}" / folder(m) / f"s{s}"))
         for m, f, s in jobs
     ]
     results = run_in_pool(
@@ -120,11 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     minutes = (time.perf_counter() - started) / 60
-    args.runs.mkdir(parents=True, exist_ok=True)
-    (args.runs / f"{args.section}.json").write_text(json.dumps(results, indent=1))
+    runs.mkdir(parents=True, exist_ok=True)
+    (runs / f"{args.section}.json").write_text(json.dumps(results, indent=1))
     section = render(results, args, minutes)
     print("\n" + section)
-    plot(results, args, ROOT / "docs" / "img" / f"{args.section}.png")
+    # the docs' picture only with the docs' table; any other invocation plots beside its runs
+    plot(results, args, (ROOT / "docs" / "img" if args.write else runs) / f"{args.section}.png")
     if args.write:
         replace_section(args.write, section, args.section)
         print(f"wrote the table into {args.write}")
@@ -164,6 +176,7 @@ def render(results: list[dict], args: argparse.Namespace, minutes: float) -> str
         + f" --seeds {' '.join(map(str, args.seeds))} --methods {shlex.join(args.methods)}"
         + f" --rounds {args.rounds} --workers {args.workers}"
         + (f" --set {shlex.join(args.set)}" if args.set else "")
+        + (f" --privacy {args.privacy}" if args.privacy != "plaintext" else "")
     )
     lines = [
         f"<!-- {args.section}:start -->",

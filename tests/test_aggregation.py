@@ -6,7 +6,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedlt.aggregation import LAYERS, Field, Schema, SumLayer, Sums, make_layer
-from fedlt.aggregation.plaintext import PlaintextSum, from_wire, to_wire, upload_bytes
+from fedlt.aggregation.halves import SumSpec
+from fedlt.aggregation.plaintext import (
+    PlaintextAggregatorHalf,
+    PlaintextSum,
+    Upload,
+    from_wire,
+    to_wire,
+    upload_bytes,
+)
 from fedlt.errors import ConfigError, ContributionError
 
 SCHEMA = Schema((Field("delta", (3,), 5.0), Field("n", (), 100.0)))
@@ -119,3 +127,14 @@ def test_the_simulators_plaintext_sum_is_of_the_uploaded_bytes():
     sums = PlaintextSum().aggregate(WIRE, [WIRE.contribution(**WIRE.unflatten(r)) for r in rows])
     assert torch.equal(sums["delta"], 2 * rows[0][:4].float().double())
     assert float(sums["second_moment"][0]) == 2.0
+
+
+def test_the_aggregator_clips_a_plaintext_upload_beyond_its_bounds():
+    """A silo that skips its method's clipping cannot move the sum further than the bounds allow."""
+    spec = SumSpec("r1.a1", "contribution", ("silo-0", "silo-1"), WIRE)
+    half = PlaintextAggregatorHalf(spec)
+    honest = torch.tensor([1.0, 0, 0, 0, 0, 0, 0, 1], dtype=torch.float64)
+    beyond = torch.tensor([1e6, 0, 0, 0, 0, 0, 0, 1], dtype=torch.float64)
+    half.receive("silo-0", Upload(to_wire(WIRE, honest)))
+    half.receive("silo-1", Upload(to_wire(WIRE, beyond)))
+    assert float(half.close().total[0]) == 1.0 + 10.0  # the delta's bound

@@ -118,11 +118,9 @@ class PlaintextAggregatorHalf(AggregatorHalf):
                 raise SumAborted(f"{silo} already uploaded other values")
             return
         schema = self.spec.schema
-        vector = from_wire(schema, message.payload)
-        schema.contribution(
-            **schema.unflatten(vector)
-        )  # non-finite values, values out of bounds: refused here
-        self._uploads[silo], self._vectors[silo] = message.payload, vector
+        # non-finite values are refused here, values beyond a field's bound clipped (as an honest silo's are)
+        checked = schema.contribution(**schema.unflatten(from_wire(schema, message.payload)))
+        self._uploads[silo], self._vectors[silo] = message.payload, checked.flat()
 
     def close(self) -> Mapping[str, object] | Released:
         self._closed = True
