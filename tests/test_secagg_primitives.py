@@ -169,16 +169,30 @@ def test_codec_sums_within_the_stated_bound_in_either_word_size(rows, silos):
 
 def test_stochastic_rounding_is_unbiased_where_rounding_to_nearest_is_not():
     """At 40 silos the delta field drops to 22 fractional bits; a value of 0.3 units of 2^-22 rounds to 0
-    every time to nearest, but to 1 three times in ten stochastically, so the mean decodes to the value."""
+    every time to nearest, but to 1 three times in ten stochastically, so the mean decodes to the value. Each
+    vector differs in its count, so each draws its own rounding (from a key its own bytes give)."""
     codec = FixedPointCodec(MIXED, max_silos=40)
     assert (codec.encodings[0].frac_bits, codec.encodings[0].stochastic) == (22, True)
     value = 0.3 * 2.0**-22
-    vector = torch.tensor([value] * 5 + [0.0] * 4, dtype=torch.float64)
-    rng = SecureRandom.seeded("rounding")
-    decoded = torch.stack([codec.decode(codec.encode(vector, rng))[:5] for _ in range(2_000)])
+    vectors = [torch.tensor([value] * 5 + [0.0] * 3 + [float(k)], dtype=torch.float64) for k in range(2_000)]
+    decoded = torch.stack([codec.decode(codec.encode(v))[:5] for v in vectors])
     mean, spread = decoded.mean().item(), decoded.std().item() / (decoded.numel() ** 0.5)
     assert abs(mean - value) < 4 * spread  # ~0.3 · 2^-22, not 0
     assert set(decoded.flatten().tolist()) == {0.0, 2.0**-22}  # off by less than one unit each time
+
+
+def test_stochastic_rounding_is_the_same_wherever_the_same_vector_is_encoded():
+    """A simulation and a consortium encode a silo's vector alike (bit-identical runs); another vector, or a
+    stream the caller passes, rounds differently."""
+    schema = Schema((Field("delta", (1000,), 10.0, frac_bits=24), Field("n", (), 1e5, frac_bits=0)))
+    codec = FixedPointCodec(schema, max_silos=40)  # the delta in 32-bit words at 22 bits, stochastic
+    vector = torch.full((1001,), 0.3 * 2.0**-22, dtype=torch.float64)
+    first = codec.encode(vector)
+    assert np.array_equal(first, FixedPointCodec(schema, max_silos=40).encode(vector.clone()))
+    other = vector.clone()
+    other[-1] = 1.0  # another count: another key, so other roundings of the same deltas
+    assert not np.array_equal(first[:4000], codec.encode(other)[:4000])
+    assert not np.array_equal(first, codec.encode(vector, SecureRandom.seeded("caller")))
 
 
 def test_codec_refuses_a_round_that_could_overflow():

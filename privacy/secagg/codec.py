@@ -15,15 +15,17 @@ A model delta of bound 10 at 24 fractional bits fits 32-bit words up to 12 silos
 
 Rounding to nearest is off by at most 2^−(f+1) a value, so a decoded sum of n values is within n · 2^−(f+1)
 of the sum of the clipped values. Stochastic rounding is off by less than 2^−f' a value (n · 2^−f' for the
-sum) and is unbiased (to 2^−32 of a unit); its uniforms, 32 bits each, come from the silo's own CSPRNG
-(`privacy.dp.noise.SecureRandom`, a fresh 256-bit key from the operating system unless a caller passes one).
-`error_bound` states the bound per field. Rounding to nearest is deterministic, so a simulation and a
-consortium give the same sums bit for bit while no field is narrowed (FedAvg's model change: up to 12 silos);
-where one is rounded stochastically they agree within its bound instead.
+sum) and is unbiased (to 2^−32 of a unit). Its uniforms, 32 bits each, come from a CSPRNG (AES-256-CTR,
+`privacy.dp.noise.SecureRandom`) keyed with SHA-256 of the silo's own vector: a key only that silo can know
+(the aggregator never sees the vector), fresh whenever the vector changes, and the same wherever the same
+vector is encoded, so a simulation and a consortium still give the same sums bit for bit (a caller may pass
+its own stream). The rounding of one vector is thereby fixed; across vectors its errors are independent and
+unbiased, which is what the sums need. `error_bound` states the bound per field.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -37,6 +39,7 @@ from privacy.dp.noise import SecureRandom
 from privacy.secagg.ring import Ring
 
 NARROW_MIN_FRAC_BITS = 16
+ROUNDING_KEY = b"fedlt/secagg/stochastic-rounding/v1\x1f"
 _LIMITS = {32: 2**31, 64: 2**63}
 
 
@@ -117,7 +120,7 @@ class FixedPointCodec:
             scaled = np.clip(values[where], -e.field.bound, e.field.bound)
             scaled *= 2.0**e.frac_bits
             if e.stochastic:  # floor(v + u), u uniform in [0, 1): rounds up with probability frac(v)
-                rng = rng or SecureRandom()
+                rng = rng or SecureRandom(hashlib.sha256(ROUNDING_KEY + values.tobytes()).digest())
                 bits = rng.words((len(scaled) + 1) // 2).view(np.uint32)[: len(scaled)]  # 32 random bits each
                 scaled += bits * 2.0**-32
                 np.floor(scaled, out=scaled)
