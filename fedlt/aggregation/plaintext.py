@@ -10,6 +10,7 @@ the consortium's.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -58,8 +59,9 @@ def to_wire(schema: Schema, vector: torch.Tensor) -> bytes:
 
 def from_wire(schema: Schema, payload: bytes) -> torch.Tensor:
     """The float64 vector of an upload; one of another length is refused, not cut."""
-    if len(payload) != upload_bytes(schema):
-        raise ContributionError(f"an upload of {len(payload)} bytes; the schema needs {upload_bytes(schema)}")
+    expected = upload_bytes(schema)
+    if len(payload) != expected:
+        raise ContributionError(f"an upload of {len(payload)} bytes; the schema needs {expected}")
     out, start, offset = np.empty(schema.size, dtype=np.float64), 0, 0
     for f in schema.fields:
         values = np.frombuffer(payload, dtype=f.wire_dtype, count=f.size, offset=offset)
@@ -92,8 +94,7 @@ class PlaintextSiloHalf(SiloHalf):
 class PlaintextAggregatorHalf(AggregatorHalf):
     def __init__(self, spec: SumSpec) -> None:
         self.spec = spec
-        self._uploads: dict[str, bytes] = {}
-        self._vectors: dict[str, torch.Tensor] = {}
+        self._uploads: dict[str, tuple[str, torch.Tensor]] = {}  # silo -> (SHA-256 of its upload, clipped)
         self._closed = False
 
     @property
@@ -113,21 +114,22 @@ class PlaintextAggregatorHalf(AggregatorHalf):
             raise SumAborted(f"{silo} may not upload to this sum now")
         if not isinstance(message, Upload):
             raise SumAborted(f"the plaintext layer takes uploads, not {type(message).__name__}")
+        digest = hashlib.sha256(message.payload).hexdigest()
         if silo in self._uploads:
-            if self._uploads[silo] != message.payload:
+            if self._uploads[silo][0] != digest:
                 raise SumAborted(f"{silo} already uploaded other values")
             return
         schema = self.spec.schema
         # non-finite values are refused here, values beyond a field's bound clipped (as an honest silo's are)
         checked = schema.contribution(**schema.unflatten(from_wire(schema, message.payload)))
-        self._uploads[silo], self._vectors[silo] = message.payload, checked.flat()
+        self._uploads[silo] = digest, checked.flat()
 
     def close(self) -> Mapping[str, object] | Released:
         self._closed = True
         survivors = tuple(u for u in self.spec.silos if u in self._uploads)
         total = torch.zeros(self.spec.schema.size, dtype=torch.float64)
         for u in survivors:
-            total += self._vectors[u]
+            total += self._uploads[u][1]
         return Released(survivors, total)
 
     def upload_bytes(self, silo: str, kind: type) -> int:

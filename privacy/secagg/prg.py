@@ -5,9 +5,9 @@ statistical generator seeded with a folded-down seed (the weakness of Flower's S
 #7522). Two keystreams are known here, both from `cryptography` (OpenSSL):
 - `aes-128-ctr`: the seed's first 16 bytes are the AES key, its last 16 the initial counter block (NIST SP
   800-38A's CTR, the counter block incremented as one 128-bit big-endian number). With AES-NI it is the
-  faster of the two on this machine's kind, by about 2.5× (`benchmarks/secagg.py keystreams`); masks use it.
+  faster of the two on this machine's kind, 2.1–2.5× (`benchmarks/secagg.py session`); masks use it.
 - `chacha20`: RFC 8439's (the seed is the key, a 32-bit block counter from 0, a 96-bit nonce of zeros), the
-  generator of earlier versions; kept for machines without AES instructions and for the benchmark.
+  generator of earlier versions; kept so the benchmark measures the choice in every run.
 Each seed is used for exactly one stream, so a fixed nonce (or a counter block taken from the seed) is safe.
 
 `apply_masks` adds or subtracts masks in place over a ring (`ring.Ring`), a cache-sized block at a time, so
