@@ -40,7 +40,7 @@ test: lint
 	$(PY) -m pytest -m "not slow" -q
 
 test-all: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis .tools/node_modules

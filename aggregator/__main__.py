@@ -39,6 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--silos", type=int, default=4)
     demo.add_argument("--rounds", type=int, default=30)
     demo.add_argument(
+        "--methods",
+        nargs="+",
+        help="one consortium run each, in turn, then their accuracies side by side (default: fedavg, then "
+        "fedlt's long-tail recipe, balanced)",
+    )
+    demo.add_argument(
         "--privacy",
         default="secagg",
         choices=CONSORTIUM_LAYERS,
@@ -61,9 +67,15 @@ def main(argv: list[str] | None = None) -> int:
             from aggregator.status import show_status
 
             return show_status(args.config, cert=args.cert, key=args.key, address=args.address)
-        from aggregator.demo import run_demo
+        from aggregator.demo import DEMO_METHODS, run_demo
 
-        return run_demo(args.dir, silos=args.silos, rounds=args.rounds, privacy=args.privacy)
+        return run_demo(
+            args.dir,
+            silos=args.silos,
+            rounds=args.rounds,
+            privacy=args.privacy,
+            methods=args.methods or DEMO_METHODS,
+        )
     except FedltError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

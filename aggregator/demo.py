@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,8 +24,10 @@ from fedlt.config import as_table, render_toml
 from fedlt.data.federation import DataConfig, build_federation
 from fedlt.errors import FedltError
 from fedlt.keepalive import MIN_SECONDS
-from fedlt.methods import TrainConfig
+from fedlt.methods import METHODS, MethodChoice, TrainConfig
 from fedlt.plan import ModelSection, RoundPlan
+from fedlt.recorder import METRICS
+from fedlt.reports import comparison_table, plot_comparison
 from fedlt.selection import DISCLOSURE
 from privacy.ckks.settings import CkksSettings
 from privacy.pki.ca import init_ca, issue_operator, issue_server, issue_silo
@@ -36,6 +39,8 @@ DEMO_PLAN = RoundPlan(
     train=TrainConfig(local_epochs=2, batch_size=32, lr=0.05, momentum=0.9),
 )
 STARTUP_SECONDS = 60
+# FedAvg, then fedlt's long-tail recipe on the same silos (`fedlt.methods.balanced`)
+DEMO_METHODS = ("fedavg", "balanced")
 
 
 class DemoError(FedltError):
@@ -158,16 +163,52 @@ def demo_layer_settings(privacy: str) -> object | None:
     return CkksSettings(key_holder="silo-0") if privacy == "ckks" else None
 
 
-def run_demo(directory: Path, *, silos: int, rounds: int, privacy: str = "secagg") -> int:
+def run_demo(
+    directory: Path,
+    *,
+    silos: int,
+    rounds: int,
+    privacy: str = "secagg",
+    methods: Sequence[str] = DEMO_METHODS,
+) -> int:
+    """One consortium run per method, each in `directory/<method>/`, then their accuracies side by side."""
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise DemoError(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
     if directory.exists():
         shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+    finals = {}
+    for k, name in enumerate(methods, 1):
+        print(f"\n== {name} ({k} of {len(methods)}) ==", flush=True)
+        code = run_consortium(directory / name, silos=silos, rounds=rounds, privacy=privacy, method=name)
+        if code != 0:
+            return code
+        finals[name] = json.loads((directory / name / "aggregator-data" / "run" / METRICS).read_text())
+    if len(finals) > 1:
+        print_comparison(finals, directory / "comparison.png")
+    return 0
+
+
+def print_comparison(runs: dict[str, dict], plot: Path) -> None:
+    first = next(iter(runs.values()))
+    classes, counts = first["dataset"]["classes"], first["dataset"]["train_counts"]
+    rules = {group: facts["rule"] for group, facts in first["shot_groups"].items()}
+    finals = {name: run["final"] for name, run in runs.items()}
+    print(f"\nthe same consortium, {' against '.join(runs)}: final test accuracy")
+    print(comparison_table(finals, classes, counts, rules))
+    plot_comparison(finals, classes, counts, plot, "LT MNIST-5k (IF 100), one consortium, two methods")
+    print(f"per-class plot: {plot}")
+
+
+def run_consortium(directory: Path, *, silos: int, rounds: int, privacy: str, method: str) -> int:
     directory.mkdir(parents=True)
     print(f"setting up a consortium of {silos} silos in {directory}/ (CA, certificates, configs) ...")
     recipe = replace(RECIPE, silos=silos)
     consortium, silo_configs = write_consortium(
         directory,
         recipe=recipe,
-        plan=DEMO_PLAN,
+        plan=replace(DEMO_PLAN, method=MethodChoice(method, METHODS[method].Options())),
         consortium=ConsortiumSection(id="fedlt-demo", rounds=rounds, min_silos=silos, privacy=privacy),
         layer_settings=demo_layer_settings(privacy),
         timeouts=TimeoutSection(gather=5.0, round=120.0),

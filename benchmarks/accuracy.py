@@ -229,13 +229,19 @@ def plot(results: list[dict], args: argparse.Namespace, path: Path) -> None:
             )
         ax.set_xticks([k + 0.4 - width / 2 for k in range(len(args.imbalance))])
         ax.set_xticklabels([f"IF {f:g}" for f in args.imbalance])
-        ax.set_title(f"LT MNIST-5k, {title}")
+        ax.set_title(f"LT {dataset_of(args)}, {title}")
         ax.set_ylabel("test accuracy (%)")
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+
+
+def dataset_of(args: argparse.Namespace) -> str:
+    """The data set every run uses: `--set data.dataset=...`, else the config's."""
+    tables = settings_of("fedavg", args.set)[1]
+    return tables.get("data", {}).get("dataset") or tomllib.loads(CONFIG.read_text())["data"]["dataset"]
 
 
 def replace_section(path: Path, section: str, name: str) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from matplotlib.figure import Figure
@@ -29,6 +29,51 @@ def accuracy_table(
         ),
     ]
     return "\n".join(lines)
+
+
+def comparison_table(
+    finals: Mapping[str, dict], classes: Sequence[str], train_counts: Sequence[int], rules: dict[str, str]
+) -> str:
+    """Final accuracies of several runs side by side, per shot group and per class; with two runs the
+    last column is the second's gain over the first, in points."""
+    names = list(finals)
+    gain = len(names) == 2
+    header = f"{'':<10} {'train n':>8} " + " ".join(f"{n:>9}" for n in names) + (" gain" if gain else "")
+
+    def row(label: str, count: str, values: list[float | None]) -> str:
+        line = f"{label:<10} {count:>8} " + " ".join(f"{percent(v):>9}" for v in values)
+        if gain and None not in values:
+            line += f" {100 * (values[1] - values[0]):+5.1f}"
+        return line
+
+    lines = [header, row("overall", "", [finals[n]["accuracy"] for n in names])]
+    lines += [row(g, "", [finals[n][g] for n in names]) + f"   ({rules[g]})" for g in GROUPS]
+    lines.append("")
+    lines += [
+        row(name, str(int(count)), [finals[n]["per_class"][c] for n in names])
+        for c, (name, count) in enumerate(zip(classes, train_counts, strict=True))
+    ]
+    return "\n".join(lines)
+
+
+def plot_comparison(
+    finals: Mapping[str, dict], classes: Sequence[str], train_counts: Sequence[int], path: Path, title: str
+) -> None:
+    """Per-class accuracy of several runs as grouped bars, classes in order of their training counts."""
+    fig = Figure(figsize=(max(6, 0.8 * len(classes)), 4.2))
+    ax = fig.subplots()
+    width = 0.8 / len(finals)
+    for k, (name, final) in enumerate(finals.items()):
+        xs = [c + (k - (len(finals) - 1) / 2) * width for c in range(len(classes))]
+        ax.bar(
+            xs, [_pct(v) for v in final["per_class"]], width, label=f"{name} ({percent(final['accuracy'])})"
+        )
+    labels = [f"{name}\nn={int(n)}" for name, n in zip(classes, train_counts, strict=True)]
+    ax.set_xticks(range(len(classes)), labels, fontsize=8)
+    ax.set(xlabel="class (training samples)", ylabel="test accuracy (%)", ylim=(0, 112), title=title)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(loc="upper right", fontsize=8)
+    _save(fig, path)
 
 
 def plot_curves(rounds: Sequence[dict], path: Path, title: str) -> None:

@@ -8,6 +8,7 @@ from fedlt.data.arrays import LabeledImages
 from fedlt.methods import METHODS, ModelSpec, ServerContext, SiloContext, TrainConfig
 from fedlt.methods.fedavg import FedAvg, FedAvgOptions
 from fedlt.methods.fedprox import FedProx, FedProxOptions
+from fedlt.methods.local import train_local
 from fedlt.methods.state import GlobalState, flatten, float_keys
 
 SPEC = ModelSpec("cnn-small", (1, 8, 8), 10)
@@ -128,7 +129,7 @@ def test_digest_changes_with_any_weight():
 
 
 def test_registry_names():
-    assert set(METHODS) == {"fedavg", "fedprox", "ccvr", "creff", "redgrape", "sfd", "dflfs"}
+    assert set(METHODS) == {"fedavg", "fedprox", "ccvr", "creff", "redgrape", "sfd", "dflfs", "balanced"}
 
 
 def test_the_weight_scale_follows_the_summed_sample_count_and_caps_a_larger_silo():
@@ -180,3 +181,17 @@ def test_a_secure_step_is_the_plaintext_step_within_the_codecs_stated_bound(late
     bound = method.weight_scale(state) / 120 * 3 * 2.0 ** -(f + 1) + 1e-7  # + float32 rounding of the model
     assert 0 < error.abs().max().item() <= bound
     assert bound < (1e-5 if later else 1e-3)
+
+
+@pytest.mark.parametrize(
+    ("samples", "epochs", "min_steps", "steps"),
+    [(100, 2, 0, 8), (100, 2, 5, 8), (10, 2, 20, 20), (40, 1, 5, 6), (33, 3, 7, 8)],
+)
+def test_a_small_silo_trains_more_epochs_until_it_has_taken_min_steps(samples, epochs, min_steps, steps):
+    """Whole epochs, never fewer than `local_epochs`: 100 samples in batches of 32 take 4 steps an epoch."""
+    config = TrainConfig(local_epochs=epochs, batch_size=32 if samples != 10 else 8, min_steps=min_steps)
+    model = torch.nn.Linear(3, 2)
+    taken = []
+    x, y = torch.randn(samples, 3), torch.randint(0, 2, (samples,))
+    train_local(model, x, y, config, torch.Generator().manual_seed(0), after_step=lambda: taken.append(1))
+    assert len(taken) == steps

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedlt.config import as_table, parse_section
+from fedlt.methods.balanced import Balanced
 from fedlt.methods.base import Method
 from fedlt.methods.ccvr import CCVR
 from fedlt.methods.creff import CReFF
@@ -16,7 +17,9 @@ from fedlt.methods.fedprox import FedProx
 from fedlt.methods.redgrape import RedGrape
 from fedlt.methods.sfd import SFD
 
-METHODS: dict[str, type[Method]] = {m.name: m for m in (FedAvg, FedProx, CCVR, CReFF, RedGrape, SFD, DFLFS)}
+METHODS: dict[str, type[Method]] = {
+    m.name: m for m in (FedAvg, FedProx, CCVR, CReFF, RedGrape, SFD, DFLFS, Balanced)
+}
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ def train_private(
 ) -> None:
     n = len(y)
     rate = min(config.batch_size / n, 1.0)
-    steps = config.local_epochs * math.ceil(n / config.batch_size)
+    steps = config.epochs(n) * math.ceil(n / config.batch_size)
     sigma = private.admit_sgd(sample_rate=rate, steps=steps)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(

@@ -90,9 +90,13 @@ class FedAvg(Method):
         following = super().server_step(state, sums, ctx)
         if "n" not in sums:  # a round that trains no model (a closing statistics round)
             return following
-        scale = min(2 * max(1, round(float(sums["n"]))), self.options.max_silo_samples)
-        extra = {**following.extra, WEIGHT_SCALE: torch.tensor(scale, dtype=torch.int64)}
+        extra = {**following.extra, **self.weight_scale_entry(float(sums["n"]))}
         return GlobalState(following.round, following.model, extra)
+
+    def weight_scale_entry(self, samples: float) -> dict[str, torch.Tensor]:
+        """The state entry N_{r+1} = 2·`samples` (what a round summed), at most `max_silo_samples`."""
+        scale = min(2 * max(1, round(samples)), self.options.max_silo_samples)
+        return {WEIGHT_SCALE: torch.tensor(scale, dtype=torch.int64)}
 
     def train_model(
         self, model: SplitModel, x: torch.Tensor, y: torch.Tensor, state: GlobalState, ctx: SiloContext

@@ -7,6 +7,7 @@ to within 10% of a bare loop.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -26,6 +27,12 @@ class TrainConfig:
     lr: float = setting(0.05, gt=0.0)
     momentum: float = setting(0.0, ge=0.0, le=1.0)
     weight_decay: float = setting(0.0, ge=0.0)
+    min_steps: int = setting(0, ge=0, doc="a silo trains more epochs until it has taken this many steps")
+
+    def epochs(self, samples: int) -> int:
+        """`local_epochs`, or more where a silo is so small that they would take fewer than `min_steps`."""
+        per_epoch = max(1, math.ceil(samples / self.batch_size))
+        return max(self.local_epochs, math.ceil(self.min_steps / per_epoch))
 
 
 GradHook = Callable[[], None]
@@ -88,7 +95,7 @@ def train_local(
     )
     model.train()
     n = len(y)
-    for _ in range(config.local_epochs):
+    for _ in range(config.epochs(n)):
         order = torch.randperm(n, generator=generator)
         for start in range(0, n, config.batch_size):
             idx = order[start : start + config.batch_size]

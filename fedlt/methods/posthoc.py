@@ -35,6 +35,11 @@ class StatisticsOptions(FedAvgOptions):
     feature_bound: float = setting(100.0, gt=0.0, doc="largest |feature| element a silo reports")
 
 
+def count_field(classes: int, n_max: float) -> Field:
+    """Per class, the silo's record count: exact integers, through the tail guard."""
+    return Field("count", (classes,), n_max, "per class sample count", frac_bits=0, per_class=True)
+
+
 class PostHocHead(FedAvg):
     """FedAvg training, a closing statistics round, and a head fitted to the pooled statistics.
 
@@ -90,7 +95,7 @@ class PostHocHead(FedAvg):
                 sensitivity=norm**2,
                 float64=True,  # the covariance is E[zzᵀ] − μμᵀ: float32 would lose it to cancellation
             ),
-            Field("count", (classes,), n_max, "per class sample count", frac_bits=0, per_class=True),
+            count_field(classes, n_max),
         )
 
     def statistics_plan(self) -> tuple[tuple[Field, ...], int]:
