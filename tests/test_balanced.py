@@ -6,16 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from fedlt.aggregation.plaintext import PlaintextSum
 from fedlt.data.arrays import LabeledImages
 from fedlt.errors import ContributionError
-from fedlt.methods import ModelSpec, ServerContext, SiloContext, TrainConfig
+from fedlt.methods import SiloContext, TrainConfig
 from fedlt.methods.balanced import CLASS_COUNTS, PRIORS, Balanced, BalancedOptions
 from fedlt.methods.fedavg import WEIGHT_SCALE
 from fedlt.methods.posthoc import CLOSING
 from fedlt.methods.state import GlobalState
+from tests.method_harness import SPEC, plaintext_step, tiny_silos
 
-SPEC = ModelSpec("cnn-small", (1, 8, 8), 4)
 TRAIN = TrainConfig(local_epochs=1, batch_size=8, lr=0.1)
 
 
@@ -26,37 +25,15 @@ def _balanced(rounds=2, **options):
     )
 
 
-def _silos():
-    rng = np.random.default_rng(0)
-    labels = [[0, 0, 1, 1, 0, 1, 0, 1], [1, 1, 2, 2, 2, 1], [0, 2, 2, 0, 2, 0, 0]]
-    return [
-        LabeledImages(
-            rng.random((len(y), 1, 8, 8), dtype=np.float32), np.array(y, dtype=np.int64), tuple("abcd")
-        )
-        for y in labels
-    ]
-
-
-def _step(method, state, silos, round_number):
-    schema = method.schema(state)
-    contributions = [
-        method.local_round(state, data, SiloContext(round_number, f"silo-{k}", 0))
-        for k, data in enumerate(silos)
-    ]
-    return method.server_step(
-        state, PlaintextSum().aggregate(schema, contributions), ServerContext(round_number, 0)
-    )
-
-
 def test_a_priors_round_then_training_then_a_closing_calibration():
-    method, silos = _balanced(rounds=2, calibrate="post-hoc"), _silos()
+    method, silos = _balanced(rounds=2, calibrate="post-hoc"), tiny_silos()
     state = method.init_state(seed=0)
     assert method.remaining_rounds(state) == 4
     schema = method.schema(state)
     assert schema.phase == PRIORS
     assert [f.name for f in schema.fields] == ["count"]
     assert not method.trains(state)  # every silo counts, also under partial participation
-    state = _step(method, state, silos, 1)
+    state = plaintext_step(method, state, silos, 1)
     assert state.extra[CLASS_COUNTS].tolist() == [8.0, 7.0, 6.0, 0.0]  # summed over the three silos
     assert int(state.extra[WEIGHT_SCALE]) == 2 * 21  # round 1 at the later rounds' precision
     assert state.model is not None
@@ -64,20 +41,20 @@ def test_a_priors_round_then_training_then_a_closing_calibration():
     for r in (2, 3):
         assert method.trains(state)
         assert {f.name for f in method.schema(state).fields} == {"delta", "n"}
-        state = _step(method, state, silos, r)
+        state = plaintext_step(method, state, silos, r)
     assert method.schema(state).phase == CLOSING
-    state = _step(method, state, silos, 4)
+    state = plaintext_step(method, state, silos, 4)
     assert "head.weight" in state.extra
     assert method.remaining_rounds(state) == 0
 
 
 def test_by_default_the_trained_head_is_evaluated_after_the_priors_and_training_rounds():
-    method, silos = _balanced(rounds=2), _silos()
+    method, silos = _balanced(rounds=2), tiny_silos()
     state = method.init_state(seed=0)
     assert method.remaining_rounds(state) == 3
     assert method.statistics_plan() == ((), 0)  # nothing but counts and the model change is released
     for r in (1, 2, 3):
-        state = _step(method, state, silos, r)
+        state = plaintext_step(method, state, silos, r)
         assert {f.name for f in method.schema(state).fields} <= {"delta", "n"}
     assert method.remaining_rounds(state) == 0
     assert set(state.extra) == {"trained", WEIGHT_SCALE, CLASS_COUNTS}
@@ -132,7 +109,7 @@ def test_a_class_the_tail_guard_held_back_gets_the_smallest_revealed_prior_times
     ],
 )
 def test_a_silo_refuses_class_counts_no_priors_round_could_have_summed(counts):
-    method, silos = _balanced(), _silos()
+    method, silos = _balanced(), tiny_silos()
     state = method.init_state(seed=0)
     state = GlobalState(1, state.model, {**state.extra, CLASS_COUNTS: counts})
     with pytest.raises(ContributionError, match="class counts"):
@@ -142,14 +119,14 @@ def test_a_silo_refuses_class_counts_no_priors_round_could_have_summed(counts):
 def test_the_priors_round_refuses_sums_without_any_count():
     method = _balanced()
     state = method.init_state(seed=0)
-    empty = [replace(_silos()[0], y=np.zeros(0, dtype=np.int64), x=np.zeros((0, 1, 8, 8), np.float32))]
+    empty = [replace(tiny_silos()[0], y=np.zeros(0, dtype=np.int64), x=np.zeros((0, 1, 8, 8), np.float32))]
     with pytest.raises(ContributionError, match="no class has a count"):
-        _step(method, state, empty, 1)
+        plaintext_step(method, state, empty, 1)
 
 
 def test_local_priors_adjust_by_the_silos_own_counts():
-    method, silos = _balanced(prior="local"), _silos()
+    method, silos = _balanced(prior="local"), tiny_silos()
     state = method.init_state(seed=0)
-    state = _step(method, state, silos, 1)
+    state = plaintext_step(method, state, silos, 1)
     bogus = GlobalState(state.round, state.model, {**state.extra, CLASS_COUNTS: torch.zeros(4)})
-    _step(method, bogus, silos, 2)  # the global counts are not read
+    plaintext_step(method, bogus, silos, 2)  # the global counts are not read

@@ -1,18 +1,16 @@
 """CCVR: statistics as sums, the post-hoc phase after training, and the calibrated head it evaluates."""
 
-import numpy as np
 import pytest
 import torch
 
 from fedlt.aggregation.plaintext import PlaintextSum
-from fedlt.data.arrays import LabeledImages
-from fedlt.methods import ModelSpec, ServerContext, SiloContext, TrainConfig
+from fedlt.methods import ServerContext, SiloContext, TrainConfig
 from fedlt.methods.ccvr import CCVR, CCVROptions
 from fedlt.methods.feature_stats import ClassGaussians
 from fedlt.methods.heads import extract_features, head_of
 from fedlt.methods.posthoc import CLOSING
+from tests.method_harness import SPEC, plaintext_step, tiny_silos
 
-SPEC = ModelSpec("cnn-small", (1, 8, 8), 4)
 TRAIN = TrainConfig(local_epochs=1, batch_size=8, lr=0.1)
 
 
@@ -21,42 +19,20 @@ def _ccvr(rounds=2, **options):
     return CCVR(options=CCVROptions(**{**defaults, **options}), train=TRAIN, model=SPEC, rounds=rounds)
 
 
-def _silos():
-    rng = np.random.default_rng(0)
-    labels = [[0, 0, 1, 1, 0, 1, 0, 1], [1, 1, 2, 2, 2, 1], [0, 2, 2, 0, 2, 0, 0]]
-    return [
-        LabeledImages(
-            rng.random((len(y), 1, 8, 8), dtype=np.float32), np.array(y, dtype=np.int64), tuple("abcd")
-        )
-        for y in labels
-    ]
-
-
-def _step(method, state, silos, round_number):
-    schema = method.schema(state)
-    contributions = [
-        method.local_round(state, data, SiloContext(round_number, f"silo-{k}", 0))
-        for k, data in enumerate(silos)
-    ]
-    return method.server_step(
-        state, PlaintextSum().aggregate(schema, contributions), ServerContext(round_number, 0)
-    )
-
-
 def test_post_hoc_calibration_is_one_closing_round_on_the_final_encoder():
-    method, silos = _ccvr(rounds=2), _silos()
+    method, silos = _ccvr(rounds=2), tiny_silos()
     state = method.init_state(seed=0)
     assert method.remaining_rounds(state) == 3
     for r in (1, 2):
         assert method.schema(state).phase == "train"
         assert {f.name for f in method.schema(state).fields} == {"delta", "n"}
-        state = _step(method, state, silos, r)
+        state = plaintext_step(method, state, silos, r)
         assert "head.weight" not in state.extra
     schema = method.schema(state)
     assert schema.phase == CLOSING
     assert {f.name for f in schema.fields if f.per_class} == {"feature_sum", "outer_sum", "count"}
     assert {f.name for f in schema.fields} == {"feature_sum", "outer_sum", "count"}
-    calibrated = _step(method, state, silos, 3)
+    calibrated = plaintext_step(method, state, silos, 3)
     assert calibrated.round == 3
     assert method.remaining_rounds(calibrated) == 0
     assert all(torch.equal(calibrated.model[k], state.model[k]) for k in state.model)  # training is over
@@ -67,8 +43,8 @@ def test_post_hoc_calibration_is_one_closing_round_on_the_final_encoder():
 
 
 def test_silo_statistics_are_sums_of_the_final_encoders_features():
-    method, silos = _ccvr(rounds=1), _silos()
-    state = _step(method, method.init_state(seed=0), silos, 1)
+    method, silos = _ccvr(rounds=1), tiny_silos()
+    state = plaintext_step(method, method.init_state(seed=0), silos, 1)
     contributions = [
         method.local_round(state, d, SiloContext(2, f"silo-{k}", 0)) for k, d in enumerate(silos)
     ]
@@ -84,7 +60,7 @@ def test_silo_statistics_are_sums_of_the_final_encoders_features():
 
 
 def test_every_round_option_carries_statistics_in_training_rounds():
-    method, silos = _ccvr(rounds=2, calibrate="every-round"), _silos()
+    method, silos = _ccvr(rounds=2, calibrate="every-round"), tiny_silos()
     state = method.init_state(seed=0)
     assert method.remaining_rounds(state) == 2
     assert {f.name for f in method.schema(state).fields} == {
@@ -94,7 +70,7 @@ def test_every_round_option_carries_statistics_in_training_rounds():
         "outer_sum",
         "count",
     }
-    new = _step(method, state, silos, 1)
+    new = plaintext_step(method, state, silos, 1)
     assert new.round == 1
     assert "head.weight" in new.extra
     assert not torch.equal(new.model["encoder.0.weight"], state.model["encoder.0.weight"])  # FedAvg moved on
