@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -178,26 +179,33 @@ def run_demo(
     if directory.exists():
         shutil.rmtree(directory)
     directory.mkdir(parents=True)
-    finals = {}
     for k, name in enumerate(methods, 1):
         print(f"\n== {name} ({k} of {len(methods)}) ==", flush=True)
         code = run_consortium(directory / name, silos=silos, rounds=rounds, privacy=privacy, method=name)
         if code != 0:
             return code
-        finals[name] = json.loads((directory / name / "aggregator-data" / "run" / METRICS).read_text())
-    if len(finals) > 1:
-        print_comparison(finals, directory / "comparison.png")
+    if len(methods) > 1:
+        print_comparison(directory, methods)
     return 0
 
 
-def print_comparison(runs: dict[str, dict], plot: Path) -> None:
-    first = next(iter(runs.values()))
-    classes, counts = first["dataset"]["classes"], first["dataset"]["train_counts"]
+def print_comparison(directory: Path, methods: Sequence[str]) -> None:
+    """The runs' final accuracies side by side, from each aggregator's metrics and evaluation settings."""
+    runs = {
+        name: json.loads((directory / name / "aggregator-data" / "run" / METRICS).read_text())
+        for name in methods
+    }
+    first = runs[methods[0]]
+    evaluation = tomllib.loads((directory / methods[0] / "consortium.toml").read_text())["evaluation"]
+    classes, counts = first["plan"]["model"]["classes"], evaluation["class_counts"]
     rules = {group: facts["rule"] for group, facts in first["shot_groups"].items()}
     finals = {name: run["final"] for name, run in runs.items()}
-    print(f"\nthe same consortium, {' against '.join(runs)}: final test accuracy")
+    print(f"\nthe same silos, {' against '.join(methods)}: final test accuracy")
     print(comparison_table(finals, classes, counts, rules))
-    plot_comparison(finals, classes, counts, plot, "LT MNIST-5k (IF 100), one consortium, two methods")
+    plot = directory / "comparison.png"
+    plot_comparison(
+        finals, classes, counts, plot, "LT MNIST-5k (IF 100), one consortium's silos, two methods"
+    )
     print(f"per-class plot: {plot}")
 
 

@@ -14,10 +14,11 @@ Every run is `fedlt.sim` with `configs/demo.toml` (LT MNIST-5k, α 0.5, 10 silos
 demo's local training) and the method's default settings, changing only the method, the imbalance factor and
 the seed. The reported accuracy is the evaluated model's after the last round (for post-hoc CCVR, after its
 closing calibration round), on the balanced test split; the table gives mean ± sample standard deviation over
-seeds. Runs are kept in --runs and resumed from their checkpoints, so an interrupted benchmark loses at most
-the round in flight. Workers run one torch thread each, so results do not depend on --workers. The plot goes
-to docs/img/ with --write (the docs' table), otherwise beside the runs, so trying other seeds leaves the
-docs' picture alone. `--privacy secagg` sums every run securely (the compact ring's rounding, issue 17).
+seeds. Runs are kept in --runs (in a folder named after --set, if given) and resumed from their checkpoints,
+so an interrupted benchmark loses at most the round in flight. Workers run one torch thread each, so results
+do not depend on --workers. The plot goes to docs/img/ with --write (the docs' table), otherwise beside the
+runs, so trying other seeds leaves the docs' picture alone. `--privacy secagg` sums every run securely (the
+compact ring's rounding, issue 17).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from matplotlib.figure import Figure
 
 from fedlt.methods import METHODS
 from fedlt.sim.config import load_sim_config
-from fedlt.sim.run import run_simulation
+from fedlt.sim.run import RunFolderError, run_simulation
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "demo.toml"
@@ -118,18 +119,24 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(m, f, s) for f in args.imbalance for s in args.seeds for m in args.methods]
     started = time.perf_counter()
     runs = args.runs if args.privacy == "plaintext" else args.runs / args.privacy
+    if args.set:  # runs under other common settings are other runs: a folder of their own
+        runs = runs / folder(",".join(args.set))
     calls = [
         (run_one, (m, args.set, f, s, args.rounds, args.privacy, runs / f"if{f:g}" / folder(m) / f"s{s}"))
         for m, f, s in jobs
     ]
-    results = run_in_pool(
-        calls,
-        args.workers,
-        lambda r: (
-            f"{r['method']:>9} IF {r['imbalance']:>5g} seed {r['seed']}: overall {r['accuracy']:.1%}, "
-            f"few {pct(r['few'])} ({r['seconds']:.0f} s)"
-        ),
-    )
+    try:
+        results = run_in_pool(
+            calls,
+            args.workers,
+            lambda r: (
+                f"{r['method']:>9} IF {r['imbalance']:>5g} seed {r['seed']}: overall {r['accuracy']:.1%}, "
+                f"few {pct(r['few'])} ({r['seconds']:.0f} s)"
+            ),
+        )
+    except RunFolderError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     minutes = (time.perf_counter() - started) / 60
     runs.mkdir(parents=True, exist_ok=True)
     (runs / f"{args.section}.json").write_text(json.dumps(results, indent=1))

@@ -39,3 +39,15 @@ def test_the_demo_refuses_a_method_it_does_not_know_before_touching_its_folder(t
     with pytest.raises(DemoError, match="unknown methods \\['fedsgd'\\]"):
         run_demo(tmp_path / "keep", silos=2, rounds=1, methods=["fedavg", "fedsgd"])
     assert (tmp_path / "keep").exists()
+
+
+@pytest.mark.slow
+def test_the_demo_runs_both_methods_on_the_same_silos_and_prints_them_side_by_side(tmp_path, capsys):
+    assert run_demo(tmp_path / "demo", silos=3, rounds=2, methods=["fedavg", "balanced"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("the same silos, fedavg against balanced") :].splitlines()
+    assert table[1].split() == ["train", "n", "fedavg", "balanced", "gain"]
+    assert table[2].split()[0] == "overall"
+    assert [line.split()[0] for line in table[7:17]] == [str(c) for c in range(10)]
+    assert (tmp_path / "demo" / "comparison.png").stat().st_size > 0
+    assert (tmp_path / "demo" / "balanced" / "aggregator-data" / "run" / "metrics.json").exists()
