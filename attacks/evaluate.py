@@ -3,7 +3,8 @@
     python -m attacks.evaluate                          # configs/audit.toml, report in runs/audit
     python -m attacks.evaluate --config my-grid.toml --out runs/my-audit
     python -m attacks.evaluate --attacks analytic moments --modes "secagg + tail guard"
-    python -m attacks.evaluate --aggregator-data runs/consortium-demo/fedavg/aggregator-data --public-data mnist5k
+    python -m attacks.evaluate --aggregator-data runs/consortium-demo/fedavg/aggregator-data \
+        --public-data mnist5k
 
 Exit codes: 0 the audit passed, 1 a leak crossed a threshold in an audited mode, 2 a usage or configuration
 error (with the message, never a traceback).
