@@ -203,9 +203,8 @@ def print_comparison(directory: Path, methods: Sequence[str]) -> None:
     print(f"\nthe same silos, {' against '.join(methods)}: final test accuracy")
     print(comparison_table(finals, classes, counts, rules))
     plot = directory / "comparison.png"
-    plot_comparison(
-        finals, classes, counts, plot, "LT MNIST-5k (IF 100), one consortium's silos, two methods"
-    )
+    title = f"LT {RECIPE.dataset} (IF {RECIPE.imbalance:g}), the same silos: {', '.join(methods)}"
+    plot_comparison(finals, classes, counts, plot, title)
     print(f"per-class plot: {plot}")
 
 

@@ -247,8 +247,8 @@ def plot(results: list[dict], args: argparse.Namespace, path: Path) -> None:
 
 def dataset_of(args: argparse.Namespace) -> str:
     """The data set every run uses: `--set data.dataset=...`, else the config's."""
-    tables = settings_of("fedavg", args.set)[1]
-    return tables.get("data", {}).get("dataset") or tomllib.loads(CONFIG.read_text())["data"]["dataset"]
+    chosen = tomllib.loads("\n".join(args.set)).get("data", {}).get("dataset")
+    return chosen or tomllib.loads(CONFIG.read_text())["data"]["dataset"]
 
 
 def replace_section(path: Path, section: str, name: str) -> None:

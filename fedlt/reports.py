@@ -66,7 +66,10 @@ def plot_comparison(
     for k, (name, final) in enumerate(finals.items()):
         xs = [c + (k - (len(finals) - 1) / 2) * width for c in range(len(classes))]
         ax.bar(
-            xs, [_pct(v) for v in final["per_class"]], width, label=f"{name} ({percent(final['accuracy'])})"
+            xs,
+            [_pct(v) for v in final["per_class"]],
+            width,
+            label=f"{name} ({percent(final['accuracy']).strip()})",
         )
     labels = [f"{name}\nn={int(n)}" for name, n in zip(classes, train_counts, strict=True)]
     ax.set_xticks(range(len(classes)), labels, fontsize=8)

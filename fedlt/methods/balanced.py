@@ -15,7 +15,7 @@ Two phases, each a sum, and an optional third:
    (docs/BENCHMARKS.md).
 3. **Calibration** (`calibrate = "post-hoc"` or `"every-round"`, off by default): CCVR's head re-training on
    Gaussian virtual features from per-class Σz, Σzzᵀ and counts (`ccvr`, `posthoc`), `virtual_per_class` per
-   class. Off because on this recipe's backbone it cost the few-shot classes 0-6 points on every seed measured
+   class. Off because on this recipe's backbone it cost the few-shot classes 0-9 points on every run measured
    (a class of 4-18 records gives a covariance of rank 3-17 in 512 dimensions, so its virtual features are too
    narrow), and it releases second moments of every silo's features that the default does not.
 

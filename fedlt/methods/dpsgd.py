@@ -22,7 +22,6 @@ escape the accounting, which is why RedGrape drops its local balanced-set gradie
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -74,7 +73,7 @@ def train_private(
 ) -> None:
     n = len(y)
     rate = min(config.batch_size / n, 1.0)
-    steps = config.epochs(n) * math.ceil(n / config.batch_size)
+    steps = config.epochs(n) * config.steps_per_epoch(n)
     sigma = private.admit_sgd(sample_rate=rate, steps=steps)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(

@@ -31,8 +31,10 @@ class TrainConfig:
 
     def epochs(self, samples: int) -> int:
         """`local_epochs`, or more where a silo is so small that they would take fewer than `min_steps`."""
-        per_epoch = max(1, math.ceil(samples / self.batch_size))
-        return max(self.local_epochs, math.ceil(self.min_steps / per_epoch))
+        return max(self.local_epochs, math.ceil(self.min_steps / self.steps_per_epoch(samples)))
+
+    def steps_per_epoch(self, samples: int) -> int:
+        return max(1, math.ceil(samples / self.batch_size))
 
 
 GradHook = Callable[[], None]
