@@ -194,8 +194,8 @@ def render(results: list[dict], args: argparse.Namespace, minutes: float) -> str
         f"Mean ± standard deviation over seeds {', '.join(map(str, args.seeds))} of test accuracy after the "
         "last round; few-shot = classes with fewer than 20 training samples (none at IF 10).",
         "",
-        "| IF | method | overall | many | medium | few |",
-        "|---|---|---|---|---|---|",
+        "| IF | method | overall | many | medium | few | s/round |",
+        "|---|---|---|---|---|---|---|",
     ]
     for f in args.imbalance:
         base = summary(results, "fedavg", f, "accuracy")
@@ -205,8 +205,14 @@ def render(results: list[dict], args: argparse.Namespace, minutes: float) -> str
             if base and m != "fedavg":
                 mine = summary(results, m, f, "accuracy")
                 mark = f" ({(mine[0] - base[0]) * 100:+.1f})" if mine else ""
-            lines.append(f"| {f:g} | {m} | {cells[0]}{mark} | {' | '.join(cells[1:])} |")
-    lines += ["", "In brackets: the difference in mean overall accuracy to FedAvg, in points."]
+            pace = [r["seconds"] / r["rounds"] for r in results if r["method"] == m and r["imbalance"] == f]
+            row = [f"{cells[0]}{mark}", *cells[1:], f"{statistics.median(pace):.1f}"]
+            lines.append(f"| {f:g} | {m} | {' | '.join(row)} |")
+    lines += [
+        "",
+        "In brackets: the difference in mean overall accuracy to FedAvg, in points. s/round: median over "
+        "seeds of a run's seconds per round (training, sums and evaluation) on one torch thread.",
+    ]
     scored = [m for m in args.methods if any("coverage_error" in r for r in results if r["method"] == m)]
     for m in scored:
         errors = [r["coverage_error"] for r in results if r["method"] == m and "coverage_error" in r]
