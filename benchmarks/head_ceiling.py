@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from fedlt.data.federation import build_federation
+from fedlt.errors import FedltError
 from fedlt.methods import GlobalState
 from fedlt.methods.heads import extract_features, fresh_head, head_of, retrain_head, with_head
 from fedlt.metrics import evaluate
@@ -56,15 +57,7 @@ def ceiling(run: Path, per_class: int, epochs: int) -> dict[str, dict]:
     y = torch.from_numpy(np.concatenate([s.y for s in federation.silos]))
     z = extract_features(backbone, torch.from_numpy(x))
     generator = torch.Generator().manual_seed(config.seed)
-    picks = torch.cat(
-        [
-            torch.nonzero(y == c).flatten()[
-                torch.randint(int((y == c).sum()), (per_class,), generator=generator)
-            ]
-            for c in range(len(federation.classes))
-            if (y == c).any()
-        ]
-    )
+    picks = resampled(y, per_class, generator)
     starts = {
         "trained head": head_of(state.model),
         "fresh head": fresh_head(z.shape[1], len(federation.classes), generator),
@@ -85,6 +78,12 @@ def ceiling(run: Path, per_class: int, epochs: int) -> dict[str, dict]:
     return reports
 
 
+def resampled(y: torch.Tensor, per_class: int, generator: torch.Generator) -> torch.Tensor:
+    """`per_class` indices of every class present, drawn with replacement (a class of 4 repeats its 4)."""
+    members = [torch.nonzero(y == c).flatten() for c in torch.unique(y).tolist()]
+    return torch.cat([m[torch.randint(len(m), (per_class,), generator=generator)] for m in members])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     for run in args.runs:
@@ -95,7 +94,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     torch.set_num_threads(1)
     for run in args.runs:
-        for name, report in ceiling(run, args.per_class, args.epochs).items():
+        try:
+            reports = ceiling(run, args.per_class, args.epochs)
+        except FedltError as exc:  # e.g. a run folder whose config.toml this version no longer accepts
+            print(f"error: {run}: {exc}", file=sys.stderr)
+            return 2
+        for name, report in reports.items():
             few = "—" if report["few"] is None else f"{report['few']:.1%}"
             print(f"{run}  {name:>12}: overall {report['accuracy']:.1%}, few {few}", flush=True)
     return 0
