@@ -37,9 +37,25 @@ class Evaluator:
         if self.recorder is not None and state.round > 0 and state.round > len(self.recorder.rounds):
             self._pool.submit(self._report, state, None, None)
 
-    def committed(self, state: GlobalState, contributors: list[str], seconds: float) -> None:
+    def begin(self, state: GlobalState) -> futures.Future | None:
+        """Start evaluating a state about to be committed, where evaluation sits on the round's critical path:
+        the commit waits on the disk, evaluation on the processor, so they overlap. Its result is recorded
+        only by `committed`, once the state is durable."""
+        if self.recorder is None or self.background:
+            return None
+        return self._pool.submit(self._evaluate, state)
+
+    def committed(
+        self,
+        state: GlobalState,
+        contributors: list[str],
+        seconds: float,
+        begun: futures.Future | None = None,
+    ) -> None:
         if self.recorder is None:
             self.echo(f"round {state.round:>4}/{self.total_rounds()} committed, {len(contributors)} silos")
+        elif begun is not None:
+            self._recorded(begun.result(), contributors, seconds)
         elif self.background:
             self._pool.submit(self._report, state, contributors, seconds)
         else:
@@ -67,17 +83,20 @@ class Evaluator:
         self._pool.shutdown(wait=True)
 
     def _report(self, state: GlobalState, contributors: list[str] | None, seconds: float | None) -> None:
+        self._recorded(self._evaluate(state), contributors, seconds)
+
+    def _evaluate(self, state: GlobalState) -> dict | None:
         try:
-            entry = self.recorder.evaluate(
-                state.round,
-                self.method.eval_model(state),
-                contributors=contributors,
-                state_digest=state.digest(),
+            return self.recorder.evaluate(
+                state.round, self.method.eval_model(state), state_digest=state.digest()
             )
-            entry["seconds"] = seconds
-            self._record(entry, contributors)
         except Exception:
             log.exception("evaluating round %d failed; training goes on", state.round)
+            return None
+
+    def _recorded(self, entry: dict | None, contributors: list[str] | None, seconds: float | None) -> None:
+        if entry is not None:
+            self._record({**entry, "contributors": contributors, "seconds": seconds}, contributors)
 
     def _record(self, entry: dict, contributors: list[str] | None) -> None:
         self.store.save_metrics(entry["round"], entry)

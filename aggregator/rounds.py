@@ -549,6 +549,7 @@ class RoundEngine:
         trained = self.held.trains
         with self._lock:  # a late disclosure may still arrive: commit one consistent set
             disclosed = dict(attempt.disclosed)
+        evaluating = self.evaluator.begin(held.model) if held.model is not None else None
         self.store.commit_round(
             round_number=attempt.round,
             round_id=attempt.round_id,
@@ -568,7 +569,7 @@ class RoundEngine:
         log.debug("round %d committed: %s", attempt.round, timer)
         seconds = round(time.perf_counter() - attempt.started, 3)
         if held.model is not None:
-            self.evaluator.committed(held.model, contributors, seconds)
+            self.evaluator.committed(held.model, contributors, seconds, evaluating)
         else:
             self._sum_evaluations(attempt, contributors, seconds)
 

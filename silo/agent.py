@@ -655,15 +655,11 @@ class SiloAgent:
             log.error("%s: not training: %s", spec.round_id, exc)
             self.activity = pb.SILO_ACTIVITY_IDLE
             return None
+        trained = time.perf_counter() - started
         payload = np.ascontiguousarray(contribution.flat().numpy(), dtype="<f8").tobytes()
         atomic_write(self.state_dir / "pending.bin", lambda fh: fh.write(payload))
         atomic_write_text(self.state_dir / "pending.json", json.dumps({"round": round_key(spec)}))
-        log.info(
-            "round %d: trained on %d samples in %.1f s",
-            spec.round,
-            len(self.data),
-            time.perf_counter() - started,
-        )
+        log.info("round %d: trained on %d samples in %.2f s", spec.round, len(self.data), trained)
         return payload
 
     def _disclose(self, stub, spec: round_pb2.RoundSpec, plan: RoundPlan, method: Method, state) -> None:

@@ -104,12 +104,14 @@ def run_simulation(
                     stream,
                     min_samples=config.selection.min_samples,
                 )
+        training = time.perf_counter()
         contributions = [
             method.local_round(
                 state, silos[silo_id], SiloContext(r, silo_id, config.seed, private.get(silo_id))
             )
             for silo_id in picked
         ]
+        training = time.perf_counter() - training
         if trains:
             book.record(r, picked)
         sums = layer.aggregate(method.schema(state), contributions, silos=picked, noise=private)
@@ -121,6 +123,7 @@ def run_simulation(
             state_digest=state.digest(),
         )
         entry["seconds"] = round(time.perf_counter() - started, 3)
+        entry["train_seconds"] = round(training, 3)  # the silos' local rounds, one after another
         if config.selection.per_round:
             entry["participants"] = picked
         if config.selection.discloses:
