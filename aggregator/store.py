@@ -296,6 +296,12 @@ class Store:
             self._audit(db, "attempt_started", {"round_id": round_id, "participants": participants})
         return attempt, round_id
 
+    def attempt_statuses(self) -> list[str]:
+        """Every attempt's status, in the order they began."""
+        with self._lock:
+            rows = self._db.execute("SELECT status FROM attempts ORDER BY round, attempt").fetchall()
+        return [status for (status,) in rows]
+
     def abort_attempt(self, round_id: str, reason: str) -> None:
         with self._transaction() as db:
             self._close_attempt(db, round_id, "aborted", reason)

@@ -119,8 +119,7 @@ def test_unusable_sums_abort_the_attempt_instead_of_stopping_the_aggregator(engi
                 submit(engine, silo, attempt.round_id, data, digest)
             while engine.attempt is attempt:
                 deadline.wait(0.05)
-        statuses = engine.store._db.execute("SELECT status FROM attempts ORDER BY attempt").fetchall()
-        assert [s for (s,) in statuses][:2] == ["aborted", "aborted"]
+        assert engine.store.attempt_statuses()[:2] == ["aborted", "aborted"]
         assert engine.failure is None
         assert engine.held.round == 0
     finally:

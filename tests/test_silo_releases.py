@@ -123,8 +123,8 @@ class Subtraction:
     def _wait_for_second_attempt(self) -> None:
         """Until a second sum (the attack worked) or a second attempt aborted (the silos refused it)."""
         for _ in range(120):
-            attempts = self.store._db.execute("SELECT status FROM attempts ORDER BY attempt").fetchall()
-            if len(self.sums) > 1 or [s for (s,) in attempts].count("aborted") >= 2:
+            # through the store's lock: the driver thread checkpoints the same connection
+            if len(self.sums) > 1 or self.store.attempt_statuses().count("aborted") >= 2:
                 return
             self.summed.clear()
             self.summed.wait(0.5)

@@ -1,4 +1,5 @@
 import sqlite3
+import threading
 
 import pytest
 
@@ -71,6 +72,31 @@ def test_open_attempts_are_abandoned_and_the_round_gets_a_new_attempt(store):
     assert second != first
     events = [r.event for r in store.audit_log()]
     assert events == ["initial_state", "attempt_started", "attempt_abandoned", "attempt_started"]
+    assert store.attempt_statuses() == ["abandoned", "open"]
+
+
+def test_a_reader_on_another_thread_never_breaks_the_drivers_checkpoint(store):
+    """The round driver checkpoints the connection that status readers share: readers go through the store's
+    lock (a statement running on the shared connection makes the checkpoint fail with 'table is locked')."""
+    store.save_initial_state("d0", b"")
+    for k in range(200):
+        store.begin_attempt(1, ["a"], f"n{k}")
+    done, seen = threading.Event(), []
+
+    def read() -> None:
+        while not done.is_set():
+            seen.append(len(store.attempt_statuses()))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for _ in range(300):
+            store.checkpoint()
+    finally:
+        done.set()
+        reader.join()
+    assert seen
+    assert set(seen) == {200}
 
 
 def test_the_first_survivor_set_a_round_asked_silos_to_release_is_kept_across_reopening(tmp_path):
