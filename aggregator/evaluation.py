@@ -1,7 +1,8 @@
 """Evaluating committed states on the operator's own evaluation set, and printing one line per round.
 
-Evaluation is reporting, not part of a round: with `evaluation.background` it runs beside the next round on a
-thread of its own, with a method instance of its own. Without an evaluation set a round is only announced.
+Evaluation is reporting, not part of a round: it runs on a thread of its own, with a method instance of its
+own, beside the round's commit (by default) or beside the next round (`evaluation.background`). Without an
+evaluation set a round is only announced.
 """
 
 from __future__ import annotations
@@ -52,14 +53,14 @@ class Evaluator:
         seconds: float,
         begun: futures.Future | None = None,
     ) -> None:
+        """`begun`: what `begin` started for this state, waited for and recorded here; without it (background
+        evaluation) the state is evaluated beside the next round."""
         if self.recorder is None:
             self.echo(f"round {state.round:>4}/{self.total_rounds()} committed, {len(contributors)} silos")
         elif begun is not None:
             self._recorded(begun.result(), contributors, seconds)
-        elif self.background:
-            self._pool.submit(self._report, state, contributors, seconds)
         else:
-            self._report(state, contributors, seconds)
+            self._pool.submit(self._report, state, contributors, seconds)
 
     def announce(self, round_number: int, contributors: list[str], seconds: float) -> None:
         """A round whose evaluation only silos can compute: announced now, its accuracy when they report."""

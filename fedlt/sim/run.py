@@ -104,14 +104,14 @@ def run_simulation(
                     stream,
                     min_samples=config.selection.min_samples,
                 )
-        training = time.perf_counter()
+        training_started = time.perf_counter()
         contributions = [
             method.local_round(
                 state, silos[silo_id], SiloContext(r, silo_id, config.seed, private.get(silo_id))
             )
             for silo_id in picked
         ]
-        training = time.perf_counter() - training
+        training = time.perf_counter() - training_started
         if trains:
             book.record(r, picked)
         sums = layer.aggregate(method.schema(state), contributions, silos=picked, noise=private)
