@@ -8,7 +8,7 @@ import torch
 
 from fedlt.data.arrays import LabeledImages
 from fedlt.errors import ContributionError
-from fedlt.methods import SiloContext, TrainConfig
+from fedlt.methods import SiloContext, TrainConfig, balanced
 from fedlt.methods.balanced import CLASS_COUNTS, PRIORS, Balanced, BalancedOptions
 from fedlt.methods.fedavg import WEIGHT_SCALE
 from fedlt.methods.posthoc import CLOSING
@@ -130,3 +130,22 @@ def test_local_priors_adjust_by_the_silos_own_counts():
     state = plaintext_step(method, state, silos, 1)
     bogus = GlobalState(state.round, state.model, {**state.extra, CLASS_COUNTS: torch.zeros(4)})
     plaintext_step(method, bogus, silos, 2)  # the global counts are not read
+
+
+@pytest.mark.parametrize(("shift", "pixels"), [(0.0, 0), (0.07, 1), (0.25, 2)])
+def test_local_training_sees_images_moved_by_the_shift_as_a_fraction_of_their_side(
+    monkeypatch, shift, pixels
+):
+    limits: list[int] = []
+    real_shift = balanced.random_shift
+
+    def spy(x, limit, generator):
+        limits.append(limit)
+        return real_shift(x, limit, generator)
+
+    monkeypatch.setattr(balanced, "random_shift", spy)
+    method, silos = _balanced(shift=shift), tiny_silos()
+    state = plaintext_step(method, method.init_state(seed=0), silos, 1)
+    plaintext_step(method, state, silos, 2)
+    assert limits  # one call a batch, on the harness's 8×8 images
+    assert set(limits) == {pixels}

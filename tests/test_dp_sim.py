@@ -131,6 +131,17 @@ def test_fedavg_releases_no_statistic_with_a_sensitivity(fedavg_run):
         assert [e["mechanism"] for e in entries] == ["dp-sgd", "gaussian", "dp-sgd"]
 
 
+def test_the_recipe_trains_its_moved_images_under_dp_sgd(tmp_path):
+    """Guards the recipe's shift under DP: each round's moved batches go through DP-SGD (Opacus' per-record
+    gradients of an input it did not see) and the counts are charged once, in the priors round."""
+    config = _config("balanced", rounds=1)
+    assert make_method(config, (1, 8, 8), 10).options.shift > 0
+    result = run_simulation(config, tmp_path, echo=_quiet)
+    assert [r["round"] for r in result.metrics["rounds"]] == [1, 2]
+    for entries in _ledgers(tmp_path).values():
+        assert [e["mechanism"] for e in entries] == ["gaussian", "dp-sgd"]
+
+
 # ---------------------------------------------------------------- resuming
 
 
