@@ -21,15 +21,17 @@ import logging
 import signal
 import sys
 import threading
+from fractions import Fraction
 from pathlib import Path
 
 from fedlt.errors import FedltError
+from privacy.pki.errors import PkiError
 from privacy.pki.identity import read_certificate, silo_id_of
 from privacy.pki.renewal import certificate_request, new_private_key
-from privacy.pki.roster import SILO, Roster
+from privacy.pki.roster import SILO, Roster, minimum_quorum
 from privacy.pki.signing import load_private_key
 from silo.config import SiloConfig, load_silo_config
-from silo.trust import pinned_roster
+from silo.trust import check_roster_floor, pinned_roster
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +110,8 @@ def _show_roster(config: SiloConfig) -> int:
 
 
 def _sign_roster(config: SiloConfig, path: Path) -> int:
-    """Sign only a draft that could follow the pinned roster, as a silo member of the pinned roster.
+    """Sign only a draft that could follow the pinned roster and whose quorum this silo's policy accepts,
+    as a silo member of the pinned roster.
 
     Peers check the signature with the key of the certificate the pinned roster names, so what matters is
     that this silo's key is that certificate's: a renewed certificate of the same key (a certificate request)
@@ -119,6 +122,15 @@ def _sign_roster(config: SiloConfig, path: Path) -> int:
             f"{path} is v{draft.version} of {draft.consortium!r}; this silo holds v{pinned.version} of "
             f"{pinned.consortium!r}, so it can only sign a later version of the same consortium"
         )
+    floor = Fraction(config.policy.roster_quorum_above)
+    try:
+        check_roster_floor(draft, floor)
+    except PkiError as exc:
+        wanted = minimum_quorum(len(draft.silo_ids), floor)
+        raise FedltError(
+            f"not signing {path}, which this silo would not adopt: {exc}; ask the operator for a draft "
+            f"with --quorum {wanted} or more"
+        ) from None
     conn = config.connection
     key = load_private_key(config.path(conn.key))
     try:

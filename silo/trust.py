@@ -3,10 +3,13 @@ and what it presents: its own certificate and key, re-read when the administrato
 
 The roster from the enrollment kit (`connection.roster`) is pinned on first start. The aggregator offers the
 newest roster and CRL at every registration and, when they differ from the silo's, in heartbeat replies; a
-roster replaces the pinned one only when a quorum of the pinned roster's silos signed it, and a CRL counts
-only when the consortium CA signed it. Neither can go backwards: an older roster is refused and revocations
-only accumulate. A local CRL file (`connection.crl`), if the silo administrator keeps one, is read too, so
-the aggregator cannot withhold a revocation.
+roster replaces the pinned one only when a quorum of the pinned roster's silos signed it (members whose
+certificate is revoked or out of date do not count), and a CRL counts only when the consortium CA signed it.
+Neither can go backwards: an older roster is refused and revocations only accumulate. A local CRL file
+(`connection.crl`), if the silo administrator keeps one, is read too (again before every roster offered), so
+the aggregator cannot withhold a revocation. Whatever roster the silo holds, from the kit or adopted, must
+have a quorum above `policy.roster_quorum_above` of its silos, so that no minority of silos can sign in
+members.
 
 A renewed certificate (`OwnCertificate`) is installed over the files `connection.certificate` and `.key`
 name, while the agent runs. The agent switches to it once its pinned roster names it (or once the aggregator
@@ -21,6 +24,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
 from cryptography import x509
@@ -39,7 +43,7 @@ from privacy.pki.identity import (
     silo_id_of,
 )
 from privacy.pki.renewal import Watched, ca_watch, silo_self_renewal
-from privacy.pki.roster import SILO, Roster, fingerprint
+from privacy.pki.roster import DEFAULT_QUORUM_ABOVE, SILO, Roster, fingerprint, minimum_quorum
 from privacy.pki.signing import load_private_key
 from privacy.pki.trust import MemberTrust, RevokedSerials
 
@@ -50,12 +54,24 @@ REVOKED = "revoked.json"
 
 
 class SiloTrust:
-    def __init__(self, state_dir: Path, *, ca_pem: bytes, kit_roster: Path, crl: Path | None) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        ca_pem: bytes,
+        kit_roster: Path,
+        crl: Path | None,
+        quorum_above: Fraction | str = DEFAULT_QUORUM_ABOVE,
+    ) -> None:
+        """`quorum_above`: `policy.roster_quorum_above` (validated there, as text or a fraction); a roster
+        whose quorum is not above it is neither pinned nor adopted."""
         self.state_dir = state_dir
         self.ca_pem = ca_pem
+        self.quorum_above = Fraction(quorum_above)
         self._ca = load_certificate(ca_pem, source="the consortium CA certificate")
         pinned = state_dir / PINNED_ROSTER
         roster = pinned_roster(state_dir, kit_roster)
+        _check_floor(roster, self.quorum_above, pinned=pinned if pinned.exists() else None, kit=kit_roster)
         if not pinned.exists():
             atomic_write(pinned, lambda fh: fh.write(roster.to_json()))
             log.info(
@@ -85,10 +101,12 @@ class SiloTrust:
         return self._roster
 
     def offer_roster(self, raw: bytes) -> bool:
-        """Adopt a newer roster if a quorum of the pinned one's silos signed it (True); anything else is
-        logged, once per roster offered."""
+        """Adopt a newer roster if a quorum of the pinned one's silos signed it and its own quorum is above
+        this silo's floor (True); anything else is logged, once per roster offered. The local CRL is read
+        first, so a signer revoked there does not count even if the aggregator relays no CRL."""
         if not raw:
             return False
+        self._merge_local()
         with self._lock:
             seen = hashlib.sha256(raw).hexdigest()
             if seen in self._refused:
@@ -97,7 +115,8 @@ class SiloTrust:
                 offered = Roster.from_json(raw, source="the roster the aggregator offers")
                 if offered.digest() == self.roster.digest():
                     return False
-                self.roster.check_successor(offered)
+                self.roster.check_successor(offered, revocations=self.revoked)
+                check_roster_floor(offered, self.quorum_above)
             except PkiError as exc:
                 self._refused.add(seen)
                 log.warning("keeping the pinned roster v%d: %s", self.roster.version, exc)
@@ -120,6 +139,9 @@ class SiloTrust:
         if pem:
             self.crl_sha256 = hashlib.sha256(pem).hexdigest()
         self._merge(pem, "the CRL the aggregator sends")
+        self._merge_local()
+
+    def _merge_local(self) -> None:
         if self._local_crl is not None:
             self._merge(_read(self._local_crl), str(self._local_crl))
 
@@ -137,6 +159,35 @@ class SiloTrust:
             text = json.dumps({"serials": sorted(f"{s:x}" for s in self.revoked.serials)})
             atomic_write_text(self.state_dir / REVOKED, text)
         log.info("revocations now known: %d certificates", len(self.revoked.serials))
+
+
+def check_roster_floor(roster: Roster, above: Fraction) -> None:
+    """`Roster.check_quorum` against this silo's policy, saying which setting refuses it."""
+    try:
+        roster.check_quorum(above=above)
+    except PkiError as exc:
+        raise PkiError(f"{exc}, as this silo's policy.roster_quorum_above asks") from None
+
+
+def _check_floor(roster: Roster, above: Fraction, *, pinned: Path | None, kit: Path) -> None:
+    """Stop the agent on a roster fewer silos than its policy asks could replace, saying what to ask for."""
+    try:
+        roster.check_quorum(above=above)
+    except PkiError as exc:
+        wanted = minimum_quorum(len(roster.silo_ids), above)
+        if pinned is None:
+            raise PkiError(
+                f"not pinning the enrollment kit's roster {kit}: {exc}, as this silo's "
+                "policy.roster_quorum_above asks; so few silos could sign in members, and Sybils count as "
+                "colluders against every secure sum. Ask the operator for a roster drafted with a higher "
+                f"quorum (python -m aggregator roster draft --quorum {wanted} or more), or lower "
+                "policy.roster_quorum_above in silo.toml knowingly"
+            ) from None
+        raise PkiError(
+            f"the pinned roster {pinned}: {exc}, as this silo's policy.roster_quorum_above (raised since "
+            "the roster was pinned?) asks. Lower policy.roster_quorum_above knowingly, or lower it until the "
+            f"consortium has adopted a roster drafted with --quorum {wanted} or more"
+        ) from None
 
 
 def pinned_roster(state_dir: Path, kit_roster: Path) -> Roster:

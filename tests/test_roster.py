@@ -165,7 +165,7 @@ def test_the_next_roster_needs_a_quorum_of_the_pinned_rosters_silos(consortium, 
     )
     assert successor.version == 2
     with pytest.raises(PkiError, match="0 valid signatures"):
-        roster.check_successor(successor)
+        roster.check_successor(successor, revocations=RevokedSerials())
     # signatures that do not count: the aggregator's, the newcomer's own, a silo signing another body
     by_operator = replace(
         successor,
@@ -179,19 +179,19 @@ def test_the_next_roster_needs_a_quorum_of_the_pinned_rosters_silos(consortium, 
         },
     )
     with pytest.raises(PkiError, match="0 valid signatures"):
-        roster.check_successor(by_operator)
+        roster.check_successor(by_operator, revocations=RevokedSerials())
     two = successor
     for silo in SILOS[:2]:
         two = two.signed_by(roster.member_of(cert_of(pem(root, silo)), role=SILO), key(root, silo))
     with pytest.raises(PkiError, match="2 valid signatures"):
-        roster.check_successor(two)
+        roster.check_successor(two, revocations=RevokedSerials())
     three = two.signed_by(roster.member_of(cert_of(pem(root, SILOS[2])), role=SILO), key(root, SILOS[2]))
-    roster.check_successor(three)
+    roster.check_successor(three, revocations=RevokedSerials())
     tampered = replace(three, quorum=1)  # the body changed after signing: no signature holds
     with pytest.raises(PkiError, match="0 valid signatures"):
-        roster.check_successor(tampered)
+        roster.check_successor(tampered, revocations=RevokedSerials())
     with pytest.raises(PkiError, match="not newer"):
-        three.check_successor(roster)
+        three.check_successor(roster, revocations=RevokedSerials())
 
 
 def cert_of(raw: bytes):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from aggregator.__main__ import main as aggregator_main
-from privacy.pki.ca import issue_silo
+from privacy.pki.ca import issue_silo, revoke
 from privacy.pki.roster import Roster
 from silo.__main__ import main as silo_main
 from silo.trust import SiloTrust
@@ -53,3 +55,59 @@ def test_signing_refuses_a_draft_that_cannot_follow_the_pinned_roster(tmp_path, 
         == 2
     )
     assert "error:" in capsys.readouterr().err
+
+
+def _next_draft(tmp_path, capsys, *options: str) -> tuple[int, str]:
+    """The operator's `roster draft` of v2, adding a newcomer to the kit's three silos."""
+    pki = tmp_path / "pki"
+    if not (pki / "newcomer.pem").exists():
+        issue_silo(pki / "ca", pki, silo_id="newcomer")
+    args = ["roster", "draft", "--consortium", "clinics", "--aggregator", str(pki / "aggregator.pem")]
+    args += [f"--silo=silo-{k}={pki / f'silo-{k}.pem'}" for k in range(3)]
+    args += [f"--silo=newcomer={pki / 'newcomer.pem'}", "--previous", str(pki / "roster.json")]
+    code = aggregator_main([*args, *options, "--out", str(tmp_path / "roster-v2.json")])
+    return code, capsys.readouterr()
+
+
+def test_roster_check_counts_no_signer_the_ca_revoked_when_given_the_crl(tmp_path, capsys):
+    configs = write_kit(tmp_path, consortium_id="clinics")
+    pki = tmp_path / "pki"
+    assert _next_draft(tmp_path, capsys)[0] == 0
+    for config in configs:
+        assert silo_main(["roster", "sign", "--config", str(config), str(tmp_path / "roster-v2.json")]) == 0
+    revoke(pki / "ca", silo_id="silo-2", expel=True)
+    check = ["roster", "check", "--previous", str(pki / "roster.json")]
+    capsys.readouterr()
+    assert aggregator_main([*check, str(tmp_path / "roster-v2.json")]) == 0
+    assert "revocations were not checked: give --ca and --crl" in capsys.readouterr().out
+    crl = ["--ca", str(pki / "ca" / "ca.pem"), "--crl", str(pki / "ca" / "crl.pem")]
+    assert aggregator_main([*check, *crl, str(tmp_path / "roster-v2.json")]) == 2
+    err = capsys.readouterr().err
+    assert "carries 2 valid signatures" in err
+    assert "it needs 3; not counted: silo-2 (its certificate CN=silo-2" in err
+    assert "has been revoked" in err
+    assert (
+        aggregator_main([*check, "--crl", str(pki / "ca" / "crl.pem"), str(tmp_path / "roster-v2.json")]) == 2
+    )
+    assert "--ca and --crl go together" in capsys.readouterr().err
+
+
+def test_a_quorum_silos_refuse_is_refused_when_drafted_and_when_signed(tmp_path, capsys):
+    configs = write_kit(tmp_path, consortium_id="clinics")
+    code, out = _next_draft(tmp_path, capsys, "--quorum", "2")
+    assert code == 2
+    assert "has quorum 2 of its 4 silos, not above 1/2 of them (that takes 3)" in out.err
+    assert "draft it with --quorum 3 or more" in out.err
+    assert not (tmp_path / "roster-v2.json").exists(), "nothing written"
+    code, out = _next_draft(
+        tmp_path, capsys, "--quorum", "2", "--quorum-above", "1/3"
+    )  # silos lowered theirs
+    assert code == 0, out.err
+    assert silo_main(["roster", "sign", "--config", str(configs[0]), str(tmp_path / "roster-v2.json")]) == 2
+    err = capsys.readouterr().err
+    assert "not signing" in err
+    assert "as this silo's policy.roster_quorum_above asks" in err
+    assert Roster.read(tmp_path / "roster-v2.json").signatures == {}
+    with pytest.raises(SystemExit):
+        _next_draft(tmp_path, capsys, "--quorum-above", "1")
+    assert "a fraction from 0 up to (not including) 1" in capsys.readouterr().err

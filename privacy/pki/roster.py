@@ -5,7 +5,10 @@ CA key. So a silo trusts a peer, the RoundSpec signer or the aggregator's TLS en
 roster names that exact certificate (SHA-256 of its DER encoding) under that id and role. The first roster
 reaches a silo with its enrollment kit, out of band; every later version must carry valid signatures from at
 least `quorum` silo members of the version the silo holds (an operator alone cannot add a Sybil or swap a
-member's certificate). The roster body is canonical JSON, so members sign exactly what every silo parses.
+member's certificate). A signature counts only if the pinned certificate it verifies under is valid now and
+not revoked (an expelled member's key may be the operator's now), and each certificate and key is listed
+once, so nobody votes twice. The roster body is canonical JSON, so members sign exactly what every silo
+parses.
 
 File format (JSON): `{"consortium", "version", "quorum", "members": [{"id", "role", "certificate"}],
 "signatures": {"<silo id>": "<base64 DER ECDSA>"}}`.
@@ -22,14 +25,16 @@ import os
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from pathlib import Path
+from typing import Protocol
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from privacy.pki.errors import PkiError
-from privacy.pki.identity import check_id, load_certificate
+from privacy.pki.identity import check_id, check_valid_now, describe, load_certificate
 from privacy.pki.signing import sign, verify
 
 log = logging.getLogger(__name__)
@@ -38,6 +43,15 @@ ROSTER_CONTEXT = "fedlt/roster/v1"
 AGGREGATOR = "aggregator"
 SILO = "silo"
 ROLES = (AGGREGATOR, SILO)
+# silo.config's default policy.roster_quorum_above: a silo refuses a roster whose quorum is not above this
+# fraction of its silos (so that no minority signs the next version)
+DEFAULT_QUORUM_ABOVE = Fraction(1, 2)
+
+
+class Revocations(Protocol):
+    """What the consortium CA revoked: a silo's union of every CRL it saw, the aggregator's CRL file."""
+
+    def is_revoked(self, cert: x509.Certificate) -> bool: ...
 
 
 def fingerprint(cert: x509.Certificate) -> str:
@@ -78,14 +92,16 @@ class Roster:
         ids = [m.id for m in self.members]
         if len(set(ids)) != len(ids):
             problems.append("a member id appears twice")
+        parsed = []
         for m in self.members:
             if m.role not in ROLES:
                 problems.append(f"{m.id}: unknown role {m.role!r} (roles: {', '.join(ROLES)})")
             try:
                 check_id(m.role, m.id)
-                m.cert  # noqa: B018 - parses, or raises with the member's name
+                parsed.append((m, m.cert))
             except PkiError as exc:
                 problems.append(str(exc))
+        problems += _listed_twice(parsed)
         silos = len(self.silo_ids)
         if not 1 <= self.quorum <= max(silos, 1):
             problems.append(f"quorum must be between 1 and the {silos} silo members, got {self.quorum}")
@@ -150,26 +166,46 @@ class Roster:
         signature = sign(key, self.body(), context=ROSTER_CONTEXT)
         return replace(self, signatures={**self.signatures, member.id: signature})
 
-    def check_successor(self, successor: Roster) -> None:
-        """Accept `successor` only if it is newer, of this consortium, and signed by a quorum of our silos."""
+    def check_successor(self, successor: Roster, *, revocations: Revocations) -> None:
+        """Accept `successor` only if it is newer, of this consortium, and signed by a quorum of our silos.
+
+        A signature counts under the certificate this roster names for its signer, and only while that
+        certificate is valid and not revoked: an expelled member's key may be in the operator's hands. Each
+        member's certificate and key are distinct (`__post_init__`), so each silo counts once."""
         if successor.consortium != self.consortium:
             raise PkiError(f"a roster of {successor.consortium!r} cannot replace one of {self.consortium!r}")
         if successor.version <= self.version:
             raise PkiError(f"roster v{successor.version} is not newer than the pinned v{self.version}")
-        valid = []
+        body = successor.body()
+        valid, void = [], []
         for silo_id, signature in sorted(successor.signatures.items()):
-            member = next((m for m in self.members if m.id == silo_id and m.role == SILO), None)
+            member = self.member(silo_id)
             if member is None:
                 continue
             try:
-                verify(member.cert, signature, successor.body(), context=ROSTER_CONTEXT)
+                verify(member.cert, signature, body, context=ROSTER_CONTEXT)
             except PkiError:
                 continue
-            valid.append(silo_id)
+            reason = _cannot_vote(member.cert, revocations)
+            if reason:
+                void.append(f"{silo_id} ({reason})")
+            else:
+                valid.append(silo_id)
         if len(valid) < self.quorum:
+            uncounted = f"; not counted: {'; '.join(void)}" if void else ""
             raise PkiError(
                 f"roster v{successor.version} carries {len(valid)} valid signatures of members of the pinned "
-                f"v{self.version} ({', '.join(valid) or 'none'}); it needs {self.quorum}"
+                f"v{self.version} ({', '.join(valid) or 'none'}); it needs {self.quorum}{uncounted}"
+            )
+
+    def check_quorum(self, *, above: Fraction) -> None:
+        """Refuse a quorum that silos no more than the fraction `above` of this roster's silos reach: a
+        minority could then sign in Sybils, who count as colluders against every secure sum."""
+        silos = len(self.silo_ids)
+        if self.quorum <= above * silos:
+            raise PkiError(
+                f"roster v{self.version} of {self.consortium!r} has quorum {self.quorum} of its {silos} "
+                f"silos, not above {above} of them (that takes {minimum_quorum(silos, above)})"
             )
 
     def describe(self) -> str:
@@ -224,8 +260,11 @@ class RosterFile:
     may be on the way to a signed one, but `problem` says why silos refuse it, and it is logged once.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, revocations: Revocations | None = None) -> None:
+        """`revocations`: the CRL the aggregator serves, so that `problem` counts signers as silos do;
+        None where no CRL is at hand (a signer's revocation then goes unnoticed here, not at the silos)."""
         self.path = Path(path)
+        self.revocations = _NOTHING_REVOKED if revocations is None else revocations
         self._lock = threading.Lock()
         self._stamp: tuple[int, int, int] | None = None
         self._raw = b""
@@ -267,13 +306,20 @@ class RosterFile:
             return self._roster, self._raw
 
     def _check_succession(self, roster: Roster) -> None:
-        """Against the last version read that silos would adopt (the first read counts as adopted)."""
+        """Against the last version read that silos would adopt (the first read counts as adopted), counting
+        signers as silos do, and against the quorum floor silos hold a roster to by default."""
         before = self._adopted
         if before is None or before.digest() == roster.digest():
             self._adopted, self.problem = roster, ""
+            try:
+                _check_default_floor(roster)
+            except PkiError as exc:
+                self.problem = f"{self.path}: silos will neither pin nor adopt it: {exc}"
+                log.error("%s", self.problem)
             return
         try:
-            before.check_successor(roster)
+            before.check_successor(roster, revocations=self.revocations)
+            _check_default_floor(roster)
         except PkiError as exc:
             self.problem = (
                 f"{self.path} now holds roster v{roster.version}, which silos holding v{before.version} will "
@@ -293,8 +339,64 @@ class RosterFile:
         self._adopted, self.problem = roster, ""
 
 
+def _check_default_floor(roster: Roster) -> None:
+    try:
+        roster.check_quorum(above=DEFAULT_QUORUM_ABOVE)
+    except PkiError as exc:
+        raise PkiError(
+            f"{exc}, as silos' policy.roster_quorum_above asks by default; draft it again with --quorum "
+            f"{minimum_quorum(len(roster.silo_ids), DEFAULT_QUORUM_ABOVE)} or more"
+        ) from None
+
+
+class _NothingRevoked:
+    def is_revoked(self, cert: x509.Certificate) -> bool:
+        return False
+
+
+_NOTHING_REVOKED = _NothingRevoked()
+
+
 def _order(member: Member) -> tuple[int, str]:
     return ROLES.index(member.role) if member.role in ROLES else len(ROLES), member.id
+
+
+def _listed_twice(members: list[tuple[Member, x509.Certificate]]) -> list[str]:
+    """One certificate (or one key under two certificates) listed under two ids would vote twice."""
+    problems = []
+    seen: dict[tuple[str, bytes], str] = {}
+    for member, cert in members:
+        der = cert.public_bytes(serialization.Encoding.DER)
+        key = cert.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        for what, value in (("certificate", der), ("public key", key)):
+            first = seen.setdefault((what, value), member.id)
+            if first != member.id:
+                problems.append(f"{first} and {member.id} are listed with the same {what}")
+                break
+    return problems
+
+
+def _cannot_vote(cert: x509.Certificate, revocations: Revocations) -> str:
+    """Why a pinned certificate's signature does not count ("" if it does)."""
+    if revocations.is_revoked(cert):
+        return f"its {describe(cert)} has been revoked"
+    try:
+        check_valid_now(cert)
+    except PkiError as exc:
+        return f"its {exc}"
+    return ""
+
+
+def default_quorum(silos: int) -> int:
+    """More than two thirds of the silos (at least one): it passes any floor a silo sets up to 2/3."""
+    return max(1, 2 * silos // 3 + 1)
+
+
+def minimum_quorum(silos: int, above: Fraction) -> int:
+    """The least quorum that is above the fraction `above` of `silos` silos."""
+    return int(above * silos) + 1
 
 
 def draft(
@@ -305,7 +407,7 @@ def draft(
     quorum: int = 0,
     previous: Roster | None = None,
 ) -> Roster:
-    """An unsigned roster; `quorum` 0 means more than two thirds of the silo members (at least one).
+    """An unsigned roster; `quorum` 0 means `default_quorum`: more than two thirds of the silo members.
 
     After `previous` the version is the next one, and the new roster must be signed by a quorum of the
     previous one's silos before silos adopt it.
@@ -316,6 +418,6 @@ def draft(
     return Roster(
         consortium,
         previous.version + 1 if previous else 1,
-        quorum or max(1, 2 * n // 3 + 1),
+        quorum or default_quorum(n),
         tuple(members),
     )

@@ -19,11 +19,7 @@ from privacy.pki.identity import (
     load_certificate,
     silo_id_of,
 )
-from privacy.pki.roster import AGGREGATOR, SILO, Member, Roster
-
-
-class Revocations(Protocol):
-    def is_revoked(self, cert: x509.Certificate) -> bool: ...
+from privacy.pki.roster import AGGREGATOR, SILO, Member, Revocations, Roster
 
 
 class Rosters(Protocol):
