@@ -21,7 +21,15 @@ from grpc_reflection.v1alpha import reflection
 from aggregator.config import ConsortiumConfig
 from aggregator.rounds import RoundEngine
 from aggregator.service import CertificateGate, ConsortiumServicer, Identity, OperatorServicer
-from aggregator.status_page import StatusPage, is_loopback, operator_tls, snapshot, split_listen
+from aggregator.status_page import (
+    TOKEN_FILE,
+    StatusPage,
+    certificate_names,
+    is_loopback,
+    operator_tls,
+    snapshot,
+    split_listen,
+)
 from aggregator.store import AuditKey, Store
 from fedlt.aggregation import make_layer
 from fedlt.aggregation.halves import PartyKeys
@@ -63,7 +71,7 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
     store = Store(data_dir / DATABASE, audit_key=derive_audit_key(key), retention=config.retention)
     method = config.plan.build_method()
     revocations = RevocationList.load(config.path(config.server.ca), config.path(config.server.crl))
-    roster = RosterFile(config.path(config.server.roster))
+    roster = RosterFile(config.path(config.server.roster), revocations=revocations)
     members = MemberTrust(tls["ca"], roster, revocations)
     watch = ExpiryWatch(
         lambda: [*own, *roster_watch(roster.current())],
@@ -127,10 +135,14 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
     listening = {"address": f"{host}:{port}", "pid": os.getpid()}
     if page is not None:
         listening["status_page"] = page.url
+        if page.token_file is not None:
+            listening["status_page_token"] = str(page.token_file)
     atomic_write_text(data_dir / LISTENING, json.dumps(listening))
     echo(f"aggregator {config.consortium.id!r} listening on {host}:{port} (mutual TLS); data in {data_dir}")
     if page is not None:
         echo(f"status page (read-only): {page.url}")
+        if page.token_file is not None:
+            echo(f"  its access token is in {page.token_file}: open {page.url}?token=<that token> once")
     echo(f"privacy layer: {layer.describe()}")
     _stop_on_signals(stop)
     watch.check()
@@ -264,19 +276,24 @@ def _status_page(
         "privacy": config.consortium.privacy,
         "total_rounds": engine.total_rounds,
     }
+    server = config.server
     try:
-        host, _ = split_listen(config.server.status_page)
-        tls = None
-        if not is_loopback(host):
-            server = config.server
-            tls = operator_tls(
-                config.path(server.certificate), config.path(server.key), config.path(server.ca)
-            )
+        host, _ = split_listen(server.status_page)
+        tls, names, token_file = None, [], None
+        if is_loopback(host):
+            token_file = config.path(server.status_page_token or f"{server.data_dir}/{TOKEN_FILE}")
+        else:
+            certificate = config.path(server.certificate)
+            tls = operator_tls(certificate, config.path(server.key), config.path(server.ca))
+            names = certificate_names(certificate)
         page = StatusPage(
-            config.server.status_page,
+            server.status_page,
             lambda: snapshot({**engine.status(), "certificate_warnings": watch.warnings()}, about, store),
             revocations,
             tls,
+            token_file=token_file,
+            names=names,
+            connections=server.status_page_connections,
         )
     except (ValueError, OSError, ssl.SSLError) as exc:
         raise ConfigError("server.status_page", [f"cannot serve the status page: {exc}"]) from None

@@ -2,37 +2,55 @@
 audit log with its hash chain verified — what an operator or an auditor checks in a browser.
 
 `[server] status_page = "host:port"` turns it on. On a loopback address it is served over plain HTTP to this
-machine only (reach it from elsewhere through an SSH tunnel); on any other address over HTTPS with the
-aggregator's certificate, and only to clients presenting an unrevoked operator certificate of the consortium
-CA — a silo's certificate is refused (403), a client without one fails the TLS handshake. The page changes
-nothing: GET only, no forms, no scripts, and a Content-Security-Policy that loads nothing from anywhere.
-`/status.json` gives the same facts to scripts.
+machine only (reach it from elsewhere through an SSH tunnel), and only to requests holding the access token
+the aggregator writes at each start to a file only its user can read (`Authorization: Bearer`, or `?token=`
+once, which a cookie then replaces). On any other address it is served over HTTPS with the aggregator's
+certificate, and only to clients presenting an unrevoked operator certificate of the consortium CA — a
+silo's certificate is refused (403), a client without one fails the TLS handshake. Either way a request whose
+`Host` header names anything but the page is refused (421) before anything is read: that is what stops a
+DNS-rebinding page in the operator's browser. The page changes nothing: GET only, no forms, no scripts, and a
+Content-Security-Policy that loads nothing from anywhere. `/status.json` gives the same facts to scripts.
 """
 
 from __future__ import annotations
 
+import hmac
 import html
 import ipaddress
 import json
 import logging
+import re
+import secrets
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 from cryptography import x509
 
 from aggregator.store import Store, StoreError
+from fedlt.atomic import atomic_write_text
 from privacy.pki.identity import PkiError, RevocationList, operator_name_of
 
 log = logging.getLogger("aggregator.status_page")
 
 AUDIT_SHOWN = 50  # the newest audit records on the page; the chain is verified over all of them
-HANDSHAKE_SECONDS = 10.0  # a client that stalls its TLS handshake or request holds one thread this long
+HANDSHAKE_SECONDS = 10.0  # a client that stalls its TLS handshake or request holds one connection this long
+# Connections served at once: a browser opens up to six per host, scripts one; a flood above this costs
+# one accept() and one close() each, never a thread or a handshake.
+CONNECTIONS = 16
+PATHS = ("/", "/status.json")
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+COOKIE = "fedlt_status"  # the port is appended: cookies are per host, not per port
+TOKEN_FILE = "status-page.token"  # in the aggregator's data_dir unless [server] status_page_token names one
+QUERY_TOKEN = re.compile(r"([?&]token=)[^&\s]*")
+TEXT = "text/plain; charset=utf-8"
 HEADERS = {
     "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; frame-ancestors 'none'",
     "X-Content-Type-Options": "nosniff",
@@ -225,8 +243,36 @@ def operator_tls(certificate: Path, key: Path, ca: Path) -> ssl.SSLContext:
     return tls
 
 
+def certificate_names(certificate: Path) -> list[str]:
+    """The host names and addresses a certificate is valid for: the only names a browser reaches the HTTPS
+    page by without a warning, so the only `Host` values that page answers."""
+    cert = x509.load_pem_x509_certificate(certificate.read_bytes())
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    return [*sans.get_values_for_type(x509.DNSName), *map(str, sans.get_values_for_type(x509.IPAddress))]
+
+
+def write_token(path: Path) -> str:
+    """A fresh access token, written where only this user can read it (mode 0600, replaced in one step)."""
+    token = secrets.token_urlsafe(32)
+    atomic_write_text(path, token + "\n")
+    path.chmod(0o600)
+    return token
+
+
 class StatusPage:
-    """The page's HTTP server (HTTPS with `tls`) on its own threads; `stop()` closes it."""
+    """The page's HTTP server (HTTPS with `tls`) on its own threads; `stop()` closes it.
+
+    Over HTTPS the client's operator certificate is the credential. Over loopback HTTP it is a token made at
+    each start and written to `token_file` (readable only by the aggregator's user), since any process of
+    the machine, and any web page in its browsers, can reach a loopback port. Either way the `Host` header
+    must name the page (`hosts`): a DNS-rebinding page in the operator's browser reaches the port under its
+    own name and is refused before anything is read. At most `connections` are served at once; more are
+    closed as soon as they are accepted, before any TLS work, and each waits at most `timeout` seconds for
+    a handshake or a request.
+    """
 
     def __init__(
         self,
@@ -234,19 +280,36 @@ class StatusPage:
         facts: Callable[[], dict],
         revocations: RevocationList,
         tls: ssl.SSLContext | None = None,
+        *,
+        token_file: Path | None = None,
+        names: Iterable[str] = (),
+        connections: int = CONNECTIONS,
+        timeout: float = HANDSHAKE_SECONDS,
     ) -> None:
         host, port = split_listen(listen)
         if tls is None and not is_loopback(host):
             raise ValueError(f"{host} is not a loopback address: the page is served there over HTTPS only")
+        if tls is None and token_file is None:
+            raise ValueError("a page served over plain HTTP needs a file to write its access token to")
+        if connections < 1 or timeout <= 0:
+            raise ValueError(f"connections ({connections}) and timeout ({timeout}) must be positive")
+        served = served_names(host, names)
+        if not served:
+            raise ValueError(f"{listen} names no host a browser could ask for: give the host names it serves")
         self.tls = tls
-        self.server = _Server((host, port), _handler(facts, revocations), tls)
+        self.token_file = None if tls else token_file
+        token = None if self.token_file is None else write_token(self.token_file)
+        self.server = _Server((host, port), tls, connections=connections, timeout=timeout)
+        bound = self.server.server_address[1]
+        hosts = host_headers(served, bound, default_port=443 if tls else 80)
+        gate = _Gate(hosts=hosts, token=token, token_file=self.token_file, cookie=f"{COOKIE}_{bound}")
+        self.server.RequestHandlerClass = _handler(facts, revocations, gate)  # it needs the bound port
         self._thread = threading.Thread(target=self.server.serve_forever, name="status-page", daemon=True)
 
     @property
     def url(self) -> str:
         host, port = self.server.server_address[:2]
-        shown = f"[{host}]" if ":" in host else host
-        return f"{'https' if self.tls else 'http'}://{shown}:{port}/"
+        return f"{'https' if self.tls else 'http'}://{_bracketed(host)}:{port}/"
 
     def start(self) -> StatusPage:
         self._thread.start()
@@ -264,17 +327,58 @@ def split_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def served_names(host: str, names: Iterable[str]) -> set[str]:
+    """The names the page answers to: the listen host unless it is a wildcard, every loopback name when it
+    is loopback, and `names` (for HTTPS, those of the aggregator's certificate)."""
+    served = {host.lower(), *(n.lower() for n in names)} - {"0.0.0.0", "::", ""}
+    return served | set(LOOPBACK_NAMES) if is_loopback(host) else served
+
+
+def host_headers(names: set[str], port: int, *, default_port: int) -> frozenset[str]:
+    """Every `Host` value the page answers: each name with the port, and bare on the scheme's default."""
+    with_port = {f"{_bracketed(name)}:{port}" for name in names}
+    return frozenset(with_port | ({_bracketed(name) for name in names} if port == default_port else set()))
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
 class _Server(ThreadingHTTPServer):
+    """One thread per connection, at most `connections` of them; the rest are closed when accepted."""
+
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], handler: type, tls: ssl.SSLContext | None) -> None:
+    def __init__(
+        self, address: tuple[str, int], tls: ssl.SSLContext | None, *, connections: int, timeout: float
+    ) -> None:
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.tls = tls
-        super().__init__(address, handler)
+        self.read_seconds = timeout
+        self._slots = threading.BoundedSemaphore(connections)
+        super().__init__(address, BaseHTTPRequestHandler)
+
+    def process_request(self, request: socket.socket, client_address: tuple) -> None:
+        """Runs on the accepting thread: a connection over the cap costs no thread and no handshake."""
+        if not self._slots.acquire(blocking=False):
+            log.info("status page: %s refused, already serving the most connections", client_address[0])
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: tuple) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     def finish_request(self, request: socket.socket, client_address: tuple) -> None:
         """The TLS handshake runs on the request's own thread, bounded, so a stalled client blocks no one."""
-        request.settimeout(HANDSHAKE_SECONDS)
+        request.settimeout(self.read_seconds)
         if self.tls is not None:
             try:
                 request = self.tls.wrap_socket(request, server_side=True)
@@ -284,35 +388,103 @@ class _Server(ThreadingHTTPServer):
         super().finish_request(request, client_address)
 
 
-def _handler(facts: Callable[[], dict], revocations: RevocationList) -> type[BaseHTTPRequestHandler]:
+@dataclass(frozen=True)
+class _Gate:
+    """Who may read: a request naming one of `hosts`, and over HTTP holding `token` (None over HTTPS)."""
+
+    hosts: frozenset[str]
+    token: str | None
+    token_file: Path | None
+    cookie: str
+
+    def host_refusal(self, values: list[str]) -> str:
+        """Why the `Host` header does not name this page ('' if it does)."""
+        if len(values) != 1:
+            return "a request needs exactly one Host header\n"
+        if values[0].strip().lower() in self.hosts:
+            return ""
+        shown = ", ".join(sorted(self.hosts))
+        return f"this page answers only to Host {shown}, not {values[0][:100]!r}\n"
+
+    def holds_token(self, candidates: list[str]) -> bool:
+        """Whether any credential presented is the token, each compared in constant time."""
+        if self.token is None:
+            return False
+        expected = self.token.encode()
+        return any(hmac.compare_digest(c.encode(errors="replace"), expected) for c in candidates)
+
+    def token_missing(self) -> str:
+        return (
+            f"this page needs the access token the aggregator wrote to {self.token_file} when it started: "
+            "open /?token=<that token> once (a cookie then keeps this browser in), or send the header "
+            "'Authorization: Bearer <that token>'\n"
+        )
+
+
+def _handler(
+    facts: Callable[[], dict], revocations: RevocationList, gate: _Gate
+) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "fedlt-status"
         sys_version = ""
 
         def do_GET(self) -> None:
-            refusal = self._refusal()
-            if refusal:
-                self._send(HTTPStatus.FORBIDDEN, "text/plain; charset=utf-8", refusal.encode())
+            if self._refused():
                 return
-            path = self.path.split("?", 1)[0]
-            if path not in ("/", "/status.json"):
-                self._send(HTTPStatus.NOT_FOUND, "text/plain; charset=utf-8", b"not found\n")
-                return
-            snap = facts()
-            if path == "/":
-                self._send(HTTPStatus.OK, "text/html; charset=utf-8", render(snap).encode())
+            path = urlsplit(self.path).path
+            if self.command != "GET":
+                self._send(HTTPStatus.METHOD_NOT_ALLOWED, TEXT, b"", {"Allow": "GET"})
+            elif path not in PATHS:
+                self._send(HTTPStatus.NOT_FOUND, TEXT, b"not found\n")
+            elif gate.token is not None and self._query_token():
+                cookie = f"{gate.cookie}={gate.token}; Path=/; HttpOnly; SameSite=Strict"
+                self._send(HTTPStatus.SEE_OTHER, TEXT, b"", {"Location": path, "Set-Cookie": cookie})
+            elif path == "/":
+                self._send(HTTPStatus.OK, "text/html; charset=utf-8", render(facts()).encode())
             else:
-                self._send(HTTPStatus.OK, "application/json", json.dumps(snap, indent=1).encode())
+                self._send(HTTPStatus.OK, "application/json", json.dumps(facts(), indent=1).encode())
 
-        def do_HEAD(self) -> None:
-            self._send(HTTPStatus.METHOD_NOT_ALLOWED, "text/plain; charset=utf-8", b"")
+        do_HEAD = do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_GET  # noqa: N815 (405 but GET)
 
-        do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD  # noqa: N815 (read-only)
+        def _refused(self) -> bool:
+            """Answer a request that may not read the page, first one naming another host; True if so."""
+            refusal = gate.host_refusal(self.headers.get_all("Host") or [])
+            if refusal:
+                self._send(HTTPStatus.MISDIRECTED_REQUEST, TEXT, refusal.encode())
+                return True
+            if gate.token is None:
+                refusal = self._operator_refusal()
+                if refusal:
+                    self._send(HTTPStatus.FORBIDDEN, TEXT, refusal.encode())
+                return bool(refusal)
+            if not gate.holds_token(self._presented()):
+                challenge = {"WWW-Authenticate": 'Bearer realm="fedlt status page"'}
+                self._send(HTTPStatus.UNAUTHORIZED, TEXT, gate.token_missing().encode(), challenge)
+                return True
+            return False
 
-        def _refusal(self) -> str:
-            """Why this client may not read the page ('' if it may): over HTTPS, only operators."""
-            if not isinstance(self.connection, ssl.SSLSocket):
-                return ""
+        def _presented(self) -> list[str]:
+            """The credentials this request carries: a bearer header, the page's cookie, a `token` query."""
+            found = []
+            scheme, _, value = (self.headers.get("Authorization") or "").partition(" ")
+            if scheme.lower() == "bearer":
+                found.append(value.strip())
+            # parsed by hand: SimpleCookie drops every cookie when one is malformed, and a loopback host's
+            # cookies come from every local service, whatever its port
+            cookies = "; ".join(self.headers.get_all("Cookie") or []).split(";")
+            pairs = (part.strip().partition("=") for part in cookies)
+            found += [value.strip() for name, _, value in pairs if name.strip() == gate.cookie]
+            return found + self._query_tokens()
+
+        def _query_tokens(self) -> list[str]:
+            return parse_qs(urlsplit(self.path).query).get("token", [])
+
+        def _query_token(self) -> bool:
+            """Whether the token came in the query: it is then moved into a cookie and out of the URL."""
+            return gate.holds_token(self._query_tokens())
+
+        def _operator_refusal(self) -> str:
+            """Why this client may not read the page over HTTPS ('' if it may): only operators."""
             der = self.connection.getpeercert(binary_form=True)
             if der is None:
                 return "an operator certificate is required\n"
@@ -326,19 +498,21 @@ def _handler(facts: Callable[[], dict], revocations: RevocationList) -> type[Bas
                 return f"only operators may read the status page: {exc}\n"
             return ""
 
-        def _send(self, status: HTTPStatus, kind: str, body: bytes) -> None:
+        def _send(
+            self, status: HTTPStatus, kind: str, body: bytes, extra: dict[str, str] | None = None
+        ) -> None:
             self.send_response(status)
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(body)))
-            for name, value in HEADERS.items():
+            for name, value in {**HEADERS, **(extra or {})}.items():
                 self.send_header(name, value)
-            if status == HTTPStatus.METHOD_NOT_ALLOWED:
-                self.send_header("Allow", "GET")
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(body)
 
         def log_message(self, format: str, *args: object) -> None:
-            log.debug("status page: %s %s", self.address_string(), format % args)
+            """At debug level, with any token in a request line left out of the log."""
+            line = QUERY_TOKEN.sub(r"\1<token>", format % args)
+            log.debug("status page: %s %s", self.address_string(), line)
 
     return Handler

@@ -46,18 +46,20 @@ KINDS = (
 )
 
 
-def _stage(url: str) -> str | None:
+def _stage(url: str, token: str) -> str | None:
     host, port = url.removeprefix("http://").rstrip("/").rsplit(":", 1)
     try:
         connection = http.client.HTTPConnection(host, int(port), timeout=10)
-        connection.request("GET", "/status.json")
+        connection.request("GET", "/status.json", headers={"Authorization": f"Bearer {token}"})
         return json.loads(connection.getresponse().read())["stage"]
     except (OSError, ValueError, KeyError):
         return None  # starting, or just killed
 
 
-def _page(consortium: Consortium) -> str:
-    return json.loads((consortium.data_dir / "listening.json").read_text())["status_page"]
+def _page(consortium: Consortium) -> tuple[str, str]:
+    """The status page's address and its access token (every start writes a new one)."""
+    listening = json.loads((consortium.data_dir / "listening.json").read_text())
+    return listening["status_page"], Path(listening["status_page_token"]).read_text().strip()
 
 
 def _kind(stage: str) -> str:
@@ -72,12 +74,12 @@ def _kill_in_a_stage(
 ) -> str | None:
     """Kill the aggregator a random 0–0.3 s after it is seen in the `wanted` kind of stage (in any stage after
     20 s of not seeing it); None if the run finished first."""
-    url = _page(consortium)
+    url, token = _page(consortium)
     until = time.monotonic() + timeout
     patience = time.monotonic() + 20
     assert consortium.aggregator is not None
     while time.monotonic() < until and consortium.aggregator.poll() is None:
-        stage = _stage(url)
+        stage = _stage(url, token)
         if stage and stage != "finished" and (_kind(stage) == wanted or time.monotonic() > patience):
             time.sleep(rng.uniform(0.0, 0.3))
             if consortium.aggregator.poll() is not None:

@@ -1,10 +1,12 @@
 """The aggregator's status page: what it shows, that it escapes what silos and the log say, that it only
-reads, and who may read it (HTTP on loopback only; over HTTPS, unrevoked operator certificates only)."""
+reads, and who may read it (HTTP on loopback only, with the access token; over HTTPS, unrevoked operator
+certificates only; never under another host name), and that a flood of connections costs it no threads."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import logging
 import shutil
 import socket
 import ssl
@@ -13,8 +15,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
-from aggregator.status_page import StatusPage, operator_tls, snapshot
+from aggregator.status_page import (
+    StatusPage,
+    certificate_names,
+    host_headers,
+    operator_tls,
+    served_names,
+    snapshot,
+)
 from aggregator.store import AuditKey, Store
 from privacy.pki.ca import init_ca, issue_operator, issue_server, issue_silo, revoke
 from privacy.pki.identity import RevocationList
@@ -69,8 +80,13 @@ def store(tmp_path):
 
 
 @pytest.fixture
-def page(store, pki):
-    served = StatusPage("127.0.0.1:0", lambda: snapshot(_status(SILOS), ABOUT, store), _revocations(pki))
+def page(store, pki, tmp_path):
+    served = StatusPage(
+        "127.0.0.1:0",
+        lambda: snapshot(_status(SILOS), ABOUT, store),
+        _revocations(pki),
+        token_file=tmp_path / "status-page.token",
+    )
     yield served.start()
     served.stop()
 
@@ -79,10 +95,19 @@ def _revocations(pki: Path) -> RevocationList:
     return RevocationList.load(pki / "ca" / "ca.pem", pki / "ca" / "crl.pem")
 
 
-def _get(page: StatusPage, path: str = "/", method: str = "GET") -> http.client.HTTPResponse:
+def _token(page: StatusPage) -> str:
+    assert page.token_file is not None
+    return page.token_file.read_text().strip()
+
+
+def _get(
+    page: StatusPage, path: str = "/", method: str = "GET", headers: dict[str, str] | None = None
+) -> http.client.HTTPResponse:
+    """A request as the operator makes it (the bearer token), unless `headers` says otherwise."""
     host, port = page.server.server_address[:2]
     connection = http.client.HTTPConnection(host, port, timeout=30)
-    connection.request(method, path)
+    sent = {"Authorization": f"Bearer {_token(page)}"} if headers is None else headers
+    connection.request(method, path, headers=sent)
     return connection.getresponse()
 
 
@@ -103,9 +128,14 @@ def test_the_page_shows_rounds_silos_accuracy_and_the_verified_chain(page, store
     assert f"Hash chain verified over all {records} records." in text
 
 
-def test_what_silos_and_the_log_say_is_escaped(store, pki):
+def test_what_silos_and_the_log_say_is_escaped(store, pki, tmp_path):
     hostile = [{**SILOS[0], "silo_id": HOSTILE, "activity": HOSTILE}]
-    page = StatusPage("127.0.0.1:0", lambda: snapshot(_status(hostile), ABOUT, store), _revocations(pki))
+    page = StatusPage(
+        "127.0.0.1:0",
+        lambda: snapshot(_status(hostile), ABOUT, store),
+        _revocations(pki),
+        token_file=tmp_path / "token",
+    )
     page.start()
     try:
         text = _get(page).read().decode()
@@ -148,22 +178,28 @@ def test_the_page_only_reads(page):
 
 def test_a_page_without_tls_is_refused_off_loopback(store, pki):
     with pytest.raises(ValueError, match="not a loopback address"):
-        StatusPage("0.0.0.0:0", dict, _revocations(pki))
+        StatusPage("0.0.0.0:0", dict, _revocations(pki), token_file=pki / "token")
+    with pytest.raises(ValueError, match="access token"):
+        StatusPage("127.0.0.1:0", dict, _revocations(pki))
 
 
-def _https(page: StatusPage, pki: Path, name: str | None) -> tuple[int, str]:
+def _https(page: StatusPage, pki: Path, name: str | None, host: str | None = None) -> tuple[int, str]:
     client = ssl.create_default_context(cafile=pki / "ca" / "ca.pem")
     if name is not None:
         client.load_cert_chain(pki / f"{name}.pem", pki / f"{name}.key")
-    host, port = page.server.server_address[:2]
-    connection = http.client.HTTPSConnection(host, port, timeout=30, context=client)
-    connection.request("GET", "/")
+    address, port = page.server.server_address[:2]
+    connection = http.client.HTTPSConnection(address, port, timeout=30, context=client)
+    connection.request("GET", "/", headers={} if host is None else {"Host": host})
     response = connection.getresponse()
     return response.status, response.read().decode()
 
 
+def _operator_tls(pki: Path) -> ssl.SSLContext:
+    return operator_tls(pki / "aggregator.pem", pki / "aggregator.key", pki / "ca" / "ca.pem")
+
+
 def test_over_https_only_an_unrevoked_operator_reads_the_page(store, pki):
-    tls = operator_tls(pki / "aggregator.pem", pki / "aggregator.key", pki / "ca" / "ca.pem")
+    tls = _operator_tls(pki)
     revocations = _revocations(pki)
     page = StatusPage("127.0.0.1:0", lambda: snapshot(_status(SILOS), ABOUT, store), revocations, tls)
     page.start()
@@ -192,10 +228,230 @@ def _serial(path: Path) -> int:
 
 
 def test_a_stalled_client_does_not_block_the_page(page):
-    """A connection that never sends its request holds its own thread, not the server's."""
+    """A connection that never sends its request holds its own thread, not the accepting one."""
     host, port = page.server.server_address[:2]
     with socket.create_connection((host, port), timeout=30):
         assert _get(page).status == 200
+
+
+# --- who may connect: the Host, the token, the connection cap ------------------------------------------
+
+
+def _raw(page: StatusPage) -> socket.socket:
+    return socket.create_connection(page.server.server_address[:2], timeout=30)
+
+
+def _closed_by_server(connection: socket.socket) -> bool:
+    """Whether the server closed the connection without answering (waits for it, up to the socket's
+    timeout)."""
+    try:
+        return connection.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+class _Counting:
+    """The page's facts, counting how often the page read them."""
+
+    def __init__(self, store: Store) -> None:
+        self.store, self.reads = store, 0
+
+    def __call__(self) -> dict:
+        self.reads += 1
+        return snapshot(_status(SILOS), ABOUT, self.store)
+
+
+def test_dns_rebinding_a_page_under_another_host_name_is_refused_before_anything_is_read(
+    store, pki, tmp_path
+):
+    """A page at evil.example whose name the attacker re-points at 127.0.0.1 makes the operator's browser
+    send `Host: evil.example:PORT` to the status page, with the page's own origin, so it could read the
+    answer. It succeeded before the Host check (200 with the facts, no token needed either); now 421, with
+    or without the token, and the facts are never read."""
+    facts = _Counting(store)
+    page = StatusPage("127.0.0.1:0", facts, _revocations(pki), token_file=tmp_path / "token").start()
+    try:
+        port = page.server.server_address[1]
+        for credentials in ({}, {"Authorization": f"Bearer {_token(page)}"}):
+            response = _get(page, "/status.json", headers={"Host": f"evil.example:{port}", **credentials})
+            assert response.status == 421
+            assert "evil.example" in response.read().decode()
+        assert facts.reads == 0
+        assert _get(page, "/status.json").status == 200
+        assert facts.reads == 1
+    finally:
+        page.stop()
+
+
+def test_any_host_but_the_page_names_is_refused(page):
+    port = page.server.server_address[1]
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", f"LocalHost:{port}"):
+        assert _get(page, headers={"Host": host, "Authorization": f"Bearer {_token(page)}"}).status == 200
+    answers = {name: f"{name}:{port}" for name in ("127.0.0.1", "localhost", "[::1]")}
+
+    @settings(max_examples=60, deadline=None)
+    @given(host=st.from_regex(r"[A-Za-z0-9.:\[\]-]{1,40}", fullmatch=True))
+    @example(host=f"evil.example:{port}")
+    @example(host=f"127.0.0.1.evil.example:{port}")
+    @example(host=f"127.0.0.1:{port + 1}")
+    @example(host="127.0.0.1")
+    def refused(host: str) -> None:
+        if host.lower() in {h.lower() for h in answers.values()}:
+            return
+        response = _get(page, headers={"Host": host, "Authorization": f"Bearer {_token(page)}"})
+        assert response.status == 421, host
+
+    refused()
+    with _raw(page) as connection:  # HTTP/1.0 without any Host header
+        connection.sendall(f"GET / HTTP/1.0\r\nAuthorization: Bearer {_token(page)}\r\n\r\n".encode())
+        assert connection.makefile("rb").readline().split()[1] == b"421"
+
+
+def test_without_the_token_the_page_answers_401_and_names_the_file(page):
+    """Before the token, any process of the machine (and any page in its browsers that could name the host)
+    read the status with a plain GET; now only a holder of the token file's contents does."""
+    wrong = "x" * len(_token(page))
+    port = page.server.server_address[1]
+    attempts = [
+        {},
+        {"Authorization": f"Bearer {wrong}"},
+        {"Authorization": f"Basic {_token(page)}"},
+        {"Cookie": f"fedlt_status_{port}={wrong}"},
+        {"Cookie": f"fedlt_status_{port + 1}={_token(page)}"},  # another page's cookie name
+    ]
+    for headers in attempts:
+        response = _get(page, "/status.json", headers=headers)
+        assert response.status == 401, headers
+        assert response.headers["WWW-Authenticate"].startswith("Bearer")
+        body = response.read().decode()
+        assert str(page.token_file) in body
+        assert _token(page) not in body
+    assert _get(page, f"/status.json?token={wrong}", headers={}).status == 401
+
+
+def test_the_token_file_is_private_and_new_at_each_start(store, pki, tmp_path):
+    tokens = []
+    for _ in range(2):
+        page = StatusPage("127.0.0.1:0", dict, _revocations(pki), token_file=tmp_path / "token")
+        page.server.server_close()
+        assert page.token_file is not None
+        assert page.token_file.stat().st_mode & 0o777 == 0o600
+        tokens.append(_token(page))
+    assert tokens[0] != tokens[1]
+    assert len(tokens[0]) >= 40  # 32 random bytes, URL-safe base64
+
+
+def test_the_token_as_a_bearer_header_reads_the_json(page):
+    response = _get(page, "/status.json", headers={"Authorization": f"bearer {_token(page)}"})
+    assert response.status == 200
+    assert json.loads(response.read())["committed_rounds"] == 2
+
+
+def test_the_token_in_the_query_becomes_a_cookie_and_leaves_the_url(page):
+    """The browser's way in: `?token=` once; the answer sets an HttpOnly, SameSite=Strict cookie and sends
+    the browser to the page without the token in its address."""
+    port = page.server.server_address[1]
+    response = _get(page, f"/?token={_token(page)}", headers={})
+    assert response.status == 303
+    assert response.headers["Location"] == "/"
+    cookie = response.headers["Set-Cookie"]
+    name_value, *attributes = [part.strip() for part in cookie.split(";")]
+    assert name_value == f"fedlt_status_{port}={_token(page)}"
+    assert {"HttpOnly", "SameSite=Strict", "Path=/"} <= set(attributes)
+    following = _get(page, "/", headers={"Cookie": f"other=1; {name_value}; broken"})
+    assert following.status == 200
+    assert "Consortium st-test" in following.read().decode()
+    assert _get(page, f"/status.json?token={_token(page)}", headers={}).headers["Location"] == "/status.json"
+    assert _get(page, f"/elsewhere?token={_token(page)}", headers={}).status == 404  # no open redirect
+
+
+def test_the_token_never_reaches_the_log(page, caplog):
+    caplog.set_level(logging.DEBUG, logger="aggregator.status_page")
+    assert _get(page, f"/?token={_token(page)}&x=1", headers={}).status == 303
+    assert _get(page, f"/?token={_token(page)}", headers={"Host": "evil.example"}).status == 421
+    assert "GET /?token=<token>&x=1" in caplog.text
+    assert _token(page) not in caplog.text
+
+
+@pytest.mark.parametrize("https", [False, True], ids=["http", "https"])
+def test_connections_over_the_cap_are_closed_at_once(store, pki, tmp_path, https):
+    """Before the cap every accepted connection got a thread (and, over HTTPS, a handshake) of its own: 64
+    idle sockets held 64 threads and a 65th request was still served. Now, with two connections held open
+    without a request (or a ClientHello), the next ones are closed as soon as they are accepted, and the
+    held ones are still served."""
+    tls = _operator_tls(pki) if https else None
+    page = StatusPage(
+        "127.0.0.1:0",
+        lambda: snapshot(_status(SILOS), ABOUT, store),
+        _revocations(pki),
+        tls,
+        token_file=tmp_path / "token",
+        connections=2,
+        timeout=300.0,  # the held connections must not time out while the test runs on a busy machine
+    ).start()
+    try:
+        held = [_raw(page) for _ in range(2)]
+        extra = [_raw(page) for _ in range(3)]
+        for connection in extra:
+            assert _closed_by_server(connection)
+            connection.close()
+        first = held.pop(0)
+        if https:
+            client = ssl.create_default_context(cafile=pki / "ca" / "ca.pem")
+            client.load_cert_chain(pki / "operator.pem", pki / "operator.key")
+            first = client.wrap_socket(first, server_hostname="127.0.0.1")
+        bearer = "" if https else f"Authorization: Bearer {_token(page)}\r\n"
+        port = page.server.server_address[1]
+        first.sendall(f"GET / HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\n{bearer}\r\n".encode())
+        assert first.makefile("rb").readline().split()[1] == b"200"
+        for connection in (first, *held):
+            connection.close()
+    finally:
+        page.stop()
+
+
+@pytest.mark.parametrize("https", [False, True], ids=["http", "https"])
+def test_a_stalled_client_is_closed_after_the_timeout(store, pki, tmp_path, https):
+    """A connection that sends nothing (no request, no ClientHello) gives its slot back after `timeout`."""
+    tls = _operator_tls(pki) if https else None
+    page = StatusPage(
+        "127.0.0.1:0", dict, _revocations(pki), tls, token_file=tmp_path / "token", timeout=1.0
+    ).start()
+    try:
+        with _raw(page) as connection:
+            assert _closed_by_server(connection)
+    finally:
+        page.stop()
+
+
+def test_an_https_page_answers_only_to_its_certificates_names(store, pki):
+    page = StatusPage(
+        "127.0.0.1:0",
+        lambda: snapshot(_status(SILOS), ABOUT, store),
+        _revocations(pki),
+        _operator_tls(pki),
+        names=certificate_names(pki / "aggregator.pem"),
+    ).start()
+    try:
+        assert page.token_file is None
+        assert certificate_names(pki / "aggregator.pem") == ["127.0.0.1"]
+        assert _https(page, pki, "operator")[0] == 200
+        assert _https(page, pki, "operator", host="evil.example")[0] == 421
+    finally:
+        page.stop()
+
+
+def test_an_https_page_on_every_interface_answers_to_its_certificates_names_only(pki):
+    names = served_names("0.0.0.0", ["Aggregator.example.org", "203.0.113.5", "2001:db8::5"])
+    assert names == {"aggregator.example.org", "203.0.113.5", "2001:db8::5"}
+    assert host_headers(names, 8443, default_port=443) == {
+        "aggregator.example.org:8443",
+        "203.0.113.5:8443",
+        "[2001:db8::5]:8443",
+    }
+    assert "aggregator.example.org" in host_headers(names, 443, default_port=443)
+    with pytest.raises(ValueError, match="names no host"):  # refused before it binds
+        StatusPage("0.0.0.0:0", dict, _revocations(pki), _operator_tls(pki))
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -216,7 +472,7 @@ def test_a_headless_browser_renders_the_page(page, tmp_path):
             "--no-first-run",
             f"--user-data-dir={tmp_path / 'profile'}",
             "--dump-dom",
-            page.url,
+            f"{page.url}?token={_token(page)}",  # redirected to the page with the cookie set
         ],
         capture_output=True,
         text=True,
@@ -245,18 +501,30 @@ def test_a_served_aggregator_names_its_page_in_listening_json(tmp_path):
     )
     try:
         assert process.stdout is not None
-        for line in process.stdout:
+        lines = iter(process.stdout)
+        for line in lines:
             if line.startswith("status page (read-only): "):
                 break
-        listening = json.loads((tmp_path / "aggregator-data" / "listening.json").read_text())
-        url = listening["status_page"]
+        token_line = next(lines)
+        data = tmp_path / "aggregator-data"
+        listening = json.loads((data / "listening.json").read_text())
+        url, token_file = listening["status_page"], Path(listening["status_page_token"])
         assert line.strip().endswith(url)
+        assert token_file == data / "status-page.token"
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        token = token_file.read_text().strip()
+        assert f"its access token is in {token_file}" in token_line
+        assert token not in token_line
         host, port = url.removeprefix("http://").rstrip("/").rsplit(":", 1)
         connection = http.client.HTTPConnection(host, int(port), timeout=30)
         connection.request("GET", "/")
+        assert connection.getresponse().status == 401
+        connection = http.client.HTTPConnection(host, int(port), timeout=30)
+        connection.request("GET", "/", headers={"Authorization": f"Bearer {token}"})
         text = connection.getresponse().read().decode()
         assert "<strong>0 of" in text
         assert "Hash chain verified" in text
     finally:
         process.terminate()
         process.wait(timeout=60)
+    assert token not in line + token_line + process.stdout.read()  # printed: the file, never the token
