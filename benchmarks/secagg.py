@@ -103,7 +103,7 @@ from privacy.secagg.peers import ConsortiumPeers
 from privacy.secagg.protocol import Inbox, KeyList, Signer
 from privacy.secagg.ring import Ring
 from privacy.secagg.settings import SecAggSettings
-from privacy.wire import RECEIVERS, received, send, step_from_pb, step_to_pb, upload_of
+from privacy.wire import RECEIVERS, received, send, step_from_pb, step_to_pb, submitted
 from tests.consortium_harness import RECIPE as DIGITS
 from tests.consortium_harness import SILO_THREADS, Consortium
 
@@ -290,7 +290,7 @@ class Relay:
     def Submit(self, stream, timeout=None) -> None:  # noqa: N802
         first, *parts = list(stream)
         self.sizes["Submit (masked)"] = stream_bytes([first, *parts])
-        self.aggregator.receive(self.silo, upload_of(first.header.kind, b"".join(p.chunk for p in parts)))
+        self.aggregator.receive(self.silo, submitted(first.header, b"".join(p.chunk for p in parts)))
 
 
 def run_session(

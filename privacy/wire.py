@@ -2,7 +2,8 @@
 
 The silo agent sends whatever its layer half produced (`send`) and reads each `SumStep` back into the step its
 half expects (`step_from_pb`); the aggregator turns each stage output into a `SumStep` (`step_to_pb`) and a
-Submit stream's kind into the upload it carries (`UPLOADS`). A new layer adds its entries to these tables.
+Submit stream's kind into the upload it carries (`UPLOADS`, `submitted`, with what the stream's header adds to
+it: `FROM_HEADER`). A new layer adds its entries to these tables.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ UPLOADS: dict[int, tuple[type, Callable[[bytes], object]]] = {
     pb.CONTRIBUTION_KIND_MASKED: (MaskedInput, secagg.masked_of),
     pb.CONTRIBUTION_KIND_CKKS: (EncryptedUpload, EncryptedUpload),
 }
+# uploads whose Submit header carries part of the message (a census's masked input: its signature)
+FROM_HEADER: dict[type, Callable[[object, pb.SubmitHeader], object]] = {MaskedInput: secagg.signed_by_header}
 # steps that only announce a payload the silo then downloads: (stub, round_id, purpose, step, timeout) -> step
 FETCHERS: dict[type, Callable[..., object]] = dict(ckks.FETCHERS)
 RECEIVERS: dict[str, Callable[[object, str, bytes], object]] = dict(secagg.RECEIVERS)
@@ -98,8 +101,15 @@ def payload_of(upload: object) -> tuple[int, bytes]:
 
 
 def upload_of(kind: int, payload: bytes) -> object:
-    """The upload a Submit stream of `kind` carries."""
+    """The upload a payload of `kind` carries."""
     return UPLOADS[kind][1](payload)
+
+
+def submitted(header: pb.SubmitHeader, payload: bytes) -> object:
+    """The upload a Submit stream carries: its payload read by its kind, with what the header adds."""
+    upload = upload_of(header.kind, payload)
+    from_header = FROM_HEADER.get(type(upload))
+    return upload if from_header is None else from_header(upload, header)
 
 
 def step_to_pb(round_id: str, purpose: str, step: object) -> pb.SumStep:

@@ -30,6 +30,8 @@ from privacy.secagg.prg import BLOCK_BYTES
 from privacy.secagg.protocol import (
     CONSISTENCY_CONTEXT,
     KEYS_CONTEXT,
+    MASKED_CONTEXT,
+    REVEAL_CONTEXT,
     SHARE_BYTES,
     AdvertisedKeys,
     Envelope,
@@ -42,6 +44,7 @@ from privacy.secagg.protocol import (
     SessionSpec,
     StageError,
     TooFewSurvivors,
+    Transcript,
     default_threshold,
 )
 from privacy.secagg.ring import Ring
@@ -319,7 +322,7 @@ class Bench:
     def _masked(self, among: list[str]) -> None:
         for u in among:
             self.uploads[u] = self.clients[u].masked_input(self.inboxes[u], self.inputs[u])
-            self.server.add_masked(u, self.uploads[u])
+            self.server.add_masked(u, self.uploads[u], self.clients[u].masked_signature)
         self.u3 = self.server.close_masked()
 
     def _consistency(self, among: list[str]) -> None:
@@ -386,6 +389,129 @@ def test_no_silo_reveals_both_shares_of_a_peer_and_none_reveals_twice(n, changes
         assert set(reveal.mask_key) == (u2 - u3) & mine
         with pytest.raises(StageError):
             bench.clients[u].unmask(bench.signed)
+
+
+# --- a census every silo recomputes ---------------------------------------------------------------------
+
+
+def census_outcome(spec: SessionSpec, dropouts: Mapping[str, str], seed: int, *, exact: bool = True) -> None:
+    """A census (`spec`, a sum silos recompute) under `dropouts`: the aggregator's sum is exact over U3 or
+    the session aborts, as for any sum; and every silo of U4 recomputes exactly the aggregator's sum from the
+    transcript, those whose reveal never arrived too."""
+    bench = Bench(spec)
+    bench.inputs = random_words(spec, seed)
+    try:
+        bench.run(dropouts)
+        total = bench.server.close_unmask()
+    except TooFewSurvivors:
+        assert not completes(spec, dropouts)
+        return
+    assert completes(spec, dropouts) or not exact
+    _, _, u3, u4, u5 = stage_survivors(spec, dropouts)
+    assert np.array_equal(total, ring_sum((bench.inputs[u] for u in u3), spec.ring))
+    transcript = bench.server.transcript()
+    bench.server.close_transcript()
+    assert (set(transcript.masked), set(transcript.reveals)) == (u3, u5)
+    for u in u4 - u5:  # their reveal was lost on the way; they are still there for the transcript
+        bench.clients[u].unmask(bench.signed)
+    for u in sorted(u4):
+        assert np.array_equal(bench.clients[u].recompute(transcript), total), u
+
+
+@given(sessions((3, 5, 10)))
+@settings(max_examples=60, deadline=None)
+def test_a_census_recomputes_at_every_silo_to_the_aggregators_sum_whoever_drops_out(case):
+    spec, dropouts, seed = case
+    spec = replace(spec, purpose="census")  # the session names its purpose, so it draws its own graph
+    event("completes" if completes(spec, dropouts) else "aborts")
+    census_outcome(spec, dropouts, seed)
+
+
+@given(sessions((10, 12), neighbours=4))
+@settings(max_examples=25, deadline=None)
+def test_a_secagg_plus_census_recomputes_at_every_silo_to_the_aggregators_sum(case):
+    spec, dropouts, seed = case
+    spec = replace(spec, purpose="census")  # the session names its purpose, so it draws its own graph
+    event("completes" if completes(spec, dropouts) else "aborts")
+    census_outcome(spec, dropouts, seed, exact=False)
+
+
+def test_the_aggregator_takes_a_census_masked_input_or_reveal_only_as_its_silo_signed_it():
+    bench = Bench(make_spec(4, purpose="census"))
+    server, spec = bench.server, bench.server.spec
+    bench.run(until="masked")
+    masked = bench.clients[A].masked_input(bench.inboxes[A], bench.inputs[A])
+    signature = bench.clients[A].masked_signature
+    by_b = sign(bench.identities[B], spec.masked_message(A, masked), context=MASKED_CONTEXT)
+    for forged in (b"", flip(signature, len(signature) - 1), by_b):
+        with pytest.raises(ProtocolViolation, match=f"{A}: signature does not verify"):
+            server.add_masked(A, masked, forged)
+    with pytest.raises(ProtocolViolation, match=f"{A}: signature does not verify"):
+        server.add_masked(A, masked + np.uint8(1), signature)  # another vector under A's signature
+    server.add_masked(A, masked, signature)
+    bench.run(start="masked", until="unmask")
+    reveal = bench.clients[A].unmask(bench.signed)
+    altered = replace(reveal, self_mask={**reveal.self_mask, B: flip(reveal.self_mask[B], 3)})
+    for forged in (replace(reveal, signature=b""), altered):
+        with pytest.raises(ProtocolViolation, match=f"{A}: signature does not verify"):
+            server.add_reveal(A, forged)
+    server.add_reveal(A, reveal)
+    bench.run(start="unmask")
+    assert np.array_equal(server.close_unmask(), ring_sum(bench.inputs.values(), spec.ring))
+
+
+def resigned_reveal(bench: Bench, silo: str, reveal: Reveal) -> Reveal:
+    """`reveal` as `silo` signs it: a silo colluding with the aggregator, not a forger."""
+    message = bench.server.spec.reveal_message(silo, reveal)
+    return replace(reveal, signature=sign(bench.identities[silo], message, context=REVEAL_CONTEXT))
+
+
+def test_a_silo_recomputes_only_from_what_it_saw_even_with_a_colluding_silo_signing():
+    """A colluding silo signs what the aggregator asks; a silo still recomputes only from the survivors it
+    signed for, reveals of silos whose consistency signature it verified, each for the right peers."""
+    dropouts = {DROPPED: "masked", D: "consistency"}  # U3 without silo-04, U4 without D too
+    bench = Bench(make_spec(6, threshold=4, purpose="census"))
+    bench.run(dropouts)
+    total = bench.server.close_unmask()
+    transcript = bench.server.transcript()
+    reveals = transcript.reveals
+    from_d = resigned_reveal(bench, D, reveals[A])
+    with pytest.raises(ProtocolViolation, match=f"reveals from {D}, who signed no consistency signature"):
+        bench.clients[A].recompute(replace(transcript, reveals={**reveals, D: from_d}))
+    both = Reveal({**reveals[A].self_mask, DROPPED: reveals[A].mask_key[DROPPED]}, reveals[A].mask_key)
+    with pytest.raises(ProtocolViolation, match=f"{A} revealed shares for the wrong silos"):
+        bench.clients[B].recompute(
+            replace(transcript, reveals={**reveals, A: resigned_reveal(bench, A, both)})
+        )
+    narrowed = {u: m for u, m in transcript.masked.items() if u != D}
+    with pytest.raises(ProtocolViolation, match="not those of the survivors this silo signed"):
+        bench.clients[C].recompute(replace(transcript, masked=narrowed))
+    assert np.array_equal(bench.clients["silo-05"].recompute(transcript), total)
+
+
+def test_only_a_census_has_a_transcript_stage_and_each_side_takes_it_once_in_order():
+    contribution = Bench(make_spec(3))
+    contribution.run()
+    contribution.server.close_unmask()
+    with pytest.raises(StageError, match="no transcript at 'done'"):
+        contribution.server.transcript()
+    with pytest.raises(StageError, match="asked for stage 'transcript' while at 'done'"):
+        contribution.clients[A].recompute(Transcript({}, {}))
+    census = Bench(make_spec(3, purpose="census"))
+    census.run(until="unmask")
+    with pytest.raises(StageError, match="asked for stage 'transcript' while at 'unmask'"):
+        census.clients[A].recompute(Transcript({}, {}))
+    with pytest.raises(StageError, match="no transcript at 'unmask'"):
+        census.server.transcript()
+    census.run(start="unmask")
+    total = census.server.close_unmask()
+    transcript = census.server.transcript()
+    census.server.close_transcript()
+    assert np.array_equal(census.clients[A].recompute(transcript), total)
+    with pytest.raises(StageError, match="asked for stage 'transcript' while at 'done'"):
+        census.clients[A].recompute(transcript)
+    with pytest.raises(StageError, match="cannot close stage 'transcript'"):
+        census.server.close_transcript()
 
 
 # --- keys: forged, duplicated, missing, foreign -----------------------------------------------------------

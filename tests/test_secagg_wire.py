@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 import torch
 
+from fedlt.aggregation.gate import Floors, ReleaseGate
 from fedlt.aggregation.halves import PartyKeys
 from fedlt.methods.fedavg import FedAvgOptions
 from fedlt.methods.state import flatten, float_keys
@@ -95,6 +96,10 @@ def test_a_secure_round_played_by_hand_refuses_tampering_and_sums_right(tmp_path
                 )  # (n/N)·Δw
                 values["n"] = torch.tensor(5.0, dtype=torch.float64)
                 contributions.append(schema.flatten(values))
+            ledgers = []
+            for k in (0, 1):
+                (tmp_path / f"silo-{k}").mkdir()
+                ledgers.append(ReleaseLedger(tmp_path / f"silo-{k}"))
             rounds = [
                 Participation(
                     signed[k],
@@ -108,7 +113,14 @@ def test_a_secure_round_played_by_hand_refuses_tampering_and_sums_right(tmp_path
                             policy=SessionPolicy(min_participants=2),  # the default refuses sums of two
                         )
                     ),
-                    ledger=ReleaseLedger(tmp_path),
+                    gate=ReleaseGate(
+                        consortium=spec.consortium_id,
+                        floors=Floors(participants=2, survivors=2),  # the default refuses sums of two
+                        members=lambda: ("silo-0", "silo-1"),
+                        ledger=ledgers[k],
+                    ),
+                    trained_from=spec.state_digest,
+                    ledger=ledgers[k],
                     stub=stubs[k],
                     timeout=30,
                     on_sent=lambda purpose, message: None,

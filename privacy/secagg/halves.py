@@ -5,12 +5,19 @@ A silo half advertises keys on `start`, then answers each stage's output with it
 consistency signature it asks `may_release` (the round driver's whole-census check and the silo's ledger). The
 aggregator half routes each message to the server's stage and turns each `close_*` into what goes to every
 silo next; the last one releases the decoded sum of U3.
+
+A census is a sum silos recompute (`protocol.RECOMPUTED`): after the unmask stage the aggregator half sends
+every silo of U4 the signed transcript and waits for no one; each silo half recomputes the sum from it and
+exposes it as `result`, which the round driver uses instead of the count the aggregator reports. A silo half
+asked for a census's `result` before it has recomputed one (the aggregator sent the count and withheld the
+transcript) refuses.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+import numpy as np
 import torch
 
 from fedlt.aggregation.halves import AggregatorHalf, AggregatorSide, Released, SiloHalf, SiloSide, SumSpec
@@ -33,6 +40,7 @@ from privacy.secagg.protocol import (
     Signer,
     StageError,
     SurvivorList,
+    Transcript,
 )
 from privacy.secagg.settings import SecAggSettings
 
@@ -67,6 +75,7 @@ class SecAggSiloHalf(SiloHalf):
         self._may_release = may_release
         self._encoded = None
         self._done = False
+        self._result: torch.Tensor | None = None
 
     def start(self, vector: torch.Tensor) -> list[object]:
         self._encoded = self.codec.encode(vector)
@@ -76,19 +85,35 @@ class SecAggSiloHalf(SiloHalf):
         if isinstance(step, KeyList):
             return [Shares(tuple(self.client.share(list(step.keys))))]
         if isinstance(step, Inbox):
-            return [MaskedInput(self.client.masked_input(step, self._encoded, in_place=True))]
+            masked = self.client.masked_input(step, self._encoded, in_place=True)
+            return [MaskedInput(masked, self.client.masked_signature)]
         if isinstance(step, SurvivorList):
             signature = self.client.consistency(step.survivors, release=self._may_release)
             return [ConsistencySignature(signature)]
         if isinstance(step, Signatures):
             reveal = self.client.unmask(step.by_silo)
-            self._done = True
+            self._done = not self.client.spec.recomputed
             return [reveal]
+        if isinstance(step, Transcript):
+            self._result = self.codec.decode(self.client.recompute(step))
+            self._done = True
+            return []
         raise ProtocolViolation(f"{type(step).__name__} is no secure-aggregation step")
 
     @property
     def done(self) -> bool:
         return self._done
+
+    @property
+    def result(self) -> torch.Tensor | None:
+        """A census as this silo recomputed it (None for a sum only the aggregator reads); asked for a census
+        it has not recomputed, it refuses: the count would be the aggregator's word alone."""
+        if self.client.spec.recomputed and not self._done:
+            raise ProtocolViolation(
+                f"the {self.client.spec.purpose} result came before its transcript: this silo has not "
+                "recomputed it, and takes no count the aggregator alone reports"
+            )
+        return self._result
 
     @property
     def counted(self) -> tuple[str, ...]:
@@ -100,6 +125,7 @@ class SecAggAggregatorHalf(AggregatorHalf):
         self.spec = spec
         self.codec = codec_of(spec)
         self.server = SecAggServer(session_of(spec, self.codec), peers=peers)
+        self._total: np.ndarray | None = None  # the unmasked sum, while its transcript goes out
 
     @property
     def stage(self) -> str:
@@ -124,7 +150,7 @@ class SecAggAggregatorHalf(AggregatorHalf):
         elif isinstance(message, Shares):
             server.add_envelopes(silo, message.envelopes)
         elif isinstance(message, MaskedInput):
-            server.add_masked(silo, message.vector)
+            server.add_masked(silo, message.vector, message.signature)
         elif isinstance(message, ConsistencySignature):
             server.add_signature(silo, message.signature)
         elif isinstance(message, Reveal):
@@ -146,8 +172,13 @@ class SecAggAggregatorHalf(AggregatorHalf):
         if stage == "consistency":
             signatures = Signatures(server.close_consistency())
             return dict.fromkeys(server.u4, signatures)
-        total = server.close_unmask()
-        return Released(server.u3, self.codec.decode(total))
+        if stage == "unmask":
+            self._total = server.close_unmask()
+            if server.stage == "transcript":  # silos act on this sum: each recomputes it first
+                return dict.fromkeys(server.u4, server.transcript())
+        else:
+            server.close_transcript()
+        return Released(server.u3, self.codec.decode(self._total))
 
     def upload_bytes(self, silo: str, kind: type) -> int:
         if kind is not MaskedInput:

@@ -1,7 +1,8 @@
 """A whole secure-aggregation session in one process: the simulator's secure sum, and the tests' harness.
 
 Every silo runs its real `SecAggClient` and the aggregator its real `SecAggServer`; only the network is
-missing. Dropouts are named by the stage a silo never answers, so a test can stop any silo at any stage.
+missing. Dropouts are named by the stage a silo never answers, so a test can stop any silo at any stage. In a
+sum silos recompute (the census), every silo that revealed recomputes it from the aggregator's transcript.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from privacy.pki.signing import sign
 from privacy.secagg.peers import KeyPeers
-from privacy.secagg.protocol import SecAggClient, SecAggServer, SessionSpec
+from privacy.secagg.protocol import ProtocolViolation, SecAggClient, SecAggServer, SessionSpec
 
 STAGES = ("keys", "shares", "masked", "consistency", "unmask")
 
@@ -23,7 +24,9 @@ def run_session(
 ) -> tuple[np.ndarray, tuple[str, ...]]:
     """Σ of the inputs of the silos that sent a masked input (U3), and U3; raises as the protocol does.
 
-    `dropouts` maps a silo to the first stage it does not answer (one of `STAGES`).
+    `dropouts` maps a silo to the first stage it does not answer (one of `STAGES`). In a sum silos
+    recompute, every silo that revealed recomputes it from the transcript; one that gets another sum than
+    the aggregator's raises `ProtocolViolation`, as it would refuse the aggregator's count in a round.
     """
     dropouts = dropouts or {}
     unknown = {stage for stage in dropouts.values() if stage not in STAGES}
@@ -49,11 +52,18 @@ def run_session(
         server.add_envelopes(u, clients[u].share(advertised))
     inboxes = server.close_shares()
     for u in answering("masked", server.u2):
-        server.add_masked(u, clients[u].masked_input(inboxes[u], inputs[u]))
+        server.add_masked(u, clients[u].masked_input(inboxes[u], inputs[u]), clients[u].masked_signature)
     survivors = server.close_masked()
     for u in answering("consistency", survivors):
         server.add_signature(u, clients[u].consistency(survivors))
     signatures = server.close_consistency()
-    for u in answering("unmask", server.u4):
+    revealed = answering("unmask", server.u4)
+    for u in revealed:
         server.add_reveal(u, clients[u].unmask(signatures))
-    return server.close_unmask(), survivors
+    total = server.close_unmask()
+    if spec.recomputed:
+        transcript = server.transcript()
+        server.close_transcript()
+        if any(not np.array_equal(clients[u].recompute(transcript), total) for u in revealed):
+            raise ProtocolViolation("a silo recomputed another sum than the aggregator's")
+    return total, survivors

@@ -10,6 +10,19 @@ a `SecAggServer`, which only routes messages and, at the end, removes masks. The
 3. consistency  each survivor signs (session, RoundSpec hash, state digest, U3).                  U4
 4. unmask    a silo that verified every signature reveals, per peer, b-shares of survivors (U3)
              or s-shares of the dropped (U2 \\ U3) — never both kinds for one peer.               U5
+5. transcript  only in a sum silos act on (the census, `RECOMPUTED`): the aggregator relays every
+             signed masked input of U3 and signed reveal of U5 to U4; each silo checks them against
+             what it saw and signed, and unmasks the sum itself, with the aggregator's own code.
+
+In a sum silos recompute, each silo also signs its masked input (`MASKED_CONTEXT`) and its reveal
+(`REVEAL_CONTEXT`), and the aggregator checks each signature as the message arrives. A silo then acts only
+on the sum it computed from what every counted silo signed, never on a number the aggregator reports: the
+aggregator alone cannot make a class of one silo look like a class of k_min (a false census). It can still
+withhold the transcript, and the silo then takes no census. The transcript gives each silo of U4 the
+aggregator's view of the session, so silos colluding with one another learn from it what the aggregator
+colluding with them would: over the complete graph, the sum of the other silos' inputs, which the census
+says anyway (every pairwise mask between two silos outside the coalition stays in place); over SecAgg+'s
+graph, also the input of a silo whose neighbours in U3 all collude, as for the aggregator.
 
 Every stage needs at least t survivors and every rebuilt seed needs t shares from its holders; below that
 the session aborts (`TooFewSurvivors`) and no sum is formed. A message that breaks the protocol (forged,
@@ -31,7 +44,7 @@ import hashlib
 import math
 import random
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Protocol
@@ -46,8 +59,14 @@ from privacy.secagg.ring import Ring
 
 KEYS_CONTEXT = "fedlt/secagg/keys/v1"
 CONSISTENCY_CONTEXT = "fedlt/secagg/consistency/v1"
+MASKED_CONTEXT = "fedlt/secagg/masked/v1"
+REVEAL_CONTEXT = "fedlt/secagg/reveal/v1"
 SHARE_BYTES = 66  # an element of the 521-bit Shamir field
 PURPOSES = ("census", "contribution")
+# Sums every silo recomputes from the signed transcript: small ones that silos act on. The contribution's
+# sum is the aggregator's (its server step reads it), and relaying megabytes to every silo would cost more
+# than the round.
+RECOMPUTED = frozenset({"census"})
 
 
 class SecAggError(SumAborted):
@@ -97,10 +116,20 @@ class Inbox:
 
 @dataclass(frozen=True)
 class Reveal:
-    """Stage 4: shares of survivors' self-mask seeds and of dropped silos' mask keys, keyed by owner."""
+    """Stage 4: shares of survivors' self-mask seeds and of dropped silos' mask keys, keyed by owner; signed
+    by the silo in a sum silos recompute."""
 
     self_mask: Mapping[str, bytes]
     mask_key: Mapping[str, bytes]
+    signature: bytes = field(default=b"", repr=False)
+
+    def encoded(self) -> bytes:
+        """The shares in one unambiguous order: what the signature covers."""
+
+        def listed(by_owner: Mapping[str, bytes]) -> bytes:
+            return crypto.transcript(*(part for item in sorted(by_owner.items()) for part in item))
+
+        return crypto.transcript(listed(self.self_mask), listed(self.mask_key))
 
 
 @dataclass(frozen=True)
@@ -112,9 +141,11 @@ class Shares:
 
 @dataclass(frozen=True)
 class MaskedInput:
-    """Stage 2 from a silo: its masked fixed-point vector (the bytes of a ring vector)."""
+    """Stage 2 from a silo: its masked fixed-point vector (the bytes of a ring vector); signed by the silo in
+    a sum silos recompute."""
 
     vector: np.ndarray = field(repr=False)
+    signature: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True)
@@ -143,6 +174,15 @@ class Signatures:
     """After stage 3, to every silo of U4: every consistency signature, by signer."""
 
     by_silo: Mapping[str, bytes]
+
+
+@dataclass(frozen=True)
+class Transcript:
+    """After stage 4 of a sum silos recompute, to every silo of U4: the signed masked inputs of U3 and the
+    signed reveals of U5, by silo. U4 rather than U5: a silo whose reveal was lost can still recompute."""
+
+    masked: Mapping[str, MaskedInput]
+    reveals: Mapping[str, Reveal]
 
 
 class Signer(Protocol):
@@ -193,6 +233,11 @@ class SessionSpec:
         return crypto.transcript(self.round_id, self.purpose)
 
     @property
+    def recomputed(self) -> bool:
+        """Whether every silo recomputes this sum itself from the signed transcript (stage 5)."""
+        return self.purpose in RECOMPUTED
+
+    @property
     def complete(self) -> bool:
         return self.neighbours == 0 or self.neighbours >= len(self.participants) - 1
 
@@ -232,6 +277,14 @@ class SessionSpec:
 
     def consistency_message(self, survivors: Sequence[str]) -> bytes:
         return crypto.transcript(self.session, self.binding, self.keys_digest, *sorted(survivors))
+
+    def masked_message(self, silo: str, masked: np.ndarray) -> bytes:
+        """What a silo signs of its masked input: the session, the key list, itself, the vector's SHA-256."""
+        digest = hashlib.sha256(masked.tobytes()).digest()
+        return crypto.transcript(self.session, self.keys_digest, silo, digest)
+
+    def reveal_message(self, silo: str, reveal: Reveal) -> bytes:
+        return crypto.transcript(self.session, self.keys_digest, silo, reveal.encoded())
 
     def with_keys(self, keys: Sequence[AdvertisedKeys]) -> SessionSpec:
         """This session once stage 0 is closed: its graph and consistency message depend on the key list."""
@@ -300,11 +353,18 @@ class SecAggClient:
         self._envelope_keys: dict[str, bytes] = {}
         self._u2: set[str] = set()
         self._u3: tuple[str, ...] = ()
+        self._u4: frozenset[str] = frozenset()
+        self._masked_signature = b""
 
     @property
     def survivors(self) -> tuple[str, ...]:
         """U3 as this silo signed it (empty before the consistency stage)."""
         return self._u3
+
+    @property
+    def masked_signature(self) -> bytes:
+        """This silo's signature of its masked input, in a sum silos recompute (empty otherwise)."""
+        return self._masked_signature
 
     def _enter(self, stage: str, following: str) -> None:
         if self._stage != stage:
@@ -403,6 +463,9 @@ class SecAggClient:
         masked = vector if in_place else vector.copy()
         pairs = [(self._pair_seed(v), _sign_of(self.me, v)) for v in sorted(expected - {self.me})]
         apply_masks(self.spec.ring, masked, [(self._b, False), *pairs])
+        if self.spec.recomputed:
+            message = self.spec.masked_message(self.me, masked)
+            self._masked_signature = self._sign(message, context=MASKED_CONTEXT)
         return masked
 
     def consistency(
@@ -424,7 +487,7 @@ class SecAggClient:
 
     def unmask(self, signatures: Mapping[str, bytes]) -> Reveal:
         """Verify every survivor signed the same view; only then reveal, never both shares of one peer."""
-        self._enter("unmask", "done")
+        self._enter("unmask", "transcript" if self.spec.recomputed else "done")
         signers = set(signatures)
         if not signers <= set(self._u3) or self.me not in signers:
             raise ProtocolViolation("consistency signatures from silos outside the survivor set")
@@ -441,11 +504,62 @@ class SecAggClient:
                 raise ProtocolViolation(
                     f"{silo} signed a different view of this round (survivors, state or RoundSpec): {exc}"
                 ) from None
+        self._u4 = frozenset(signers)
         alive = set(self._u3)
         self_mask = {o: _encode_share(b) for o, (b, _) in self._held.items() if o in alive}
         mask_key = {o: _encode_share(s) for o, (_, s) in self._held.items() if o in self._u2 - alive}
         assert not self_mask.keys() & mask_key.keys()  # the invariant that keeps double masking safe
-        return Reveal(self_mask, mask_key)
+        reveal = Reveal(self_mask, mask_key)
+        if not self.spec.recomputed:
+            return reveal
+        signature = self._sign(self.spec.reveal_message(self.me, reveal), context=REVEAL_CONTEXT)
+        return replace(reveal, signature=signature)
+
+    def recompute(self, transcript: Transcript) -> np.ndarray:
+        """Σ_{u ∈ U3} x_u in the ring, unmasked here from what every silo signed, as the aggregator does.
+
+        The transcript must hold the masked inputs of exactly the survivors this silo signed for (U3), each
+        signed by its silo, and reveals only from silos whose consistency signature this silo verified (U4),
+        each signed, each for the silos this silo's view says (never both kinds for one peer), enough of them
+        for every seed. Anything else means the aggregator relayed something the silos did not send.
+        """
+        self._enter("transcript", "done")
+        if set(transcript.masked) != set(self._u3):
+            raise ProtocolViolation(
+                "the transcript's masked inputs are not those of the survivors this silo signed"
+            )
+        strangers = sorted(set(transcript.reveals) - self._u4)
+        if strangers:
+            raise ProtocolViolation(
+                f"reveals from {', '.join(strangers)}, who signed no consistency signature here"
+            )
+        total = self.spec.ring.zeros()
+        for silo in self._u3:
+            masked = transcript.masked[silo]
+            message = self.spec.masked_message(silo, masked.vector)
+            self._check_signed(silo, masked.signature, message, MASKED_CONTEXT, "masked input")
+            try:
+                self.spec.ring.add(total, masked.vector)
+            except ValueError as exc:
+                raise ProtocolViolation(f"{silo}'s masked input: {exc}") from None
+        for silo, reveal in sorted(transcript.reveals.items()):
+            check_reveal(self.spec, silo, reveal, u2=self._u2, u3=self._u3)
+            message = self.spec.reveal_message(silo, reveal)
+            self._check_signed(silo, reveal.signature, message, REVEAL_CONTEXT, "reveal")
+        try:
+            return unmasked(
+                self.spec, self._keys, u2=self._u2, u3=self._u3, total=total, reveals=transcript.reveals
+            )
+        except TooFewSurvivors as exc:
+            raise ProtocolViolation(f"the transcript cannot be the aggregator's: {exc}") from None
+
+    def _check_signed(self, silo: str, signature: bytes, message: bytes, context: str, what: str) -> None:
+        try:
+            self._peers.verify(silo, self._keys[silo].credential, signature, message, context=context)
+        except FedltError as exc:
+            raise ProtocolViolation(
+                f"the transcript's {what} of {silo} is not one it signed: {exc}"
+            ) from None
 
     def _envelope_key(self, peer: str) -> bytes:
         """The key of this silo's envelopes with `peer` both ways (sealing, opening): agreed once."""
@@ -497,7 +611,8 @@ class SecAggServer:
 
     Each `add_*` takes one silo's message for the current stage (the silo's identity comes from the
     transport, never from the message); each `close_*` ends a stage with whoever answered and returns what
-    goes out next, or raises `TooFewSurvivors`. The masked inputs are added up as they arrive.
+    goes out next, or raises `TooFewSurvivors`. The masked inputs are added up as they arrive; in a sum silos
+    recompute they are kept too, with their signatures, for the transcript.
     """
 
     def __init__(self, spec: SessionSpec, *, peers: Peers) -> None:
@@ -507,6 +622,7 @@ class SecAggServer:
         self._keys: dict[str, AdvertisedKeys] = {}
         self._envelopes: dict[str, tuple[Envelope, ...]] = {}
         self._masked_digests: dict[str, str] = {}
+        self._signed_masked: dict[str, MaskedInput] = {}  # a sum silos recompute: for the transcript
         self._total = spec.ring.zeros()
         self._signatures: dict[str, bytes] = {}
         self._reveals: dict[str, Reveal] = {}
@@ -600,16 +716,22 @@ class SecAggServer:
             for u in self.u2
         }
 
-    def add_masked(self, silo: str, masked: np.ndarray) -> None:
+    def add_masked(self, silo: str, masked: np.ndarray, signature: bytes = b"") -> None:
+        """A silo's masked input; in a sum silos recompute, with its signature, checked here."""
         digest = hashlib.sha256(masked.tobytes()).hexdigest()
         if not self._accept("masked", silo):
             if self._masked_digests[silo] != digest:
                 raise ProtocolViolation(f"{silo} already sent another masked input")
             return
         try:
-            self.spec.ring.add(self._total, masked)
+            self.spec.ring.check(masked)
         except ValueError as exc:
             raise ProtocolViolation(f"a masked input: {exc}") from None
+        if self.spec.recomputed:
+            message = self.spec.masked_message(silo, masked)
+            self._peers.verify(silo, self._keys[silo].credential, signature, message, context=MASKED_CONTEXT)
+            self._signed_masked[silo] = MaskedInput(masked.copy(), signature)
+        self.spec.ring.add(self._total, masked)
         self._masked_digests[silo] = digest
 
     def close_masked(self) -> tuple[str, ...]:
@@ -637,59 +759,102 @@ class SecAggServer:
         return dict(sorted(self._signatures.items()))
 
     def add_reveal(self, silo: str, reveal: Reveal) -> None:
+        """A silo's shares; in a sum silos recompute, with its signature, checked here."""
         if not self._accept("unmask", silo):
             if self._reveals[silo] != reveal:
                 raise ProtocolViolation(f"{silo} already revealed other shares")
             return
-        mine = set(self.spec.graph[silo]) | {silo}
-        alive, dropped = set(self.u3) & mine, (set(self.u2) - set(self.u3)) & mine
-        if set(reveal.self_mask) != alive or set(reveal.mask_key) != dropped:
-            raise ProtocolViolation(f"{silo} revealed shares for the wrong silos")
+        check_reveal(self.spec, silo, reveal, u2=self.u2, u3=self.u3)
+        if self.spec.recomputed:
+            message = self.spec.reveal_message(silo, reveal)
+            self._peers.verify(
+                silo, self._keys[silo].credential, reveal.signature, message, context=REVEAL_CONTEXT
+            )
         self._reveals[silo] = reveal
 
     def close_unmask(self) -> np.ndarray:
-        """Rebuild the seeds, remove every mask, and return Σ_{u ∈ U3} x_u in the ring.
-
-        A holder that alters a self-mask share when exactly t shares arrive makes the sum wrong undetected
-        (b_u carries no commitment); with more than t, `shamir.combine` catches it. A malicious silo can skew
-        the sum through its own input anyway, so the protocol promises privacy, not robustness, against it.
-        """
+        """Rebuild the seeds, remove every mask, and return Σ_{u ∈ U3} x_u in the ring (`unmasked`). A sum
+        silos recompute goes on to its transcript stage."""
         self._closing("unmask")
-        self.stage = "done"
-        u5 = set(self._reveals)
-        masks = [(self._rebuild(u, u5, lambda r: r.self_mask), True) for u in self.u3]
-        for v in sorted(set(self.u2) - set(self.u3)):
-            partners = sorted(self.spec.graph[v] & set(self.u3))
-            if not partners:
-                continue
-            secret = crypto.private_key_from(self._rebuild(v, u5, lambda r: r.mask_key))
-            if crypto.public_bytes(secret) != self._keys[v].s_public:
-                raise ProtocolViolation(f"the shares rebuild a mask key that {v} never advertised")
-            # u added PRG(s_uv) unless u < v; undo exactly what u did
-            masks += [
-                (pair_seed(self.spec, secret, v, self._keys[u].s_public, u), not _sign_of(u, v))
-                for u in partners
-            ]
-        total = self._total.copy()
-        apply_masks(self.spec.ring, total, masks)
-        return total
+        self.stage = "transcript" if self.spec.recomputed else "done"
+        return unmasked(
+            self.spec, self._keys, u2=self.u2, u3=self.u3, total=self._total, reveals=self._reveals
+        )
 
-    def _rebuild(
-        self, owner: str, responders: set[str], pick: Callable[[Reveal], Mapping[str, bytes]]
-    ) -> bytes:
-        shares = {
-            self.spec.x_of(owner, h): _decode_share(pick(self._reveals[h])[owner])
-            for h in self.spec.holders(owner)
-            if h in responders
-        }
-        if len(shares) < self.spec.t:
-            raise TooFewSurvivors(
-                f"unmask: {len(shares)} shares for {owner}'s seed, the threshold is {self.spec.t}"
-            )
-        try:
-            return shamir.combine(shares, threshold=self.spec.t)
-        except shamir.ShamirError as exc:
-            raise ProtocolViolation(f"shares of {owner}'s seed: {exc}") from None
+    def transcript(self) -> Transcript:
+        """What every silo of U4 recomputes the sum from: the signed messages this server summed."""
+        if self.stage != "transcript":
+            raise StageError(f"the {self.spec.purpose} sum has no transcript at {self.stage!r}")
+        return Transcript(dict(sorted(self._signed_masked.items())), dict(sorted(self._reveals.items())))
+
+    def close_transcript(self) -> None:
+        """The transcript went out; no silo answers it."""
+        self._closing("transcript")
+        self.stage = "done"
+
+
+def check_reveal(
+    spec: SessionSpec, silo: str, reveal: Reveal, *, u2: Iterable[str], u3: Iterable[str]
+) -> None:
+    """A reveal holds, for each owner among `silo`'s holders, the share of its self-mask seed if the owner is
+    in U3 and of its mask key if it dropped (U2 \\ U3): never both kinds for one owner, none for others."""
+    mine = set(spec.graph[silo]) | {silo}
+    alive, dropped = set(u3) & mine, (set(u2) - set(u3)) & mine
+    if set(reveal.self_mask) != alive or set(reveal.mask_key) != dropped:
+        raise ProtocolViolation(f"{silo} revealed shares for the wrong silos")
+
+
+def unmasked(
+    spec: SessionSpec,
+    keys: Mapping[str, AdvertisedKeys],
+    *,
+    u2: Iterable[str],
+    u3: Iterable[str],
+    total: np.ndarray,
+    reveals: Mapping[str, Reveal],
+) -> np.ndarray:
+    """Σ_{u ∈ U3} x_u in the ring, from `total`, the sum of U3's masked inputs: rebuild the self-mask seed of
+    every survivor and the mask key of every dropped silo that shares a mask with one, remove every mask.
+    The aggregator (`SecAggServer.close_unmask`) and every silo recomputing a sum (`SecAggClient.recompute`)
+    run this one function, so both get the same sum from the same messages.
+
+    A holder that alters a self-mask share when exactly t shares arrive makes the sum wrong undetected
+    (b_u carries no commitment); with more than t, `shamir.combine` catches it. A malicious silo can skew
+    the sum through its own input anyway, so the protocol promises privacy, not robustness, against it.
+    """
+    survivors, dropped = set(u3), set(u2) - set(u3)
+    masks = [(_rebuild(spec, u, reveals, lambda r: r.self_mask), True) for u in sorted(survivors)]
+    for v in sorted(dropped):
+        partners = sorted(spec.graph[v] & survivors)
+        if not partners:
+            continue
+        secret = crypto.private_key_from(_rebuild(spec, v, reveals, lambda r: r.mask_key))
+        if crypto.public_bytes(secret) != keys[v].s_public:
+            raise ProtocolViolation(f"the shares rebuild a mask key that {v} never advertised")
+        # u added PRG(s_uv) unless u < v; undo exactly what u did
+        masks += [(pair_seed(spec, secret, v, keys[u].s_public, u), not _sign_of(u, v)) for u in partners]
+    out = total.copy()
+    apply_masks(spec.ring, out, masks)
+    return out
+
+
+def _rebuild(
+    spec: SessionSpec,
+    owner: str,
+    reveals: Mapping[str, Reveal],
+    pick: Callable[[Reveal], Mapping[str, bytes]],
+) -> bytes:
+    shares = {
+        spec.x_of(owner, h): _decode_share(pick(reveals[h])[owner])
+        for h in spec.holders(owner)
+        if h in reveals
+    }
+    if len(shares) < spec.t:
+        raise TooFewSurvivors(f"unmask: {len(shares)} shares for {owner}'s seed, the threshold is {spec.t}")
+    try:
+        return shamir.combine(shares, threshold=spec.t)
+    except shamir.ShamirError as exc:
+        raise ProtocolViolation(f"shares of {owner}'s seed: {exc}") from None
 
 
 def default_threshold(holders: int) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fedlt.aggregation.tail_guard import ONLY_UNDER_DP
 from fedlt.config import setting
 from privacy.secagg.protocol import SessionSpec
 from privacy.secagg.ring import Ring
@@ -18,6 +19,12 @@ class SecAggSettings:
         0, ge=0, doc="SecAgg+: each silo masks with this many peers (even); 0 = every silo (Bonawitz)"
     )
     k_min: int = setting(2, ge=0, doc="tail guard: zero per-class fields of classes fewer silos hold; <2 off")
+    min_records: int = setting(
+        ONLY_UNDER_DP,
+        ge=0,
+        doc="per-class statistics that invert (second moments, per-class gradients) leave silos without [dp] "
+        "only for classes this many records hold; 0: never without [dp] (they invert at any class size)",
+    )
 
     def problems(self) -> list[str]:
         return [f"secagg.neighbours: must be even, got {self.neighbours}"] if self.neighbours % 2 else []
@@ -39,7 +46,10 @@ class SecAggSettings:
     def describe(self) -> str:
         threshold = f"{self.threshold} shares" if self.threshold else "more than two thirds"
         graph = f"{self.neighbours} neighbours per silo (SecAgg+)" if self.neighbours else "every silo pair"
-        guard = f"tail guard k_min {self.k_min}" if self.k_min >= 2 else "tail guard off"
+        floor = (
+            f"record floor {self.min_records}" if self.min_records else "statistics that invert only under DP"
+        )
+        guard = f"tail guard k_min {self.k_min}, {floor}" if self.k_min >= 2 else "tail guard off"
         return f"secagg — the aggregator learns only sums; threshold {threshold}, masks over {graph}, {guard}"
 
     def session(

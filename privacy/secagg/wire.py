@@ -2,12 +2,16 @@
 
 A silo's messages each go out through their own RPC (`SENDERS`); the aggregator's stage outputs travel as
 `SumStep`s (`STEP_ENCODERS`, `STEP_DECODERS`). A masked upload is the bytes of a ring vector (`ring.Ring`:
-little-endian 64-bit words, then 32-bit ones); the aggregator checks its length against the sum's ring.
+little-endian 64-bit words, then 32-bit ones); the aggregator checks its length against the sum's ring. In a
+census, the masked input's signature rides in its Submit stream's header and the reveal's in its
+UnmaskRequest; the census's transcript relays both to every silo.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 
 import numpy as np
 
@@ -20,10 +24,12 @@ from privacy.secagg.protocol import (
     Inbox,
     KeyList,
     MaskedInput,
+    ProtocolViolation,
     Reveal,
     Shares,
     Signatures,
     SurvivorList,
+    Transcript,
 )
 
 
@@ -71,22 +77,25 @@ def signatures_from_pb(signatures: pb.ConsistencySignatures) -> dict[str, bytes]
     return {s.silo_id: s.signature for s in signatures.signatures}
 
 
-def reveal_to_pb(round_id: str, purpose: str, reveal: Reveal) -> pb.UnmaskRequest:
-    def shares(by_owner: Mapping[str, bytes]) -> list[pb.RevealedShare]:
-        return [pb.RevealedShare(owner=o, share=s) for o, s in sorted(by_owner.items())]
+def _shares_to_pb(by_owner: Mapping[str, bytes]) -> list[pb.RevealedShare]:
+    return [pb.RevealedShare(owner=o, share=s) for o, s in sorted(by_owner.items())]
 
+
+def reveal_to_pb(round_id: str, purpose: str, reveal: Reveal) -> pb.UnmaskRequest:
     return pb.UnmaskRequest(
         round_id=round_id,
         sum=SUM_OF_PURPOSE[purpose],
-        self_mask_shares=shares(reveal.self_mask),
-        mask_key_shares=shares(reveal.mask_key),
+        self_mask_shares=_shares_to_pb(reveal.self_mask),
+        mask_key_shares=_shares_to_pb(reveal.mask_key),
+        signature=reveal.signature,
     )
 
 
-def reveal_from_pb(request: pb.UnmaskRequest) -> Reveal:
+def reveal_from_pb(request: pb.UnmaskRequest | pb.SignedReveal) -> Reveal:
     return Reveal(
         {s.owner: s.share for s in request.self_mask_shares},
         {s.owner: s.share for s in request.mask_key_shares},
+        request.signature,
     )
 
 
@@ -98,6 +107,44 @@ def masked_of(payload: bytes) -> MaskedInput:
     return MaskedInput(np.frombuffer(payload, dtype=np.uint8))
 
 
+def signed_by_header(masked: MaskedInput, header: pb.SubmitHeader) -> MaskedInput:
+    """A masked input with the signature its Submit stream's header carries (a census's; empty otherwise)."""
+    return replace(masked, signature=header.signature)
+
+
+def transcript_to_pb(transcript: Transcript) -> pb.SecAggTranscript:
+    return pb.SecAggTranscript(
+        masked_inputs=[
+            pb.SignedMaskedInput(silo_id=u, masked=masked_payload(m), signature=m.signature)
+            for u, m in transcript.masked.items()
+        ],
+        reveals=[
+            pb.SignedReveal(
+                silo_id=u,
+                self_mask_shares=_shares_to_pb(r.self_mask),
+                mask_key_shares=_shares_to_pb(r.mask_key),
+                signature=r.signature,
+            )
+            for u, r in transcript.reveals.items()
+        ],
+    )
+
+
+def transcript_from_pb(transcript: pb.SecAggTranscript) -> Transcript:
+    """The transcript as relayed; a silo listed twice is refused here (a dict would keep one silently)."""
+    for listed in (transcript.masked_inputs, transcript.reveals):
+        silos = [entry.silo_id for entry in listed]
+        if len(set(silos)) != len(silos):
+            raise ProtocolViolation("the census transcript lists a silo twice")
+    return Transcript(
+        {
+            m.silo_id: MaskedInput(np.frombuffer(m.masked, dtype=np.uint8), m.signature)
+            for m in transcript.masked_inputs
+        },
+        {r.silo_id: reveal_from_pb(r) for r in transcript.reveals},
+    )
+
+
 # --- the aggregator's stage outputs, as the fields of a SumStep ---------------------------------------------
 
 STEP_ENCODERS: dict[type, Callable[[object], dict[str, object]]] = {
@@ -105,6 +152,7 @@ STEP_ENCODERS: dict[type, Callable[[object], dict[str, object]]] = {
     Inbox: lambda step: {"inbox": inbox_to_pb(step)},
     SurvivorList: lambda step: {"survivors": pb.SurvivorList(survivors=step.survivors)},
     Signatures: lambda step: {"signatures": signatures_to_pb(step.by_silo)},
+    Transcript: lambda step: {"transcript": transcript_to_pb(step)},
 }
 
 STEP_DECODERS: dict[str, Callable[[pb.SumStep], object]] = {
@@ -112,6 +160,7 @@ STEP_DECODERS: dict[str, Callable[[pb.SumStep], object]] = {
     "inbox": lambda step: inbox_from_pb(step.inbox),
     "survivors": lambda step: SurvivorList(tuple(step.survivors.survivors)),
     "signatures": lambda step: Signatures(signatures_from_pb(step.signatures)),
+    "transcript": lambda step: transcript_from_pb(step.transcript),
 }
 
 
@@ -142,7 +191,9 @@ def _submit_masked(stub, round_id: str, purpose: str, masked: MaskedInput, timeo
     stream = submit_stream(
         round_id, masked_payload(masked), kind=pb.CONTRIBUTION_KIND_MASKED, purpose=purpose
     )
-    return stub.Submit(stream, timeout=timeout)
+    first = next(stream)
+    first.header.signature = masked.signature
+    return stub.Submit(itertools.chain([first], stream), timeout=timeout)
 
 
 def _sign_view(stub, round_id: str, purpose: str, signed: ConsistencySignature, timeout: float) -> object:
