@@ -2,8 +2,9 @@
 
 After a round whose state silos computed, each reporting silo's evaluation counts (an upload of the round's
 layer, sent with its state report) are added by the layer's aggregator half; the sum goes back to those silos,
-which decrypt it and report the per-class totals, which become the round's metrics. Pure bookkeeping: the
-round engine calls it under its lock and sends the steps.
+which take the layer's later stages (ckks: each signs the sum it was handed, `receive`, and decrypts only once
+all have signed the same one), then report the per-class totals, which become the round's metrics. Pure
+bookkeeping: the round engine calls it under its lock and sends the steps.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from fedlt.aggregation.halves import (
     AggregatorHalf,
     AggregatorSide,
     BadMessage,
+    Released,
     SumAborted,
     SumSpec,
     evaluation_schema,
@@ -60,6 +62,19 @@ class EvaluationSum:
             half.receive(silo, reports[silo].evaluation)
         steps = half.close()
         return cls(round_number, round_id, half, contributors, seconds), steps
+
+    def receive(self, silo: str, round_id: str, message: object) -> Mapping[str, object]:
+        """One silo's message for the sum's open stage; once every silo expected has sent one, the stage is
+        closed and each silo's next step returned (nothing waits on a deadline here: a silo that never
+        answers leaves the round without metrics, as one that never reports does)."""
+        if round_id != self.round_id:
+            raise NoEvaluationWaiting(f"no evaluation sum of {round_id} takes messages")
+        self.half.receive(silo, message)
+        if set(self.half.expected) - self.half.answered:
+            return {}
+        steps = self.half.close()
+        assert not isinstance(steps, Released)  # a stage silos answer is never a sum's last
+        return steps
 
     @property
     def waiting_for(self) -> set[str]:

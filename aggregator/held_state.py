@@ -2,16 +2,19 @@
 
 Under most layers the aggregator steps the model itself and holds the `GlobalState`. Under a layer whose sums
 only silos can read (ckks), silos step the model, seal the new state and report its digest, the next round's
-schema and how many rounds remain; the aggregator keeps exactly that, and streams the sealed bytes to the next
+schema and how many rounds remain, each with its signature over the digest (`privacy.ckks.attestation`); the
+aggregator keeps exactly that, signatures included (`attested`: the next RoundSpec carries them, and silos
+step from the state only if every silo its sum counted signed it), and streams the sealed bytes to the next
 round's silos. The first state is the method's seeded initial state, public anyway, so it is held in the
 clear. What the store keeps of a sealed state is a framed record: a JSON header of those facts, then the
-sealed bytes.
+sealed bytes, so a restarted aggregator still has the signatures.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from fedlt.aggregation import Schema
@@ -19,6 +22,7 @@ from fedlt.methods import GlobalState, Method
 from fedlt.methods.state import pack_state, unpack_state
 from fedlt.v1 import round_pb2
 from fedlt.wire import schema_from_pb, schema_to_pb
+from privacy.ckks.attestation import Attestation, Attested
 
 SEALED = b"FSEALED1"
 
@@ -32,6 +36,7 @@ class HeldState:
     remaining: int  # rounds the method still needs
     trains: bool  # whether the coming round trains (else a closing statistics round over every silo)
     model: GlobalState | None = field(default=None, repr=False)  # None when only silos can read the state
+    attested: Attested | None = field(default=None, repr=False)  # of a sealed state: its silos' signatures
 
     @classmethod
     def plain(cls, state: GlobalState, method: Method) -> HeldState:
@@ -47,9 +52,27 @@ class HeldState:
 
     @classmethod
     def sealed(
-        cls, round_number: int, digest: str, blob: bytes, schema: Schema, remaining: int, trains: bool
+        cls,
+        round_number: int,
+        digest: str,
+        blob: bytes,
+        schema: Schema,
+        remaining: int,
+        trains: bool,
+        attested: Attested | None,
     ) -> HeldState:
-        return cls(round_number, digest, blob, schema, remaining, trains)
+        return cls(round_number, digest, blob, schema, remaining, trains, attested=attested)
+
+    @classmethod
+    def reported(
+        cls, round_number: int, counted: tuple[str, ...], reports: Mapping[str, StateReport]
+    ) -> HeldState:
+        """The state every silo of `counted` reported (the caller checked they agree), signatures kept."""
+        first = reports[counted[0]]
+        attested = Attested(counted, {silo: reports[silo].attestation for silo in counted})
+        return cls.sealed(
+            round_number, first.digest, first.sealed, first.schema, first.remaining, first.trains, attested
+        )
 
     def stored(self) -> bytes:
         if self.model is not None:
@@ -60,6 +83,7 @@ class HeldState:
                 "schema": schema_to_pb(self.schema).SerializeToString().hex(),
                 "remaining": self.remaining,
                 "trains": self.trains,
+                "attested": "" if self.attested is None else self.attested.to_pb().SerializeToString().hex(),
             }
         ).encode()
         return SEALED + struct.pack("<I", len(header)) + header + self.blob
@@ -75,18 +99,28 @@ class HeldState:
             facts = json.loads(data[start : start + length])
             schema = schema_from_pb(round_pb2.Schema.FromString(bytes.fromhex(facts["schema"])))
             blob = data[start + length :]
+            attested = _attested(facts.get("attested", ""))
             held = cls.sealed(
-                round_number, facts["digest"], blob, schema, facts["remaining"], facts["trains"]
+                round_number, facts["digest"], blob, schema, facts["remaining"], facts["trains"], attested
             )
         if held.digest != digest:
             raise ValueError(f"stored state of round {round_number} does not match its digest")
         return held
 
 
+def _attested(stored: str) -> Attested | None:
+    """A sealed state's signatures as `stored` wrote them; None if none were kept (a store from before they
+    were), which the next round's silos refuse."""
+    if not stored:
+        return None
+    return Attested.from_pb(round_pb2.StateAttestations.FromString(bytes.fromhex(stored)))
+
+
 @dataclass(frozen=True)
 class StateReport:
     """What a silo that stepped the model reports: the sealed state, what the aggregator needs to run the next
-    round without reading it, and the silo's evaluation counts as an upload of the round's layer."""
+    round without reading it, the silo's evaluation counts as an upload of the round's layer, and its
+    signature over the state for `round` from the sum that counted `counted` (checked by the service)."""
 
     digest: str
     sealed: bytes = field(repr=False)
@@ -94,6 +128,9 @@ class StateReport:
     remaining: int
     trains: bool
     evaluation: object = field(repr=False)
+    round: int
+    counted: tuple[str, ...]
+    attestation: Attestation = field(repr=False)
 
     def same_state(self, other: StateReport) -> bool:
         return (self.digest, self.schema, self.remaining, self.trains) == (

@@ -41,6 +41,7 @@ from fedlt.selection import DISCLOSURE
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc, operator_pb2, operator_pb2_grpc
 from fedlt.wire import PURPOSE_OF_SUM, chunks, schema_from_pb
+from privacy.ckks.attestation import Attestation, NotAttested, check_report
 from privacy.ckks.ceremony import Announcement
 from privacy.ckks.relay import CkksRelay
 from privacy.ckks.wire import enrollment_to_pb, sealed_from_pb, sealed_to_pb
@@ -48,7 +49,7 @@ from privacy.pki.errors import PkiError
 from privacy.pki.identity import RevocationList, load_certificate, operator_name_of, silo_id_of
 from privacy.pki.roster import RosterFile
 from privacy.pki.trust import MemberTrust
-from privacy.wire import CONSORTIUM_LAYERS, RECEIVERS, UPLOADS, received, upload_of
+from privacy.wire import CONSORTIUM_LAYERS, RECEIVERS, UPLOADS, received, submitted, upload_of
 
 log = logging.getLogger("aggregator.service")
 
@@ -515,8 +516,9 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
 
     @_abort_on_refusal
     def Submit(self, request_iterator: Iterator[pb.SubmitRequest], context: grpc.ServicerContext) -> Any:
-        """An upload of the round's open sum: its kind names the message it carries (`privacy.wire.UPLOADS`),
-        and the sum's layer half says whether it is due and how many bytes it has."""
+        """An upload of the round's open sum: its kind names the message it carries (`privacy.wire.UPLOADS`,
+        with what the header adds: `submitted`), and the sum's layer half says whether it is due and how many
+        bytes it has."""
         silo = self.identity.silo(context)
         header, parts = self._header(request_iterator, context, "Submit")
         if header.kind not in UPLOADS:
@@ -528,7 +530,7 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
             raise BadContribution(f"header announces {header.total_bytes} bytes; the schema needs {limit}")
         payload = _payload(parts, header.total_bytes, header.sha256)
         digest = header.sha256
-        self.engine.upload(silo, header.round_id, purpose, upload_of(header.kind, payload), digest)
+        self.engine.upload(silo, header.round_id, purpose, submitted(header, payload), digest)
         return pb.SubmitResponse(round_id=header.round_id, sha256=digest, accepted_unix_ms=now_ms())
 
     @_abort_on_refusal
@@ -560,14 +562,31 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
     def ReportState(
         self, request_iterator: Iterator[pb.ReportStateRequest], context: grpc.ServicerContext
     ) -> Any:
-        """The next state a silo computed (where only silos read sums): a header, then the sealed state."""
+        """The next state a silo computed (where only silos read sums): a header, then the sealed state. The
+        silo's signature over it is checked here, against the certificate TLS verified, and kept with it:
+        the next round's silos check it too, and step from no state one of its counted silos did not sign."""
         silo = self.identity.silo(context)
+        pem = context.auth_context()["x509_pem_cert"][0]
         header, parts = self._header(request_iterator, context, "ReportState")
         if header.evaluation_kind not in UPLOADS:
             raise Malformed("StateReportHeader.evaluation_kind carries no upload")
         if header.total_bytes > STATE_LIMIT:
             raise BadContribution(f"a state of {header.total_bytes} bytes; at most {STATE_LIMIT} are kept")
         sealed = _payload(parts, header.total_bytes, header.sha256)
+        attestation = Attestation(header.state_signature, pem)
+        counted = tuple(header.counted)
+        try:
+            check_report(
+                self.members,
+                silo,
+                attestation,
+                consortium=self.engine.config.consortium.id,
+                round_number=header.round,
+                digest=header.state_digest,
+                counted=counted,
+            )
+        except NotAttested as exc:
+            raise BadContribution(str(exc)) from None
         try:
             report = StateReport(
                 digest=header.state_digest,
@@ -576,6 +595,9 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
                 remaining=header.remaining_rounds,
                 trains=header.next_trains,
                 evaluation=upload_of(header.evaluation_kind, header.evaluation),
+                round=header.round,
+                counted=counted,
+                attestation=attestation,
             )
         except (ValueError, FedltError) as exc:
             raise Malformed(f"a state report that does not parse: {exc}") from None

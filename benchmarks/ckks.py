@@ -12,11 +12,14 @@ grid (both secure layers round the count n to whole numbers). For each n:
   serialized, then framed) against `ts.ckks_vector` + `serialize` over the same slices;
 - sum: the aggregator half taking the n uploads (parse, add as they arrive) and closing (serializing the sum)
   against `ckks_vector_from` + `add_` + `serialize` of the same ciphertexts;
-- decryption: a silo half's step on the sum (parse, decrypt, each field rounded to its grid) against
-  `ckks_vector_from` + `decrypt`; the grid rounding (`on_grid`) is also timed alone;
+- consistency: a silo half's step on the encrypted sum (SHA-256 of the ciphertext, an ECDSA P-256 signature
+  over it and the survivors), which has no raw counterpart;
+- decryption: a silo half's step on the survivors' signatures (n ECDSA verifications, parse, decrypt, each
+  field rounded to its grid) against `ckks_vector_from` + `decrypt`; the grid rounding (`on_grid`) is also
+  timed alone;
 - a whole sum through `make_layer(name).aggregate` for plaintext, secagg and ckks on the same n
-  contributions (each layer's keys made in the sum, every silo's part run one after another here), in a
-  rotating order, with each layer's largest error against the float64 sum.
+  contributions (each layer's keys made in the sum, every silo's part run one after another here, the ckks
+  consistency step included), in a rotating order, with each layer's largest error against the float64 sum.
 Once, at the first n's scale:
 - bytes: an upload and the sum against float32 (4 bytes a number) and float64; zlib on the upload; the SEAL
   compression mode TenSEAL writes; other coefficient-modulus chains; a seeded symmetric ciphertext (SEAL's
@@ -42,11 +45,12 @@ import numpy as np
 import secagg  # benchmarks/secagg.py: the contribution's schema and values, the machine line, medians
 import tenseal as ts
 import torch
+from cryptography.hazmat.primitives.asymmetric import ec
 from tenseal import sealapi
 
 from fedlt.aggregation import Schema, make_layer
 from fedlt.aggregation.halves import SumSpec
-from privacy.ckks.halves import CkksAggregatorHalf, CkksSiloHalf, EncryptedSum, on_grid
+from privacy.ckks.halves import CkksAggregatorHalf, CkksSiloHalf, EncryptedSum, Signed, SumSignatures, on_grid
 from privacy.ckks.keys import (
     COEFF_MOD_BIT_SIZES,
     MAX_SCALE_BITS,
@@ -57,6 +61,8 @@ from privacy.ckks.keys import (
     SecretContext,
     scale_bits,
 )
+from privacy.pki.signing import sign
+from privacy.secagg.peers import KeyPeers
 
 LAYERS = ("plaintext", "secagg", "ckks")
 CHAINS = ((60, 60), (60, 40, 40, 60), (40, 40))  # the layer's; TenSEAL's tutorials'; a smaller data prime
@@ -86,6 +92,25 @@ def alternating(repeat: int, layer: Callable[[], float], raw: Callable[[], float
 
 def no_objection(_: tuple[str, ...]) -> None:
     """The release check a silo half asks; nothing to refuse here."""
+
+
+class Identities:
+    """Every silo's signing key for the consistency step, and the peers check that knows them all."""
+
+    def __init__(self, silos: Sequence[str]) -> None:
+        self.keys = {u: ec.generate_private_key(ec.SECP256R1()) for u in silos}
+        self.peers = KeyPeers({u: key.public_key() for u, key in self.keys.items()})
+
+    def half(self, spec: SumSpec, silo: str, secret: SecretContext) -> CkksSiloHalf:
+        key = self.keys[silo]
+        return CkksSiloHalf(
+            spec,
+            silo,
+            secret,
+            sign=lambda data, *, context: sign(key, data, context=context),
+            peers=self.peers,
+            may_release=no_objection,
+        )
 
 
 def fractional(schema: Schema) -> torch.Tensor:
@@ -152,24 +177,28 @@ def per_silos(n: int, repeats: int, schema: Schema, secret: SecretContext, flats
     graded = fractional(schema)
 
     progress(f"n={n}: encrypting the {n} uploads")
-    uploads = {u: CkksSiloHalf(spec, secret, no_objection).start(v)[0] for u, v in vectors.items()}
+    identities = Identities(silos)
+    uploads = {u: identities.half(spec, u, secret).start(v)[0] for u, v in vectors.items()}
     raw_uploads = [chunks_of(public_raw, uploads[u].blob) for u in silos]
-    aggregator = CkksAggregatorHalf(spec, secret.public)
+    aggregator = CkksAggregatorHalf(spec, secret.public, lambda _: b"")
     for u in silos:
         aggregator.receive(u, uploads[u])
     aggregator.close()
     step = EncryptedSum(aggregator.summed, silos)
+    signatures = SumSignatures(
+        {u: Signed(identities.half(spec, u, secret).step(step)[0].signature) for u in silos}
+    )
     raw_sum = raw_add(public_raw, raw_uploads)
     decrypted = secret.decrypt(aggregator.summed, schema.size)
     raw_encrypt(secret_raw, values, bits)  # warm-ups: the layer's steps ran just above
     raw_decrypt(secret_raw, raw_sum)
 
     def encrypt_layer() -> float:
-        half = CkksSiloHalf(spec, secret, no_objection)
+        half = identities.half(spec, silos[0], secret)
         return seconds(lambda: half.start(mine))
 
     def add_layer() -> float:
-        half = CkksAggregatorHalf(spec, secret.public)
+        half = CkksAggregatorHalf(spec, secret.public, lambda _: b"")
 
         def run() -> object:
             for u in silos:
@@ -179,7 +208,12 @@ def per_silos(n: int, repeats: int, schema: Schema, secret: SecretContext, flats
         return seconds(run)
 
     def decrypt_layer() -> float:
-        half = CkksSiloHalf(spec, secret, no_objection)
+        half = identities.half(spec, silos[0], secret)
+        half.step(step)
+        return seconds(lambda: half.step(signatures))
+
+    def consistency_layer() -> float:
+        half = identities.half(spec, silos[0], secret)
         return seconds(lambda: half.step(step))
 
     timings: dict[str, tuple[list[float], list[float]]] = {
@@ -193,15 +227,18 @@ def per_silos(n: int, repeats: int, schema: Schema, secret: SecretContext, flats
         "decrypt": (decrypt_layer, lambda: seconds(lambda: raw_decrypt(secret_raw, raw_sum))),
     }
     grid: list[float] = []
+    signing: list[float] = []
     for repeat in range(repeats):
-        progress(f"n={n}: encryption, sum, decryption, repeat {repeat + 1}/{repeats}")
+        progress(f"n={n}: encryption, sum, consistency, decryption, repeat {repeat + 1}/{repeats}")
         for name, (layer, raw) in steps.items():
             a, b = alternating(repeat, layer, raw)
             timings[name][0].append(a)
             timings[name][1].append(b)
         grid.append(seconds(lambda: on_grid(spec, decrypted)))
-    half = CkksSiloHalf(spec, secret, no_objection)
+        signing.append(consistency_layer())
+    half = identities.half(spec, silos[0], secret)
     half.step(step)
+    half.step(signatures)
     assert half.result is not None
 
     rounds = whole_sums(n, repeats, schema, silos, flats[:n], truth, graded)
@@ -210,6 +247,7 @@ def per_silos(n: int, repeats: int, schema: Schema, secret: SecretContext, flats
         "scale_bits": bits,
         "encrypt": summary(*timings["encrypt"]),
         "add": summary(*timings["add"]),
+        "consistency_s": secagg.median(signing),
         "decrypt": summary(*timings["decrypt"]) | {"grid_s": secagg.median(grid)},
         "ckks_error_max": float((half.result - truth)[graded].abs().max()),
         "bytes": {
@@ -425,8 +463,9 @@ def batching(values: np.ndarray, bits: int, secret: SecretContext, repeats: int)
 def wire(values: np.ndarray, schema: Schema, secret: SecretContext, n: int) -> dict:
     bits = scale_bits(schema, n)
     progress("bytes: the layer's upload, zlib, SEAL's header")
-    spec = SumSpec("bench-bytes", "contribution", tuple(f"silo-{k:02d}" for k in range(n)), schema)
-    blob = CkksSiloHalf(spec, secret, no_objection).start(torch.from_numpy(values))[0].blob
+    silos = tuple(f"silo-{k:02d}" for k in range(n))
+    spec = SumSpec("bench-bytes", "contribution", silos, schema)
+    blob = Identities(silos).half(spec, silos[0], secret).start(torch.from_numpy(values))[0].blob
     header = seal_header(chunks_of(ts.context_from(secret.public.serialized), blob)[0])
     progress("bytes: other coefficient-modulus chains")
     other = chains(values, schema, n)
@@ -456,8 +495,9 @@ def tables(result: dict) -> str:
         f"Command: `{result['command']}`; {numbers:,} numbers; medians of {result['repeats']} repeats.",
         "",
         "| n | scale | encryption: layer / raw TenSEAL | sum at the aggregator: layer / raw | "
-        "decryption: layer / raw (grid alone) | upload / sum bytes | largest error of the sum |",
-        "|---|---|---|---|---|---|---|",
+        "consistency signature | decryption (signatures checked): layer / raw (grid alone) | "
+        "upload / sum bytes | largest error of the sum |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["by_silos"]:
         e, a, d, b = r["encrypt"], r["add"], r["decrypt"], r["bytes"]
@@ -465,6 +505,7 @@ def tables(result: dict) -> str:
             f"| {r['silos']} | 2^{r['scale_bits']} "
             f"| {e['layer_s']:.3f} s / {e['raw_s']:.3f} s, **{e['ratio']:.2f}×** "
             f"| {a['layer_s']:.3f} s / {a['raw_s']:.3f} s, **{a['ratio']:.2f}×** "
+            f"| {r['consistency_s']:.3f} s "
             f"| {d['layer_s']:.3f} s / {d['raw_s']:.3f} s, **{d['ratio']:.2f}×** ({d['grid_s']:.3f} s) "
             f"| {b['upload']:,} B ({x32(b['upload'], numbers)} float32) / {b['sum']:,} B "
             f"| {r['ckks_error_max']:.2g} |"

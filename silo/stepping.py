@@ -1,10 +1,18 @@
 """Where only silos can read a round's sum (ckks): this silo opens the sealed state, steps the model itself,
-seals the next state for the aggregator to keep, and adds its evaluation counts to one more sum.
+seals the next state for the aggregator to keep, signs it, and adds its evaluation counts to one more sum.
 
-The next state must be the same at every silo to the bit: the decrypted sum is already on each field's grid,
-and the server step runs on one torch thread here, so every silo on the same software computes the same
-numbers; the aggregator commits only if every silo reports the same digest. The state of round 1 is the
-method's seeded initial state, public anyway, so it comes unsealed, and is checked against the seed.
+The next state must be the same at every silo to the bit: every silo decrypts the one ciphertext sum all of
+them signed (`privacy.ckks.halves`), already on each field's grid, and the server step runs on one torch
+thread here, so every silo on the same software computes the same numbers. Each one signs the digest it
+computed, the round and the silos the sum counted (`privacy.ckks.attestation`); the aggregator commits a
+state only if every counted silo reported it, and the next round's silos step from it only if every one of
+them signed it (`opened_state`), so a state one silo computed alone, or a seal any key holder could make, is
+not enough. The state of round 1 is the method's seeded initial state, public anyway, so it comes unsealed and
+unsigned, and is checked against the seed.
+
+The evaluation counts a silo adds are masked (`privacy.ckks.masks`) with masks bound to the state this silo
+stepped to and to the exact silo set: they cancel only in the sum over every silo of the set, and only if all
+of them stepped to the same state; any other ciphertext decrypts to no counts, which the silo does not report.
 """
 
 from __future__ import annotations
@@ -17,10 +25,10 @@ import numpy as np
 import torch
 
 from fedlt.aggregation import SumLayer
+from fedlt.aggregation.gate import ReleaseGate, Subject
 from fedlt.aggregation.halves import (
     EVALUATION_BOUND,
     SiloHalf,
-    SiloSide,
     SumAborted,
     SumSpec,
     evaluation_schema,
@@ -32,11 +40,14 @@ from fedlt.metrics import predict
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import round_pb2
 from fedlt.wire import chunks, schema_to_pb
+from privacy.ckks.attestation import Attested, attest, check_attested
+from privacy.ckks.halves import CkksSiloSide
 from privacy.ckks.keys import SecretContext
 from privacy.ckks.masks import zero_sum_mask
 from privacy.ckks.sealed_state import SealedStateError, open_state, seal_state
 from privacy.secagg.crypto import transcript
-from privacy.wire import payload_of
+from privacy.secagg.protocol import Peers
+from privacy.wire import payload_of, send
 from silo.participation import Participation
 
 
@@ -62,15 +73,20 @@ def opened_state(
     method: Method,
     *,
     older: Sequence[SecretContext] = (),
+    peers: Peers,
+    min_counted: int,
 ) -> GlobalState:
-    """The starting state from what FetchState streamed: sealed after round 1, the seeded one before. A state
-    sealed before a key rotation opens with the old key (`older`: the other keys this silo holds)."""
+    """The starting state from what FetchState streamed: the seeded one in round 1; after it, a state every
+    silo its sum counted signed (at least `min_counted` of them, each a member `peers` accepts), opened from
+    its seal. A state sealed before a key rotation opens with the old key (`older`: the other keys this silo
+    holds)."""
     if spec.round == 1:
         state = unpack_state(data, 0)
         if state.digest() != method.init_state(seed=spec.seed).digest():
             raise StateRefused("the first state is not the method's initial state for the signed seed")
         return state
     bound = {"consortium": spec.consortium_id, "round_number": spec.round - 1, "digest": spec.state_digest}
+    check_attested(Attested.from_pb(spec.attestations), **bound, peers=peers, min_counted=min_counted)
     refusals = []
     for key in (secret, *(k for k in older if k.context_id != secret.context_id)):  # older: after a rotation
         try:
@@ -95,18 +111,20 @@ def step_and_report(
     stub,
     taking_part: Participation,
     *,
-    side: SiloSide,
+    side: CkksSiloSide,
     secret: SecretContext,
     state: GlobalState,
     method: Method,
     held_out: LabeledImages | None,
-    may_release,
+    gate: ReleaseGate,
     timeout: float,
 ) -> tuple[SiloHalf, str]:
-    """Run the server step on the decrypted sum, report the sealed next state; returns the half of the
-    evaluation sum the aggregator will send back (for `report_evaluation`) and the new state's digest."""
+    """Run the server step on the decrypted sum, report the sealed next state signed with the silo's
+    certificate key (`side.sign`); returns the half of the evaluation sum the aggregator will send back (for
+    `report_evaluation`) and the new state's digest. The evaluation counts pass the silo's release gate like
+    any other release, keyed by the state they evaluate."""
     spec, sums = taking_part.spec, taking_part.sums
-    survivors = sums.half.counted
+    survivors = tuple(sorted(sums.half.counted))
     total = SumLayer.seal(sums.sums.schema, sums.result, len(survivors))
     with one_thread():
         following = method.server_step(state, total, ServerContext(spec.round, spec.seed))
@@ -118,28 +136,29 @@ def step_and_report(
         digest=digest,
         packed=pack_state(following),
     )
+    attested = {"consortium": spec.consortium_id, "round_number": spec.round, "digest": digest}
+    signature = attest(side.sign, **attested, counted=survivors)
+    # the masks and the sum's signatures are bound to the state this silo stepped to, not only to labels
+    # the aggregator chooses: they cancel, and the survivors' signatures agree, only among silos that
+    # decrypted the same sum and computed the same state
+    binding = transcript(spec.consortium_id, str(spec.round), spec.round_id, spec.state_digest, digest)
+    evaluated = SumSpec(
+        spec.round_id,
+        "evaluation",
+        survivors,
+        evaluation_schema(method.model_spec.num_classes),
+        binding,
+        settings=sums.sums.settings,
+    )
+    gate.admit(evaluated, side)
+    subject = Subject("evaluation", following.content_digest().encode())
     evaluation = side.half(
-        SumSpec(
-            spec.round_id,
-            "evaluation",
-            tuple(sorted(survivors)),
-            evaluation_schema(method.model_spec.num_classes),
-            settings=sums.sums.settings,
-        ),
+        evaluated,
         taking_part.me,
-        may_release=may_release,
+        may_release=lambda counted: gate.release(evaluated, side, counted, subject),
     )
     counts = evaluation_counts(method, following, held_out)
-    # bound to everything the round's release is pinned to, not only the round id the aggregator chooses
-    sum_id = transcript(
-        spec.consortium_id,
-        spec.state_digest,
-        spec.config_sha256,
-        str(spec.seed),
-        str(spec.round),
-        spec.round_id,
-    ).hex()
-    mask = zero_sum_mask(secret, f"{sum_id}/evaluation", taking_part.me, evaluation.spec.silos, len(counts))
+    mask = zero_sum_mask(secret, f"{binding.hex()}/evaluation", taking_part.me, survivors, len(counts))
     (upload,) = evaluation.start(counts + torch.from_numpy(mask))
     kind, payload = payload_of(upload)
     header = pb.StateReportHeader(
@@ -152,6 +171,9 @@ def step_and_report(
         next_trains=method.trains(following),
         evaluation=payload,
         evaluation_kind=kind,
+        state_signature=signature,
+        round=spec.round,
+        counted=survivors,
     )
     parts = [pb.ReportStateRequest(header=header)] + [
         pb.ReportStateRequest(chunk=c) for _, c in chunks(sealed)
@@ -160,10 +182,16 @@ def step_and_report(
     return evaluation, digest
 
 
-def report_evaluation(stub, round_number: int, evaluation: SiloHalf, step: object, timeout: float) -> None:
-    """Decrypt the evaluation sum (the half's release check first) and report the per-class totals, only if
-    they are counts: anything but the sum over every silo that masked its counts still carries masks."""
-    evaluation.step(step)
+def report_evaluation(stub, round_number: int, evaluation: SiloHalf, step: object, timeout: float) -> bool:
+    """One step of the evaluation sum: handed the encrypted sum, sign it and send the signature; handed every
+    silo's signature, decrypt (the half's release check first) and report the per-class totals, only if they
+    are counts: anything but the sum over every silo that masked its counts, all having stepped to the same
+    state, still carries masks. True once reported."""
+    outgoing = evaluation.step(step)
+    if not evaluation.done:
+        for message in outgoing:
+            send(stub, evaluation.spec.round_id, "evaluation", message, timeout=timeout)
+        return False
     counts = np.rint(evaluation.result.numpy()).astype(np.int64)
     classes = len(counts) // 2
     correct, total = counts[:classes], counts[classes:]
@@ -173,3 +201,4 @@ def report_evaluation(stub, round_number: int, evaluation: SiloHalf, step: objec
         pb.ReportEvaluationRequest(round=round_number, correct=correct.tolist(), total=total.tolist()),
         timeout=timeout,
     )
+    return True

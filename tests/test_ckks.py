@@ -7,12 +7,21 @@ import numpy as np
 import pytest
 import tenseal as ts
 import torch
+from cryptography.hazmat.primitives.asymmetric import ec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedlt.aggregation import Field, Schema
 from fedlt.aggregation.halves import BadMessage, Released, SumSpec, WrongStage
-from privacy.ckks.halves import CkksAggregatorHalf, CkksSiloHalf, EncryptedSum, EncryptedUpload, on_grid
+from privacy.ckks.halves import (
+    CkksAggregatorHalf,
+    CkksSiloHalf,
+    EncryptedSum,
+    EncryptedUpload,
+    Signed,
+    SumSignatures,
+    on_grid,
+)
 from privacy.ckks.keys import (
     COEFF_MOD_BIT_SIZES,
     POLY_MODULUS_DEGREE,
@@ -24,10 +33,27 @@ from privacy.ckks.keys import (
     ciphertext_limit,
     scale_bits,
 )
+from privacy.pki.signing import sign
+from privacy.secagg.peers import KeyPeers
 
 SCHEMA = Schema((Field("delta", (5000,), 50.0, frac_bits=20), Field("n", (), 1000.0, frac_bits=0)))
 SILOS = ("a", "b", "c")
 SECRET = SecretContext.new()
+# every silo's signing key (its certificate key in a consortium), and the peers check that knows them all
+IDENTITIES = {u: ec.generate_private_key(ec.SECP256R1()) for u in [*"abcdz", *(f"s{i}" for i in range(6))]}
+PEERS = KeyPeers({u: key.public_key() for u, key in IDENTITIES.items()})
+
+
+def signer(silo: str):
+    return lambda data, *, context: sign(IDENTITIES[silo], data, context=context)
+
+
+def silo_half(spec: SumSpec, me: str, may_release=lambda survivors: None) -> CkksSiloHalf:
+    return CkksSiloHalf(spec, me, SECRET, sign=signer(me), peers=PEERS, may_release=may_release)
+
+
+def aggregator_half(spec: SumSpec) -> CkksAggregatorHalf:
+    return CkksAggregatorHalf(spec, SECRET.public, lambda _: b"")
 
 
 def test_the_parameters_are_the_standards_128_bit_ones_and_hold_no_rotation_or_relinearisation_keys():
@@ -68,14 +94,17 @@ def test_the_secret_context_survives_its_bytes_and_a_public_one_is_refused_as_se
 
 
 def run_sum(vectors: dict[str, torch.Tensor], spec: SumSpec) -> tuple[Released, dict[str, CkksSiloHalf]]:
-    aggregator = CkksAggregatorHalf(spec, SECRET.public)
-    silos = {u: CkksSiloHalf(spec, SECRET, lambda survivors: None) for u in vectors}
+    aggregator = aggregator_half(spec)
+    silos = {u: silo_half(spec, u) for u in vectors}
     for u, v in vectors.items():
         (upload,) = silos[u].start(v)
         aggregator.receive(u, upload)
-    steps = aggregator.close()
-    for u, step in steps.items():
-        assert silos[u].step(step) == []
+    for stage in ("sign", "delivered"):
+        steps = aggregator.close()
+        assert aggregator.stage == stage
+        for u, step in steps.items():
+            for message in silos[u].step(step):
+                aggregator.receive(u, message)
     return aggregator.close(), silos
 
 
@@ -109,7 +138,7 @@ def test_a_scale_that_leaves_no_room_is_refused_like_an_overflow():
 
 def test_the_aggregator_refuses_what_does_not_belong_to_its_sum():
     spec = SumSpec("r1", "contribution", SILOS, SCHEMA, b"", None)
-    half = CkksAggregatorHalf(spec, SECRET.public)
+    half = aggregator_half(spec)
     good = SECRET.encrypt(np.zeros(SCHEMA.size), scale_bits=30)
     with pytest.raises(WrongStage):
         half.receive("z", EncryptedUpload(good))  # not a silo of this sum
@@ -133,14 +162,36 @@ def test_the_aggregator_refuses_what_does_not_belong_to_its_sum():
         half.upload_bytes("b", EncryptedUpload)  # uploads have closed
 
 
-def test_a_silo_decrypts_only_a_sum_its_round_may_release_and_only_over_its_silos():
+def test_a_silo_signs_a_sum_only_over_its_silos_in_order_and_decrypts_only_what_it_may_release():
     spec = SumSpec("r1", "contribution", SILOS, SCHEMA, b"", None)
     blob = SECRET.encrypt(np.zeros(SCHEMA.size), scale_bits=30)
+    asked = []
 
     def refuse(survivors):
+        asked.append(survivors)
         raise BadMessage(f"not over {survivors}")
 
+    halves = {u: silo_half(spec, u, refuse if u == "a" else lambda _: None) for u in ("a", "b")}
+    signatures = {
+        u: Signed(half.step(EncryptedSum(blob, ("a", "b")))[0].signature) for u, half in halves.items()
+    }
+    assert asked == []  # signing releases nothing: a sum's inputs are read where a silo decrypts it
     with pytest.raises(BadMessage, match="not over"):
-        CkksSiloHalf(spec, SECRET, refuse).step(EncryptedSum(blob, ("a", "b")))
-    with pytest.raises(BadMessage, match="outside this sum"):
-        CkksSiloHalf(spec, SECRET, lambda s: None).step(EncryptedSum(blob, ("a", "z")))
+        halves["a"].step(SumSignatures(signatures))
+    assert asked == [("a", "b")]
+    assert halves["a"].result is None
+    halves["b"].step(SumSignatures(signatures))
+    assert halves["b"].done
+    for survivors in (("a", "z"), ("b", "a"), ("a", "a", "b")):
+        with pytest.raises(BadMessage, match="outside this sum"):
+            silo_half(spec, "a").step(EncryptedSum(blob, survivors))
+    with pytest.raises(BadMessage, match="does not count a"):
+        silo_half(spec, "a").step(EncryptedSum(blob, ("b", "c")))
+    half = silo_half(spec, "a")
+    with pytest.raises(WrongStage, match="no signed sum"):
+        half.step(SumSignatures({}))  # signatures before the sum they sign
+    half.step(EncryptedSum(blob, SILOS))
+    with pytest.raises(WrongStage, match="already signed"):
+        half.step(EncryptedSum(blob, SILOS))
+    assert not half.done
+    assert half.counted == ()

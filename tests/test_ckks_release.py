@@ -11,9 +11,11 @@ then the check is shown to stop it.
 The silos step with the real `step_and_report` (FedAvg's cnn-small from tests/consortium_harness.py, from a
 made-up contribution sum), so every evaluation upload here is one a silo would send.
 
-Two attacks get through today and are marked xfail(strict): the masks are keyed by the round_id, which the
-aggregator signs and may reuse, and a pair's mask is the same in every set that shares the id; uploads of
-rounds that reuse one round_id then combine into mask-free counts of one silo.
+The consistency step (every silo signs the ciphertext it was handed, and decrypts only once every silo of the
+sum signed the same one) is shown in tests/test_ckks_consistency.py; here the aggregator hands every silo the
+same crafted ciphertext, which that step lets through, so the masks alone stand between it and one silo's
+counts. They are bound to the state each silo stepped to, not only to the round_id the aggregator signs and
+may reuse, so uploads of rounds that reuse one round_id do not combine into mask-free counts of one silo.
 """
 
 from __future__ import annotations
@@ -34,23 +36,33 @@ from hypothesis import strategies as st
 
 from aggregator.held_state import HeldState
 from fedlt.aggregation import SumLayer
+from fedlt.aggregation.gate import Floors, MemoryLedger, ReleaseGate
 from fedlt.aggregation.halves import BadMessage, SumAborted, SumSpec, evaluation_schema
 from fedlt.data.arrays import LabeledImages
 from fedlt.errors import FedltError
 from fedlt.methods import ServerContext
 from fedlt.methods.state import GlobalState, pack_state, unpack_state
 from fedlt.v1 import round_pb2
+from privacy.ckks.attestation import Attestation, Attested, attest
 from privacy.ckks.ceremony import SealedContext
-from privacy.ckks.halves import CkksAggregatorSide, CkksSiloSide, EncryptedSum, EncryptedUpload
+from privacy.ckks.halves import (
+    CkksAggregatorSide,
+    CkksSiloSide,
+    EncryptedSum,
+    EncryptedUpload,
+    Signed,
+    SumSignatures,
+)
 from privacy.ckks.keys import Ciphertext, SecretContext
 from privacy.ckks.masks import MASK_RANGE, zero_sum_mask
 from privacy.ckks.relay import CkksRelay, NoKeyYet
 from privacy.ckks.sealed_state import NONCE, STATE_INFO, SealedStateError, open_state, seal_state
+from privacy.secagg.protocol import ConsistencySignature
 from privacy.wire import upload_of
 from silo.ckks_keys import CkksKeyring
 from silo.stepping import StateRefused, evaluation_counts, opened_state, report_evaluation, step_and_report
 from tests.consortium_harness import PLAN
-from tests.test_ckks import SECRET
+from tests.test_ckks import PEERS, SECRET, signer
 from tests.test_ckks_ceremony import CONSORTIUM, HOLDER, ME, OTHER
 from tests.test_ckks_ceremony import consortium as consortium  # the roster's CA and silos (module-scoped)
 from tests.test_ckks_ceremony import run as run  # HOLDER's key sealed to ME and OTHER (module-scoped)
@@ -62,7 +74,7 @@ SEED = 7
 START = METHOD.init_state(seed=SEED)
 SILOS = ("a", "b", "c", "d")
 VICTIM, READER = "a", "c"  # whose counts the aggregator is after; who it hands a ciphertext to
-SIDE = CkksSiloSide(lambda _: SECRET)
+SIDES = {silo: CkksSiloSide(lambda _: SECRET, sign=signer(silo), peers=PEERS) for silo in SILOS}
 AGGREGATOR = CkksAggregatorSide(SECRET.public)
 
 
@@ -84,9 +96,18 @@ class Stub:
     def __init__(self) -> None:
         self.headers: list = []
         self.evaluations: list = []
+        self.signatures: list = []
 
     def ReportState(self, parts, timeout):  # noqa: N802 (the gRPC method's name)
         self.headers.append(next(iter(parts)).header)
+
+    def Consistency(self, request, timeout):  # noqa: N802
+        self.signatures.append(request)
+
+    def signed(self) -> ConsistencySignature:
+        """The consistency signature sent, as the aggregator's half receives it."""
+        (request,) = self.signatures
+        return ConsistencySignature(request.signature)
 
     def ReportEvaluation(self, request, timeout):  # noqa: N802
         self.evaluations.append(request)
@@ -101,6 +122,26 @@ def round_spec(round_number: int, round_id: str, state: GlobalState, **changes) 
     fields = {"round": round_number, "round_id": round_id, "seed": SEED, "consortium_id": CONSORTIUM}
     fields.update(state_digest=state.digest(), config_sha256=PLAN.sha256())
     return round_pb2.RoundSpec(**{**fields, **changes})
+
+
+def attested(
+    round_number: int, digest: str, counted: tuple[str, ...] = SILOS, signers: tuple[str, ...] | None = None
+) -> Attested:
+    """The signatures of `signers` (every counted silo by default) over the state `digest` of a round."""
+    bound = {"consortium": CONSORTIUM, "round_number": round_number, "digest": digest, "counted": counted}
+    return Attested(
+        counted,
+        {s: Attestation(attest(signer(s), **bound)) for s in (counted if signers is None else signers)},
+    )
+
+
+def later_spec(round_id: str, state: GlobalState, **changes) -> round_pb2.RoundSpec:
+    """The RoundSpec of the round after `state`'s, carrying every counted silo's signature over it."""
+    signed = attested(state.round, state.digest()).to_pb()
+    return round_spec(state.round + 1, round_id, state, **{"attestations": signed, **changes})
+
+
+CHECKS = {"peers": PEERS, "min_counted": 3}  # what the agent passes: the roster's peers, policy.min_survivors
 
 
 def summed(state: GlobalState, nudge: float) -> torch.Tensor:
@@ -133,12 +174,12 @@ def stepped(
     half, digest = step_and_report(
         stub,
         taking_part,
-        side=SIDE,
+        side=SIDES[me],
         secret=SECRET,
         state=state,
         method=METHOD,
         held_out=HELD_OUT[me],
-        may_release=lambda survivors: None,
+        gate=ReleaseGate(consortium="c", floors=Floors(2, 2), members=lambda: SIDES, ledger=MemoryLedger()),
         timeout=5.0,
     )
     assert digest == following(state, nudge).digest()
@@ -162,13 +203,27 @@ def difference(minuend: bytes, subtrahend: bytes) -> bytes:
 
 def evaluation_half(me: str, silos: tuple[str, ...], round_id: str):
     spec = SumSpec(round_id, "evaluation", silos, evaluation_schema(CLASSES))
-    return SIDE.half(spec, me, may_release=lambda survivors: None)
+    return SIDES[me].half(spec, me, may_release=lambda survivors: None)
+
+
+def signed(half, step: EncryptedSum) -> ConsistencySignature:
+    """What `half`'s silo signs when handed `step`: `report_evaluation` sends it and reports nothing yet."""
+    stub = Stub()
+    assert not report_evaluation(stub, 1, half, step, timeout=5.0)
+    assert stub.evaluations == []
+    return stub.signed()
 
 
 def decrypted_report(half, blob: bytes, survivors: tuple[str, ...]) -> Stub:
-    """What `half`'s silo reports when handed `blob` as the evaluation sum over `survivors`."""
+    """What `half`'s silo reports when every silo of `survivors` is handed `blob` as the evaluation sum: a
+    substitution the aggregator makes for all of them alike, which the consistency step lets through."""
+    step = EncryptedSum(blob, survivors)
+    signatures = {half.me: Signed(signed(half, step).signature)}
+    for silo in set(survivors) - {half.me}:
+        other = SIDES[silo].half(half.spec, silo, may_release=lambda _: None)
+        signatures[silo] = Signed(signed(other, step).signature)
     stub = Stub()
-    report_evaluation(stub, 1, half, EncryptedSum(blob, survivors), timeout=5.0)
+    assert report_evaluation(stub, 1, half, SumSignatures(signatures), timeout=5.0)
     return stub
 
 
@@ -222,7 +277,9 @@ def test_one_silos_unmasked_evaluation_upload_handed_over_as_the_sum_would_be_re
     per-class counts, which the aggregator was never meant to see apart from the others'."""
     spec = SumSpec("r1.a1.release", "evaluation", SILOS, evaluation_schema(CLASSES))
     uploads = {
-        me: SIDE.half(spec, me, may_release=lambda s: None).start(torch.from_numpy(counts(me).astype(float)))
+        me: SIDES[me]
+        .half(spec, me, may_release=lambda s: None)
+        .start(torch.from_numpy(counts(me).astype(float)))
         for me in SILOS
     }
     (victims,) = uploads[VICTIM]
@@ -232,9 +289,9 @@ def test_one_silos_unmasked_evaluation_upload_handed_over_as_the_sum_would_be_re
 
 def test_one_silos_masked_evaluation_upload_handed_over_as_the_sum_is_refused(evaluation_round):
     _, victims = evaluation_round[VICTIM]
-    for claimed in (SILOS, (VICTIM,)):
+    for claimed in (SILOS, (VICTIM,)):  # READER signs no sum that leaves it out
         half = evaluation_half(READER, SILOS, "r1.a1.release")
-        with pytest.raises(SumAborted, match="no counts"):
+        with pytest.raises(SumAborted, match=r"no counts|does not count"):
             decrypted_report(half, victims.blob, claimed)
 
 
@@ -244,12 +301,15 @@ def test_the_sum_of_any_proper_subset_is_refused_and_only_the_true_sum_is_report
         for subset in itertools.combinations(SILOS, k):
             partial = SECRET.public.add([uploads[me] for me in subset])
             for claimed in (SILOS, subset):
-                with pytest.raises(SumAborted, match="no counts"):
+                with pytest.raises(SumAborted, match=r"no counts|does not count"):
                     decrypted_report(evaluation_half(READER, SILOS, "r1.a1.release"), partial, claimed)
     # the aggregator's own half, as it runs the sum: every silo reports the exact summed counts
     aggregator = AGGREGATOR.half(SumSpec("r1.a1.release", "evaluation", SILOS, evaluation_schema(CLASSES)))
     for me, (_, upload) in evaluation_round.items():
         aggregator.receive(me, upload)
+    steps = aggregator.close()
+    for me, (half, _) in evaluation_round.items():
+        aggregator.receive(me, signed(half, steps[me]))
     steps = aggregator.close()
     truth = sum(counts(me) for me in SILOS)
     assert np.array_equal(
@@ -257,7 +317,7 @@ def test_the_sum_of_any_proper_subset_is_refused_and_only_the_true_sum_is_report
     )
     for me, (half, _) in evaluation_round.items():
         stub = Stub()
-        report_evaluation(stub, 1, half, steps[me], timeout=5.0)
+        assert report_evaluation(stub, 1, half, steps[me], timeout=5.0)
         assert np.array_equal(stub.reported(), truth)
 
 
@@ -390,7 +450,7 @@ def test_the_first_state_is_taken_only_if_it_is_the_seeded_initial_state():
     """The aggregator signs the RoundSpec, digest included, so a made-up first state would match the digest
     it signs; only the seed check (a state the silo recomputes) stops it."""
     spec = round_spec(1, "r1.a1.first", START)
-    assert opened_state(pack_state(START), spec, SECRET, METHOD).digest() == START.digest()
+    assert opened_state(pack_state(START), spec, SECRET, METHOD, **CHECKS).digest() == START.digest()
     made_up = METHOD.init_state(seed=SEED + 1)
     tampered = dict(START.model)
     name = next(k for k, v in tampered.items() if v.is_floating_point())
@@ -399,14 +459,14 @@ def test_the_first_state_is_taken_only_if_it_is_the_seeded_initial_state():
         forged = round_spec(1, "r1.a1.first", START, state_digest=state.digest())
         assert unpack_state(pack_state(state), 0).digest() == forged.state_digest  # the attack without it
         with pytest.raises(StateRefused, match="not the method's initial state"):
-            opened_state(pack_state(state), forged, SECRET, METHOD)
+            opened_state(pack_state(state), forged, SECRET, METHOD, **CHECKS)
     assert issubclass(StateRefused, SumAborted)
 
 
 def test_a_later_state_is_opened_from_its_seal_and_nothing_else_is_taken():
-    spec = round_spec(2, "r2.a1.later", following(START))
+    spec = later_spec("r2.a1.later", following(START))
     sealed = seal_state(SECRET, consortium=CONSORTIUM, round_number=1, digest=DIGEST, packed=PACKED)
-    assert opened_state(sealed, spec, SECRET, METHOD).digest() == DIGEST
+    assert opened_state(sealed, spec, SECRET, METHOD, **CHECKS).digest() == DIGEST
     refused = {
         "the state unsealed": PACKED,
         "sealed as another round's": seal_state(
@@ -418,12 +478,12 @@ def test_a_later_state_is_opened_from_its_seal_and_nothing_else_is_taken():
     }
     for data in refused.values():
         with pytest.raises(SealedStateError):
-            opened_state(data, spec, SECRET, METHOD)
+            opened_state(data, spec, SECRET, METHOD, **CHECKS)
     # a key-holding silo can seal any state under the digest it names: opened_state does not recompute the
     # digest, the agent's check against the signed digest (silo/agent.py `_checked_state`) does
     made_up = pack_state(METHOD.init_state(seed=SEED + 1))
     other = seal_state(SECRET, consortium=CONSORTIUM, round_number=1, digest=DIGEST, packed=made_up)
-    assert opened_state(other, spec, SECRET, METHOD).digest() != spec.state_digest
+    assert opened_state(other, spec, SECRET, METHOD, **CHECKS).digest() != spec.state_digest
 
 
 # --- the relay: it keeps the key holder's envelopes and nobody else's ---------------------------------------
@@ -545,11 +605,12 @@ def test_a_plain_held_state_survives_the_store():
 def test_a_sealed_held_state_survives_the_store_without_a_model():
     sealed = seal_state(SECRET, **BOUND, packed=PACKED)
     state = following(START)
-    held = HeldState.sealed(1, DIGEST, sealed, METHOD.schema(state), 3, False)
+    held = HeldState.sealed(1, DIGEST, sealed, METHOD.schema(state), 3, False, attested(1, DIGEST))
     stored = held.stored()
     assert PACKED not in stored
     again = HeldState.from_stored(stored, 1, DIGEST, METHOD)
     assert again == held
+    assert again.attested == held.attested  # a restarted aggregator still hands out every signature
     assert again.model is None
     assert open_state(SECRET, **BOUND, sealed=again.blob) == PACKED
     with pytest.raises(ValueError, match="does not match its digest"):
@@ -560,13 +621,13 @@ def test_a_sealed_held_state_survives_the_store_without_a_model():
 def test_after_a_key_rotation_the_state_sealed_under_the_old_key_still_opens_at_silos_holding_it(tmp_path):
     """The round after a rotation names the new key, but its starting state was sealed under the old one:
     a silo that holds both (its keyring keeps old keys) opens it; one given only the new key cannot."""
-    spec = round_spec(2, "r2.a1.rotated", following(START))
+    spec = later_spec("r2.a1.rotated", following(START))
     keyring = CkksKeyring(tmp_path)
     old = keyring.rotate()
     sealed = seal_state(old, consortium=CONSORTIUM, round_number=1, digest=DIGEST, packed=PACKED)
     new = keyring.rotate()
     with pytest.raises(SealedStateError):
-        opened_state(sealed, spec, new, METHOD)
-    assert opened_state(sealed, spec, new, METHOD, older=keyring.held()).digest() == DIGEST
+        opened_state(sealed, spec, new, METHOD, **CHECKS)
+    assert opened_state(sealed, spec, new, METHOD, older=keyring.held(), **CHECKS).digest() == DIGEST
     assert {key.context_id for key in keyring.held()} == {old.context_id, new.context_id}
     assert keyring.current().context_id == new.context_id

@@ -5,8 +5,14 @@ slots a ciphertext) and a coefficient modulus of two 60-bit primes, one for the 
 120 bits is well under the 218 bits the HomomorphicEncryption.org standard allows at N = 8192 for 128-bit
 classical security (SEAL enforces that table). A longer chain buys depth that additions never use, and every
 extra prime adds 8 bytes per slot to every ciphertext. Encryption is symmetric: only silos, which hold the
-secret key, encrypt, so the public context needs no public key (it is a few bytes) and a fresh ciphertext
-carries less noise. No Galois or relinearisation keys are made.
+secret key, make fresh ciphertexts, so the public context needs no public key (it is a few bytes) and a fresh
+ciphertext carries less noise. No Galois or relinearisation keys are made.
+
+The public context cannot decrypt, but it is no proof of what a ciphertext holds: it adds a plaintext of its
+holder's choosing to any ciphertext (TenSEAL's add-plain needs no secret key), and subtracts one ciphertext
+from another. So the aggregator can hand a silo the sum plus any P it likes as "the sum"; a silo decrypts
+only once every silo it counts signed the same ciphertext (`halves`, the consistency step), and what it
+releases after decrypting is masked (`masks`).
 
 Values are encoded at a scale chosen per sum from the schema (`scale_bits`): the summed values must stay
 below the 60-bit data prime, so the scale leaves room for n silos times the largest field bound. A sum whose
@@ -66,7 +72,8 @@ def ciphertext_limit(values: int) -> int:
 
 
 class PublicContext:
-    """What the aggregator holds: it can add ciphertexts, never encrypt or decrypt."""
+    """What the aggregator holds: it adds and subtracts ciphertexts and adds a plaintext of its choosing to
+    one; it cannot decrypt, nor encrypt a fresh ciphertext (encryption is symmetric)."""
 
     def __init__(self, context: ts.Context) -> None:
         if context.is_private():

@@ -1,12 +1,15 @@
 """The `ckks` privacy layer: its settings, and both halves for silos that live in one process.
 
 In the simulator one secret context is made for the run and shared by every silo, as the key ceremony shares
-it in a consortium (`ceremony`); the aggregator's side holds the public context only.
+it in a consortium (`ceremony`), and every silo gets a fresh signing key for the run, as under secagg, so the
+consistency step runs the consortium's code; the aggregator's side holds the public context only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from fedlt.aggregation import SumLayer
 from fedlt.aggregation.halves import AggregatorSide, PartyKeys, SiloSide
@@ -14,6 +17,8 @@ from privacy.ckks.halves import CkksAggregatorSide, CkksSiloSide
 from privacy.ckks.keys import PublicContext, SecretContext
 from privacy.ckks.relay import CkksRelay
 from privacy.ckks.settings import CkksSettings
+from privacy.pki.signing import sign
+from privacy.secagg.peers import KeyPeers
 
 
 class CkksSum(SumLayer):
@@ -28,13 +33,14 @@ class CkksSum(SumLayer):
         return self.settings.describe()
 
     def silo_side(self, keys: PartyKeys) -> SiloSide:
-        """`keys.secret`: the secret context, or (a consortium silo) its keyring's lookup by parameters."""
+        """`keys.secret`: the secret context, or (a consortium silo) its keyring's lookup by parameters;
+        `keys.sign` and `keys.peers` sign and check the consistency step."""
         secret = keys.secret
         if isinstance(secret, SecretContext):
-            return CkksSiloSide(lambda _: secret)
+            return CkksSiloSide(lambda _: secret, sign=keys.sign, peers=keys.peers)
         if not callable(secret):
             raise ValueError("a silo takes part in CKKS sums only with the consortium's secret context")
-        return CkksSiloSide(secret)
+        return CkksSiloSide(secret, sign=keys.sign, peers=keys.peers)
 
     def aggregator_side(self, keys: PartyKeys) -> AggregatorSide:
         if not isinstance(keys.secret, PublicContext | CkksRelay):
@@ -43,4 +49,14 @@ class CkksSum(SumLayer):
 
     def in_process(self, silos: Sequence[str]) -> tuple[Mapping[str, SiloSide], AggregatorSide]:
         secret = SecretContext.new()
-        return dict.fromkeys(silos, CkksSiloSide(lambda _: secret)), CkksAggregatorSide(secret.public)
+        identities = {u: ec.generate_private_key(ec.SECP256R1()) for u in silos}
+        peers = KeyPeers({u: key.public_key() for u, key in identities.items()})
+        sides = {
+            u: CkksSiloSide(
+                lambda _: secret,
+                sign=lambda data, *, context, key=key: sign(key, data, context=context),
+                peers=peers,
+            )
+            for u, key in identities.items()
+        }
+        return sides, CkksAggregatorSide(secret.public)

@@ -1,11 +1,17 @@
 """Zero-sum masks on what silos release after decrypting (their evaluation counts), from the consortium key.
 
-CKKS alone cannot show a silo that the ciphertext it is asked to decrypt is the sum it is said to be: the
-aggregator could hand it one silo's upload. For a sum whose total a silo then releases raw, every silo adds a
-pairwise mask for each other silo of the sum (+m at one end, −m at the other), drawn from a key derived from
-the CKKS secret key, which the aggregator lacks. The masks cancel only in the sum over exactly those silos;
-any other ciphertext decrypts to values plus masks of up to ±`MASK_RANGE` each, which are no counts (the
-releasing silo refuses them) and would hide the counts if it did not.
+The consistency step (`halves`) shows a silo that every silo it counts was handed the same ciphertext, not
+that the ciphertext is their sum: the aggregator could hand all of them one silo's upload. For a sum whose
+total a silo then releases raw, every silo adds a pairwise mask for each other silo of the sum (+m at one end,
+−m at the other), drawn from a key derived from the CKKS secret key, which the aggregator lacks. The masks
+cancel only in the sum over exactly those silos; any other ciphertext decrypts to values plus masks of up to
+±`MASK_RANGE` each, which are no counts (the releasing silo refuses them) and would hide the counts if it did
+not.
+
+`sum_id` must name everything the released values depend on that the aggregator could vary between sums
+over the same silos: the evaluation's is bound to the state the silo stepped to (`silo.stepping`), so masks
+drawn by silos that stepped to different models never cancel, and a model forced on some silos cannot turn
+the others' masked counts into one silo's.
 """
 
 from __future__ import annotations

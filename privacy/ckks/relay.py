@@ -1,10 +1,11 @@
 """The aggregator's part in the CKKS key ceremony: keep what silos announce, relay what the key holder seals.
 
 The aggregator opens nothing here: it keeps each silo's signed enrollment key (checked by the key holder, not
-by the aggregator), the public context (all it needs to add ciphertexts), and one sealed envelope per silo for
-the current key. A silo is `eligible` for a ckks round once an envelope addressed to it is here (the key
-holder always is). A new key from the key holder (rotation) replaces the envelopes of the old one. Kept in
-memory: an aggregator restarted loses it until the key holder registers again and shares once more.
+by the aggregator) with the certificate the silo registered with, the public context (all it needs to add
+ciphertexts), and one sealed envelope per silo for the current key. A silo is `eligible` for a ckks round once
+an envelope addressed to it is here (the key holder always is). A new key from the key holder (rotation)
+replaces the envelopes of the old one. Kept in memory: an aggregator restarted loses it until the key holder
+registers again and shares once more.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ class CkksRelay:
     def enroll(self, announcement: Announcement) -> None:
         with self._lock:
             self._enrollments[announcement.silo] = announcement
+
+    def certificate(self, silo: str) -> bytes:
+        """The certificate `silo` enrolled with (b"" if none): relayed beside its consistency signatures,
+        which every silo checks against its roster (the Consistency RPC carries the signature alone)."""
+        with self._lock:
+            enrolled = self._enrollments.get(silo)
+        return b"" if enrolled is None else enrolled.certificate
 
     def enrollments(self) -> list[Announcement]:
         with self._lock:

@@ -4,7 +4,8 @@ Only silos hold the CKKS secret key, so only they can step the model; the aggreg
 and streams it to the next round's silos. The sealing key is derived from the secret context (HKDF-SHA256), so
 every silo that holds the consortium's key can open what any other sealed; ChaCha20-Poly1305 binds the
 consortium, the round and the state digest, so the aggregator can neither alter a state nor pass one round's
-state off as another's.
+state off as another's. A seal says only that some holder of the key made it, any state under any digest:
+that the silos a sum counted all computed it is what their signatures show (`attestation`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 An encrypted upload is a Submit stream of kind CKKS. The encrypted sum is too large for the directive stream,
 so its `SumStep` only announces it (`SumReady`: who it counts, its size and SHA-256) and the silo fetches it
-(`fetch_sum`), reading no more than announced and checking the hash before it decrypts anything.
+(`fetch_sum`), reading no more than announced and checking the hash before it signs anything. A silo's
+consistency signature goes out through the Consistency RPC as secagg's does (`privacy.secagg.wire`); the
+survivors' signatures come back in one `SumStep`, each with the certificate its silo enrolled with.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from fedlt.aggregation.halves import BadMessage
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.wire import SUM_OF_PURPOSE, submit_stream
 from privacy.ckks.ceremony import Announcement, SealedContext
-from privacy.ckks.halves import EncryptedSum, EncryptedUpload
+from privacy.ckks.halves import EncryptedSum, EncryptedUpload, Signed, SumSignatures
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,22 @@ def fetch_sum(stub, round_id: str, purpose: str, ready: SumReady, timeout: float
     return EncryptedSum(bytes(data), ready.survivors)
 
 
+def signatures_to_pb(step: SumSignatures) -> dict[str, object]:
+    signatures = [
+        pb.CkksSiloSignature(silo_id=silo, signature=signed.signature, certificate=signed.certificate)
+        for silo, signed in sorted(step.by_silo.items())
+    ]
+    return {"ckks_signatures": pb.CkksSumSignatures(signatures=signatures)}
+
+
+def signatures_from_pb(step: pb.SumStep) -> SumSignatures:
+    signatures = step.ckks_signatures.signatures
+    by_silo = {s.silo_id: Signed(s.signature, s.certificate) for s in signatures}
+    if len(by_silo) != len(signatures):
+        raise BadMessage("a silo's consistency signature listed twice")
+    return SumSignatures(by_silo)
+
+
 def sealed_to_pb(sealed: SealedContext) -> pb.SealedContext:
     return pb.SealedContext(
         sender=sealed.sender,
@@ -93,6 +111,6 @@ def enrollment_from_pb(enrollment: pb.Enrollment) -> Announcement:
 
 
 SENDERS = {EncryptedUpload: _submit_encrypted}
-STEP_ENCODERS = {EncryptedSum: ready_to_pb}
-STEP_DECODERS = {"encrypted_sum": ready_from_pb}
+STEP_ENCODERS = {EncryptedSum: ready_to_pb, SumSignatures: signatures_to_pb}
+STEP_DECODERS = {"encrypted_sum": ready_from_pb, "ckks_signatures": signatures_from_pb}
 FETCHERS = {SumReady: fetch_sum}
