@@ -6,7 +6,9 @@ import hashlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from aggregator.status_page import CONNECTIONS, TOKEN_FILE
 from aggregator.store import Retention
+from fedlt.aggregation.tail_guard import ONLY_UNDER_DP
 from fedlt.config import as_toml, parse_section, read_toml, resolve, setting
 from fedlt.data.embedded import EMBEDDED
 from fedlt.errors import ConfigError
@@ -29,7 +31,9 @@ class ConsortiumSection:
     privacy: str = setting(
         "secagg", choices=CONSORTIUM_LAYERS, doc="plaintext is for research and tests only"
     )
-    min_silos: int = setting(2, ge=1, doc="a round needs this many contributions, else it is retried")
+    min_silos: int = setting(
+        3, ge=1, doc="a round needs this many contributions, else it is retried (silos refuse sums of two)"
+    )
     exit_when_done: bool = setting(True, doc="stop serving once the last round is committed")
 
 
@@ -50,7 +54,16 @@ class ServerSection:
     status_page: str = setting(
         "",
         doc="host:port of the read-only status page (empty: none); a loopback host serves HTTP to this "
-        "machine, any other HTTPS to operator certificates only; port 0 lets the OS choose",
+        "machine with an access token, any other HTTPS to operator certificates only; port 0 lets the OS "
+        "choose",
+    )
+    status_page_token: str = setting(
+        "",
+        doc=f"file the loopback page's access token is written to (mode 0600) at each start; empty: "
+        f"{TOKEN_FILE} in data_dir",
+    )
+    status_page_connections: int = setting(
+        CONNECTIONS, ge=1, le=1024, doc="connections the page serves at once; more are closed when accepted"
     )
 
 
@@ -110,6 +123,22 @@ class ConsortiumConfig:
         return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _inverting_problems(plan: RoundPlan, layer: str, settings: object) -> list[str]:
+    """A plan whose method releases statistics that invert, without DP and without a record floor: every silo
+    would refuse its rounds (`tail_guard.inverting_problems`), so say so now, with the two ways out."""
+    fields, _ = plan.build_method().statistics_plan()
+    inverting = [f.name for f in fields if f.per_class and f.inverts]
+    if not inverting or plan.dp.enabled or getattr(settings, "min_records", ONLY_UNDER_DP):
+        return []
+    return [
+        f"method.name: {plan.method.name} releases per-class {', '.join(inverting)} of records, which give "
+        "the records back to whoever reads the sums, at any class size (docs/threat-model.md); silos release "
+        f"them only under DP by default: enable [dp] in the plan, or set [{layer}] min_records to a record "
+        "floor every silo accepts too (policy.min_class_records), knowing it stops only the one- and "
+        "two-record cases"
+    ]
+
+
 def load_consortium_config(path: str | Path) -> ConsortiumConfig:
     path = Path(path)
     tree = read_toml(path)
@@ -135,6 +164,8 @@ def load_consortium_config(path: str | Path) -> ConsortiumConfig:
         problems += sections[name].problems()
         if name == privacy:
             problems += sections[name].consortium_problems(sections["consortium"].min_silos, per_round)
+            if not problems:
+                problems += _inverting_problems(plan, name, sections[name])
     if 0 < per_round < sections["consortium"].min_silos:
         problems.append(
             f"selection.per_round: {per_round} silos a round cannot make consortium.min_silos "

@@ -57,10 +57,13 @@ def write_consortium(
     timeouts: TimeoutSection,
     silo_threads: int = 0,
     layer_settings: object | None = None,
+    record_floor: int = 0,
 ) -> tuple[Path, list[Path]]:
     """CA, certificates, the roster and config files for a consortium on this machine, one silo per shard.
 
-    The silo configs name the aggregator as ADDRESS until it is known (`point_silos_at`).
+    The silo configs name the aggregator as ADDRESS until it is known (`point_silos_at`). `record_floor` > 0:
+    the layer's record floor, which every silo's policy accepts too, for a method releasing statistics that
+    invert without DP (off by default: they give the records back).
     """
     pki = directory / "pki"
     init_ca(pki / "ca", name=f"{consortium.id} CA")
@@ -94,6 +97,8 @@ def write_consortium(
     }
     if layer_settings is not None:  # the chosen layer's own section
         tree[consortium.privacy] = as_table(layer_settings)
+    if record_floor:
+        tree.setdefault(consortium.privacy, {})["min_records"] = record_floor
     path = directory / "consortium.toml"
     path.write_text(f"# A consortium on this machine, written by aggregator.demo.\n{render_toml(tree)}")
     silo_configs = []
@@ -115,6 +120,7 @@ def write_consortium(
                 "methods": [plan.method.name],
                 "privacy": [consortium.privacy],
                 "disclosures": [DISCLOSURE] if plan.selection.discloses else [],
+                "min_class_records": record_floor,
             },
             "compute": {"threads": silo_threads},
             # where only silos hold the model (ckks), each evaluates its share of the recipe's test split

@@ -45,6 +45,7 @@ from fedlt.aggregation.halves import (
     SumAborted,
 )
 from fedlt.aggregation.round_sums import AggregatorRound
+from fedlt.aggregation.tail_guard import Census
 from fedlt.errors import FedltError
 from fedlt.methods import Method, ServerContext
 from fedlt.recorder import RunRecorder
@@ -136,6 +137,8 @@ class RoundEngine:
         self.stage = Stage.GATHERING
         self.held = self._load_state()
         self._evaluation: EvaluationSum | None = None  # where only silos hold the model
+        # silos that never computed the kept census refuse RoundSpecs naming it: take it again over its silos
+        self._census_doubted = False
         self.picker = RoundPicker(config.plan.selection, config.consortium.seed, store, method)
         self.evaluator = Evaluator(
             recorder=recorder,
@@ -214,9 +217,15 @@ class RoundEngine:
         return digest
 
     def deliver(self, silo_id: str, round_id: str, purpose: str, message: object) -> None:
-        """Hand one silo's message to the round's open sum; its layer half refuses what does not belong."""
+        """Hand one silo's message to the round's open sum, or to the last round's evaluation sum (which runs
+        beside the next round); its layer half refuses what does not belong."""
         with self._lock:
-            self._invited(silo_id, round_id).sums.receive(silo_id, purpose, message)
+            pending = self._evaluation
+            if purpose == "evaluation" and pending is not None:
+                for silo, step in pending.receive(silo_id, round_id, message).items():
+                    self.sessions.step(silo, round_id, purpose, step)
+            else:
+                self._invited(silo_id, round_id).sums.receive(silo_id, purpose, message)
             self._lock.notify_all()
 
     def upload_bytes(self, silo_id: str, round_id: str, purpose: str, kind: type) -> int:
@@ -250,6 +259,12 @@ class RoundEngine:
             attempt = self._invited(silo_id, round_id)
             if silo_id not in attempt.contributors:
                 raise NotParticipant(f"{silo_id} is not among the silos the sum of {round_id} counted")
+            if (report.round, report.counted) != (attempt.round, attempt.contributors):
+                raise BadContribution(
+                    f"{silo_id} signed its state as round {report.round}'s from a sum of "
+                    f"{', '.join(report.counted)}; {round_id} is round {attempt.round}, its sum counted "
+                    f"{', '.join(attempt.contributors)}"
+                )
             kept = attempt.reports.get(silo_id)
             if kept is not None and not kept.same_state(report):
                 raise AlreadySubmitted(f"{silo_id} already reported another state for {round_id}")
@@ -376,11 +391,13 @@ class RoundEngine:
     def _pinned(self, round_number: int, stop: threading.Event) -> list[str] | None:
         """The silos an earlier attempt of this round asked to release a sum for, once every one of them is
         connected: they refuse to release it for any other set (`silo.releases`), so the round can only be
-        retried over exactly them. The contribution sum's set, or the census's while its phase has none kept;
-        [] if no attempt got that far; None if stopping."""
+        retried over exactly them. The contribution sum's set, or the census's while its phase has none kept
+        (or the kept census's, while it is to be taken again); [] if no attempt got that far; None if
+        stopping."""
         pins = self.store.pinned_releases(round_number)
-        census_kept = self.store.census(self._phase(self.held.schema)) is not None
-        silos = pins.get("contribution") or (None if census_kept else pins.get("census"))
+        kept = self.store.census(self._phase(self.held.schema))
+        retaken = list(kept.silos) if kept is not None and self._census_doubted else None
+        silos = pins.get("contribution") or (pins.get("census") if kept is None else retaken)
         if not silos:
             return []
         with self._lock:
@@ -451,7 +468,8 @@ class RoundEngine:
             disclosures=[DISCLOSURE] if disclosers else [],
             disclosers=disclosers,
             deadline_unix_ms=deadline,
-            census=self.store.census(self._phase(schema)) if guarded else None,
+            census=self._named_census(schema) if guarded else None,
+            attested=self.held.attested,
         )
         signed = roundspec.sign(spec, self.sign)
         sums = AggregatorRound(
@@ -487,8 +505,9 @@ class RoundEngine:
             taken = sums.census_taken
             with self._lock:
                 out = sums.close()
-            if sums.census_taken is not None and taken is None:  # kept at once: silos sign one census a phase
+            if sums.census_taken is not None and taken is None:  # kept at once: silos sign one census a set
                 self.store.save_census(self._phase(attempt.schema), sums.census_taken)
+                self._census_doubted = False
             if isinstance(out, Released):
                 break
             if sums.half.counted is not None and sums.purpose not in pinned:
@@ -498,10 +517,22 @@ class RoundEngine:
             for silo, purpose, step in out:
                 self.sessions.step(silo, attempt.round_id, purpose, step)
         if sums.sums.guarded:
-            guard = {"round_id": attempt.round_id, "k_min": sums.sums.k_min, "zeroed": sums.zeroed}
+            guard = {
+                "round_id": attempt.round_id,
+                "k_min": sums.sums.k_min,
+                "zeroed": sums.zeroed,
+                "record_floor": sums.sums.record_floor,
+                "floored": sums.floored,
+            }
             self.store.audit("tail_guard", guard)
-            if sums.zeroed:
-                log.info("round %d: tail guard zeroed classes %s", attempt.round, sums.zeroed)
+            if sums.zeroed or sums.floored:
+                log.info(
+                    "round %d: tail guard zeroed classes %s, and below the record floor %s",
+                    attempt.round,
+                    sums.zeroed,
+                    sums.floored,
+                )
+        self._doubt_census(attempt, out.survivors)
         with self._lock:
             attempt.contributors = out.survivors
             self.stage = Stage.COMMITTING
@@ -520,8 +551,9 @@ class RoundEngine:
     def _next_state(
         self, attempt: Attempt, summed: Sums | Released, stop: threading.Event
     ) -> HeldState | None:
-        """The server step, here on `Sums`; or, where only silos read the sum, the state every silo that
-        decrypted it reports (all that stay connected, at least `min_silos`, one state); None if stopping."""
+        """The server step, here on `Sums`; or, where only silos read the sum, the state every silo the sum
+        counted reports (one state, each silo's signature kept with it: silos step only from a state all of
+        them signed, so one that a counted silo did not report is not committed); None if stopping."""
         if isinstance(summed, Sums):
             context = ServerContext(attempt.round, self.config.consortium.seed)
             return HeldState.plain(self.method.server_step(self.held.model, summed, context), self.method)
@@ -531,17 +563,19 @@ class RoundEngine:
             if stop.is_set():
                 return None
             reports = dict(attempt.reports)
-        if len(reports) < self.config.consortium.min_silos:
-            raise SumAborted(f"{len(reports)} silos reported the next state, fewer than the round needs")
+        silent = sorted(set(attempt.contributors) - set(reports))
+        if silent:
+            raise SumAborted(
+                f"{', '.join(silent)} reported no next state, and silos step only from a state every "
+                "silo the sum counted signed: not committed"
+            )
         first = next(iter(reports.values()))
         differ = sorted(s for s, r in reports.items() if not r.same_state(first))
         if differ:
             raise SumAborted(
                 f"silos computed different next states ({', '.join(differ)} differ): not committed"
             )
-        return HeldState.sealed(
-            attempt.round, first.digest, first.sealed, first.schema, first.remaining, first.trains
-        )
+        return HeldState.reported(attempt.round, attempt.contributors, reports)
 
     def _commit(self, attempt: Attempt, held: HeldState) -> None:
         timer = _Stopwatch()
@@ -595,7 +629,29 @@ class RoundEngine:
             for silo, step in steps.items():
                 self.sessions.step(silo, attempt.round_id, "evaluation", step)
 
+    def _named_census(self, schema: Schema) -> Census | None:
+        """The census a RoundSpec names: the one kept for the phase, unless silos seem not to hold it."""
+        return None if self._census_doubted else self.store.census(self._phase(schema))
+
+    def _doubt_census(self, attempt: Attempt, counted: Collection[str]) -> None:
+        """A silo keeps a census only once it computed it, and takes no other on trust: when an attempt naming
+        the census fails, or every census silo was invited but some sent nothing, the next attempt takes the
+        census again over its silos (which they allow: the same silos, the same presence)."""
+        named = attempt.sums.sums.census
+        if (
+            named is not None
+            and set(named.silos) <= set(attempt.participants)
+            and set(counted) != set(named.silos)
+        ):
+            self._census_doubted = True
+            log.warning(
+                "round %d: census silos %s did not all take part; the census is taken again over them",
+                attempt.round,
+                ", ".join(sorted(set(named.silos) - set(counted))),
+            )
+
     def _abort(self, attempt: Attempt, reason: str) -> None:
+        self._doubt_census(attempt, ())
         self.store.abort_attempt(attempt.round_id, reason)
         with self._lock:
             self._let_down.update(

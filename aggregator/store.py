@@ -343,17 +343,24 @@ class Store:
     def census(self, phase: str) -> Census | None:
         with self._lock:
             row = self._db.execute("SELECT silos, counts FROM censuses WHERE phase = ?", (phase,)).fetchone()
-        return None if row is None else Census.of(json.loads(row[0]), json.loads(row[1]))
+        if row is None:
+            return None
+        counts = json.loads(row[1])  # a list; with a record floor, {"counts": [...], "records": [...]}
+        if isinstance(counts, dict):
+            return Census.of(json.loads(row[0]), counts["counts"], counts["records"])
+        return Census.of(json.loads(row[0]), counts)
 
     def save_census(self, phase: str, census: Census) -> None:
-        """Kept for the phase as soon as it is taken, committed round or not: silos sign one census a phase,
-        so a restarted aggregator must ask for rounds over this one rather than take another."""
+        """Kept for the phase as soon as it is taken, committed round or not: silos release their presence to
+        one set of silos, so a restarted aggregator must ask for rounds over this one, not take another. The
+        census taken again over the same silos (after silos refused one they had not kept) replaces it; the
+        audit log names a census once, unless it changed."""
+        row = (json.dumps(list(census.silos)), json.dumps(_counts_of(census)))
         with self._transaction() as db:
-            db.execute(
-                "INSERT INTO censuses VALUES (?, ?, ?)",
-                (phase, json.dumps(list(census.silos)), json.dumps(list(census.counts))),
-            )
-            self._audit(db, "census_taken", {"phase": phase, "silos": list(census.silos)})
+            kept = db.execute("SELECT silos, counts FROM censuses WHERE phase = ?", (phase,)).fetchone()
+            db.execute("INSERT OR REPLACE INTO censuses VALUES (?, ?, ?)", (phase, *row))
+            if kept is None or tuple(kept) != row:
+                self._audit(db, "census_taken", {"phase": phase, "silos": list(census.silos)})
 
     # --- disclosures: per-silo values a consortium has agreed to (not sums), latest one per silo --------
 
@@ -442,3 +449,10 @@ class Store:
             if rec.prev_hash != prev or not hmac.compare_digest(rec.hash, expected):
                 raise StoreError(f"audit record {rec.seq} ({rec.event}) does not match the hash chain")
             prev = rec.hash
+
+
+def _counts_of(census: Census) -> list[int] | dict[str, list[int]]:
+    """What the censuses table keeps of a census's sums (the list alone where there is no record floor)."""
+    if not census.records:
+        return list(census.counts)
+    return {"counts": list(census.counts), "records": list(census.records)}

@@ -6,7 +6,7 @@
     scenario.py         the federation with planted small classes, the model, each mode's uploads and sums
     audit.py            every attack on every mode's view, as findings against baselines and thresholds
     analytic.py         (a) a feature from a per-class linear-layer gradient
-    moments.py          (b) the records of a one- or two-record class from Σz, Σzzᵀ and its count
+    moments.py          (b) the records of a class from Σz, Σzzᵀ and its count (non-negative ICA for n ≥ 3)
     decoder.py          (c) a decoder trained on public data, from features to images
     gradinv.py          (d) Inverting Gradients on a model delta, sized for CPU
     presence.py         (e) class presence against MFSC's disclosure, beside the census

@@ -20,6 +20,7 @@ from attacks.config import Mode
 from attacks.decoder import FeatureDecoder, decode, prior, train_decoder
 from attacks.scenario import (
     Planted,
+    Refused,
     Scenario,
     Uploads,
     attacked_state,
@@ -65,7 +66,8 @@ class Audit:
         self.progress = progress
         self.model = _model(scenario)
         self._uploads: dict[tuple[str, float], Uploads] = {}
-        self._sums: dict[tuple[int, str], Sums] = {}
+        self._sums: dict[tuple[int, str], Sums | None] = {}
+        self._refusals: dict[tuple[int, str], str] = {}
         self._decoder: FeatureDecoder | None = None
 
     # --- shared pieces ---------------------------------------------------------------------------
@@ -76,13 +78,24 @@ class Audit:
             self._uploads[key] = silo_uploads(self.scenario, method, epsilon)
         return self._uploads[key]
 
-    def released(self, uploads: Uploads, mode: Mode) -> Sums:
+    def released(self, uploads: Uploads, mode: Mode) -> Sums | None:
         """The sums `mode` releases from `uploads`, aggregated once (a secure sum of CCVR's second moments
-        is the slowest step of the audit)."""
+        is the slowest step of the audit); None where the mode's silos refuse the round (`Refused`)."""
         key = (id(uploads), mode.name)
         if key not in self._sums:
-            self._sums[key] = released(self.scenario, uploads, mode)
+            try:
+                self._sums[key] = released(self.scenario, uploads, mode)
+            except Refused as exc:
+                self._sums[key], self._refusals[key] = None, str(exc)
         return self._sums[key]
+
+    def refused(self, uploads: Uploads, mode: Mode, attack: str, planted: Planted) -> Finding | None:
+        """The finding of an attack on a round every silo refuses: nothing released, the prior left."""
+        if self.released(uploads, mode) is not None or mode.privacy == "plaintext":
+            return None
+        finding = self.image_finding(attack, mode, planted, None)
+        finding.note = f"refused by every silo: {self._refusals[(id(uploads), mode.name)]}"
+        return finding
 
     @property
     def decoder(self) -> FeatureDecoder:
@@ -91,8 +104,10 @@ class Audit:
         return self._decoder
 
     def records(self, planted: Planted) -> torch.Tensor:
-        silo = self.scenario.federation.silos[planted.silo]
-        return torch.from_numpy(silo.x[planted.records])
+        silos = self.scenario.federation.silos
+        return torch.from_numpy(
+            np.concatenate([silos[s].x[r] for s, r in zip(planted.silos, planted.records, strict=True)])
+        )
 
     def features(self, planted: Planted, uploads: Uploads | None = None) -> torch.Tensor:
         """The planted records' features as the silo computed them: clipped per record under DP (the best
@@ -104,9 +119,10 @@ class Audit:
         return z * (dp.feature_norm / z.norm(dim=1, keepdim=True)).clamp(max=1.0)
 
     def view(self, mode: Mode, uploads: Uploads, planted: Planted) -> tuple[Sums | dict, str]:
-        """What `mode`'s party has of the planted class's silo: its upload (plaintext) or the sums."""
-        if mode.privacy == "plaintext":
-            return uploads.contributions[planted.silo].values, party(mode)
+        """What `mode`'s party has of the planted class: its one holder's upload (plaintext), or the sums
+        (a class two silos hold: the sum, as the tail guard's count of silos lets it out)."""
+        if mode.privacy == "plaintext" and len(planted.silos) == 1:
+            return uploads.contributions[planted.silos[0]].values, party(mode)
         return self.released(uploads, mode), party(mode)
 
     def image_finding(
@@ -132,7 +148,7 @@ class Audit:
             attack,
             mode.name,
             party(mode),
-            f"class {planted.label}: {len(originals)} record(s) at silo-{planted.silo}",
+            planted.describe(),
             metrics,
             leaked,
             mode.audited,
@@ -150,6 +166,9 @@ class Audit:
         """(a) on CReFF's per-class head gradients, for the class one record represents."""
         uploads = self.uploads("creff", mode.epsilon)
         planted = self.scenario.planted[0]
+        refused = self.refused(uploads, mode, "analytic", planted)
+        if refused is not None:
+            return [refused]
         values, _ = self.view(mode, uploads, planted)
         classes = len(self.scenario.public.classes)
         rows = values["grad"].reshape(classes, classes, -1)[planted.label]
@@ -160,10 +179,15 @@ class Audit:
         return [self.image_finding("analytic", mode, planted, recovered, feature_error=error)]
 
     def moments(self, mode: Mode) -> list[Finding]:
-        """(b) on CCVR's Σz, Σzzᵀ and counts, for the classes of one and of two records."""
+        """(b) on CCVR's Σz, Σzzᵀ and counts, for the classes of one and of two records at one silo, and of
+        one record at each of two silos (which a tail guard counting silos alone lets out)."""
         uploads = self.uploads("ccvr", mode.epsilon)
         findings = []
         for planted in self.scenario.planted:
+            refused = self.refused(uploads, mode, "moments", planted)
+            if refused is not None:
+                findings.append(refused)
+                continue
             values, _ = self.view(mode, uploads, planted)
             found = moments.invert_moments(
                 values["feature_sum"][planted.label],
@@ -183,34 +207,42 @@ class Audit:
         class: CReFF's federated features, Gaussian features regenerated from the pooled statistics (DFL-FS's
         and CCVR's) and SFD's SAFS features (synthesised for that class only, with its M_c)."""
         planted = self.scenario.planted[0]
-        creff = self.uploads("creff", mode.epsilon)
-        sums = self.released(creff, mode)
-        state = creff.method.server_step(
-            creff.state, sums, ServerContext(creff.state.round + 1, self.config.seed)
-        )
         classes = len(self.scenario.public.classes)
-        synthetic = state.extra["features"].reshape(classes, -1, state.extra["features"].shape[-1])
-        held = float(sums["present"][planted.label]) > 0  # else the features never met this class's gradient
-        federated = decode(self.decoder, synthetic[planted.label][:16]) if held else None
+        creff = self.uploads("creff", mode.epsilon)
+        federated = refused = self.refused(creff, mode, "decoder: CReFF federated features", planted)
+        if refused is None:
+            sums = self.released(creff, mode)
+            state = creff.method.server_step(
+                creff.state, sums, ServerContext(creff.state.round + 1, self.config.seed)
+            )
+            synthetic = state.extra["features"].reshape(classes, -1, state.extra["features"].shape[-1])
+            held = float(sums["present"][planted.label]) > 0  # else the features never met its gradient
+            federated = decode(self.decoder, synthetic[planted.label][:16]) if held else None
         ccvr = self.uploads("ccvr", mode.epsilon)
-        pooled = ccvr.method.pooled(self.released(ccvr, mode))
-        regenerated = None
-        if bool(pooled.present[planted.label]):
-            counts = torch.zeros(classes, dtype=torch.long)
-            counts[planted.label] = 16
-            features, _ = pooled.sample_counts(counts, torch.Generator().manual_seed(self.config.seed))
-            regenerated = decode(self.decoder, features)
+        regenerated = refused = self.refused(ccvr, mode, "decoder: regenerated Gaussian features", planted)
+        if refused is None:
+            pooled = ccvr.method.pooled(self.released(ccvr, mode))
+            regenerated = None
+            if bool(pooled.present[planted.label]):
+                counts = torch.zeros(classes, dtype=torch.long)
+                counts[planted.label] = 16
+                features, _ = pooled.sample_counts(counts, torch.Generator().manual_seed(self.config.seed))
+                regenerated = decode(self.decoder, features)
         sfd = self.uploads("sfd", mode.epsilon)
-        sfd_sums = self.released(sfd, mode)
-        safs = None
-        if float(sfd_sums["count"][planted.label].round()) > 0:
-            ctx = ServerContext(sfd.state.round + 1, self.config.seed)
-            features, _ = sfd.method.synthetic_features(sfd_sums, ctx, classes=[planted.label])
-            safs = decode(self.decoder, features[:16])
+        safs = refused = self.refused(sfd, mode, "decoder: SFD SAFS features", planted)
+        if refused is None:
+            sfd_sums = self.released(sfd, mode)
+            safs = None
+            if float(sfd_sums["count"][planted.label].round()) > 0:
+                ctx = ServerContext(sfd.state.round + 1, self.config.seed)
+                features, _ = sfd.method.synthetic_features(sfd_sums, ctx, classes=[planted.label])
+                safs = decode(self.decoder, features[:16])
+        attacks = ("CReFF federated features", "regenerated Gaussian features", "SFD SAFS features")
         return [
-            self.image_finding("decoder: CReFF federated features", mode, planted, federated),
-            self.image_finding("decoder: regenerated Gaussian features", mode, planted, regenerated),
-            self.image_finding("decoder: SFD SAFS features", mode, planted, safs),
+            found
+            if isinstance(found, Finding)
+            else self.image_finding(f"decoder: {name}", mode, planted, found)
+            for name, found in zip(attacks, (federated, regenerated, safs), strict=True)
         ]
 
     def gradinv(self, mode: Mode) -> list[Finding]:
@@ -221,7 +253,7 @@ class Audit:
         from attacks.gradinv import invert_delta
         from fedlt.methods.state import float_keys, unflatten
 
-        uploads = self.uploads("creff", mode.epsilon)
+        uploads = self.uploads("fedavg", mode.epsilon)  # what a silo releases without DP in every mode
         silos = self.scenario.federation.silos
         smallest = int(np.argmin([len(s) for s in silos]))
         plaintext = mode.privacy == "plaintext"
@@ -288,7 +320,7 @@ class Audit:
                     state,
                     data,
                     mask,
-                    mask_stream(simulated_mask_secret(self.config.seed, sid), 1),
+                    mask_stream(simulated_mask_secret(self.config.seed, sid), "round-1"),
                     min_samples=selection.min_samples,
                 )
                 for sid, data in zip(ids, silos, strict=True)

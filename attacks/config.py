@@ -34,6 +34,12 @@ class Mode:
     name: str = setting("", doc="the row's name in the report")
     privacy: str = setting("plaintext", choices=PRIVACY)
     k_min: int = setting(2, ge=0, doc="secagg tail guard: per-class rows of fewer holders are zeroed; <2 off")
+    min_records: int = setting(
+        0,
+        ge=0,
+        doc="statistics that invert (moments, per-class gradients) without [dp]: 0 the silos refuse to "
+        "release them (their default), 1 released, >= 2 released for classes this many records hold",
+    )
     epsilon: float = setting(0.0, ge=0.0, doc="> 0: every silo runs under [dp] with this budget")
     audited: bool = setting(True, doc="a crossed threshold in this mode fails the audit")
 

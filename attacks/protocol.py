@@ -17,8 +17,11 @@ design for contrast (audited = False) and once against what silos run (audited =
 - `two_attempts`: a round's contribution is the same in every attempt, so summing attempt 1 over {a, b, c},
   aborting, and summing attempt 2 over {a, b, c, v} gives v's contribution as the difference. Mounted with
   each silo's `Participation` and the real round driver, against silos that forget what they signed (their
-  ledger file deleted between attempts), then against the release ledger, which signs one survivor set per
-  round.
+  ledger file deleted between attempts), and with the second attempt relabelled (a comment appended to the
+  plan, a new seed: the same state, a new label) against silos whose ledger is keyed by those labels; then
+  each against the silos' release gate, whose ledger is keyed by the state trained from: one survivor set.
+- `chosen_sums` (`attacks.ckks_sums`): under ckks, the aggregator hands silos different ciphertext "sums" and
+  reads one silo's held-out counts from the evaluation sum; refused by the ckks consistency step.
 - `split_views`: sessions that let the aggregator split silos into views or weaken them. The split-view attack
   (some honest silos told the victim survived, the others that it dropped out, colluders signing both views)
   is mounted end to end on a bare-majority threshold, where one colluder suffices, and on the default
@@ -40,9 +43,12 @@ import torch
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from attacks.audit import Finding
+from attacks.ckks_sums import chosen_sums
 from fedlt.aggregation import Field, Schema
-from fedlt.aggregation.halves import PartyKeys, Released, SumAborted
+from fedlt.aggregation.gate import Floors, ReleaseGate, Subject
+from fedlt.aggregation.halves import PartyKeys, Released, SiloSide, SumAborted, SumSpec
 from fedlt.aggregation.round_sums import AggregatorRound
+from fedlt.aggregation.tail_guard import Census
 from fedlt.errors import FedltError
 from fedlt.v1 import round_pb2
 from fedlt.wire import schema_to_pb
@@ -74,7 +80,13 @@ AGGREGATOR = "aggregator"
 
 def protocol_findings(seed: int = 0) -> list[Finding]:
     """Every protocol attack's findings, naive contrast and real silo code, in the order of the docstring."""
-    return [*presence_intersection(seed), *two_attempts(seed), *split_views(seed)]
+    return [
+        *presence_intersection(seed),
+        *two_attempts(seed),
+        *census_relabels(seed),
+        *split_views(seed),
+        *chosen_sums(seed),
+    ]
 
 
 # --- (1) presence intersection ------------------------------------------------------------------------------
@@ -205,6 +217,13 @@ def _recovered(equations: Equations, truth: np.ndarray) -> float:
 FIRST, LATE = ("a", "b", "c"), "v"
 RELEASE_SCHEMA = Schema((Field("delta", (16,), 1.0), Field("n", (), 100.0, frac_bits=0)))
 CODEC_TOLERANCE = 1e-4  # a contribution recovered to within this is recovered (fixed point: 24 fraction bits)
+SEED_WOBBLE = 1e-3  # how much a silo's contribution moves when it trains the same state with another seed
+# what the aggregator may change between the attempts without changing the state silos train from
+RELABELS = {
+    "": {},
+    "the plan's text with a comment appended": {"config_sha256": "plan, with a TOML comment"},
+    "a new seed": {"seed": 1},
+}
 
 
 @dataclass
@@ -214,42 +233,64 @@ class Attempt:
     released: Released | None
     refusals: dict[str, str]  # silo -> why it left the attempt
     aborted: str = ""  # why the sum failed, if it did
+    census: Census | None = None  # the census the attempt took, if it took one
+
+
+def _labels(spec: round_pb2.RoundSpec) -> str:
+    """The release key of silos that key by the RoundSpec's labels (fedlt before issue 30): the plan's hash
+    and the seed are the aggregator's to choose."""
+    return "/".join(
+        map(str, (spec.consortium_id, spec.state_digest, spec.config_sha256, spec.seed, spec.round))
+    )
 
 
 def two_attempts(seed: int = 0) -> list[Finding]:
-    """Runs round 1 over {a, b, c}, aborts after the sum, and runs it again over {a, b, c, v}: against silos
-    that forget what they signed, then against the silos' release ledger."""
-    truth = _release_values(LATE, seed)["delta"]
+    """Runs round 1 over {a, b, c}, aborts after the sum, and runs it again over {a, b, c, v}: as the same
+    RoundSpec against silos that forget what they signed, and relabelled (a comment in the plan, a new seed)
+    against silos that key their ledger by those labels; each then against the silos' release gate, keyed by
+    the state they train from."""
+    truth = _release_values(LATE, seed, seed)["delta"]
     findings = []
     with tempfile.TemporaryDirectory(prefix="fedlt-two-attempts-") as root:
-        for forgetful in (True, False):
-            first, second = _subtraction(Path(root) / str(forgetful), forgetful=forgetful, seed=seed)
-            if forgetful:
-                findings.append(_difference_finding(first, second, truth))
-            else:
-                findings.append(_ledger_finding(first, second))
+        for relabel, change in RELABELS.items():
+            for naive in (True, False):
+                where = Path(root) / f"{bool(relabel)}-{relabel[:12]}-{naive}"
+                first, second = _subtraction(
+                    where, change, naive=naive and not relabel, seed=seed, labels=naive
+                )
+                if naive:
+                    findings.append(_difference_finding(first, second, truth, relabel))
+                else:
+                    findings.append(_ledger_finding(first, second, relabel))
     return findings
 
 
-def _release_values(silo: str, seed: int) -> dict[str, torch.Tensor]:
-    """A silo's contribution to round 1: the same in every attempt, as a deterministic training gives."""
+def _release_values(silo: str, seed: int, training_seed: int) -> dict[str, torch.Tensor]:
+    """A silo's contribution to round 1: the same in every attempt of the same RoundSpec, as a deterministic
+    training gives; trained with another seed, it moves by about `SEED_WOBBLE`."""
     index = (*FIRST, LATE).index(silo)
     generator = torch.Generator().manual_seed(1000 * seed + index + 1)
     delta = torch.rand(16, generator=generator, dtype=torch.float64) - 0.5
+    if training_seed != seed:
+        wobble = torch.Generator().manual_seed(1000 * training_seed + index + 7)
+        delta += SEED_WOBBLE * torch.randn(16, generator=wobble, dtype=torch.float64)
     return {"delta": delta, "n": torch.tensor(float(10 + index), dtype=torch.float64)}
 
 
-def _subtraction(root: Path, *, forgetful: bool, seed: int) -> tuple[Attempt, Attempt]:
-    """The malicious aggregator's two attempts; a forgetful silo's ledger is deleted in between."""
+def _subtraction(
+    root: Path, change: Mapping[str, object], *, naive: bool, seed: int, labels: bool
+) -> tuple[Attempt, Attempt]:
+    """The malicious aggregator's two attempts, the second with the RoundSpec's labels changed as `change`
+    says; a `naive` silo's ledger is deleted in between, and with `labels` silos key it by the labels."""
     keys = {u: ec.generate_private_key(ec.SECP256R1()) for u in (*FIRST, LATE)}
     peers = KeyPeers({u: k.public_key() for u, k in keys.items()})
     for u in keys:
         (root / u).mkdir(parents=True)
-    first = _attempt(1, FIRST, keys, peers, root, seed)
-    if forgetful:
+    first = _attempt(1, FIRST, keys, peers, root, seed, {}, labels=labels)
+    if naive:
         for u in FIRST:
             (root / u / LEDGER).unlink(missing_ok=True)
-    return first, _attempt(2, (*FIRST, LATE), keys, peers, root, seed)
+    return first, _attempt(2, (*FIRST, LATE), keys, peers, root, seed, change, labels=labels)
 
 
 def _attempt(
@@ -259,9 +300,22 @@ def _attempt(
     peers: KeyPeers,
     root: Path,
     seed: int,
+    change: Mapping[str, object],
+    *,
+    labels: bool,
 ) -> Attempt:
-    """One attempt of round 1: each silo's own `Participation` (policy, ledger) and the real round driver
-    on the aggregator's side, every message delivered at once; a silo that raises leaves the attempt."""
+    """One attempt of round 1 with each silo's contribution; the state every attempt starts from is the
+    same (`state_digest`, as the silo checks it)."""
+    spec = _round_spec(attempt, silos, RELEASE_SCHEMA, seed, change)
+    values = {u: RELEASE_SCHEMA.flatten(_release_values(u, seed, spec.seed)) for u in silos}
+    trained_from = _labels(spec) if labels else spec.state_digest
+    return _run(spec, values, keys, peers, root, ReleaseGate, trained_from)
+
+
+def _round_spec(
+    attempt: int, silos: Sequence[str], schema: Schema, seed: int, change: Mapping[str, object]
+) -> round_pb2.RoundSpec:
+    """Round 1's RoundSpec as the aggregator signs it, with the labels `change` names changed."""
     spec = round_pb2.RoundSpec(
         consortium_id="audit",
         round=1,
@@ -270,26 +324,45 @@ def _attempt(
         config_sha256="plan",
         state_digest="state-of-round-1",
         seed=seed,
-        schema=schema_to_pb(RELEASE_SCHEMA),
+        schema=schema_to_pb(schema),
         privacy="secagg",
         participants=sorted(silos),
         secagg=round_pb2.SecAggParameters(k_min=2),
     )
+    for name, value in change.items():
+        setattr(spec, name, seed + value if name == "seed" else value)
+    return spec
+
+
+def _run(
+    spec: round_pb2.RoundSpec,
+    values: Mapping[str, torch.Tensor],
+    keys: Mapping[str, ec.EllipticCurvePrivateKey],
+    peers: KeyPeers,
+    root: Path,
+    gate: Callable[..., ReleaseGate],
+    trained_from: str,
+) -> Attempt:
+    """One attempt: each silo's own `Participation` (policy, `gate`, ledger in `root`) and the real round
+    driver on the aggregator's side, every message delivered at once; a silo that raises leaves it."""
     signed = round_pb2.SignedRoundSpec(spec=spec.SerializeToString())  # silos check its signature elsewhere
     layer = SecAggSum()
+    ledgers = {u: ReleaseLedger(root / u) for u in values}
     parts = {
         u: Participation(
             signed,
             spec,
-            RELEASE_SCHEMA.flatten(_release_values(u, seed)),
+            vector,
             me=u,
             side=layer.silo_side(PartyKeys(sign=partial(sign, keys[u]), peers=peers, policy=SessionPolicy())),
-            ledger=ReleaseLedger(root / u),
+            gate=gate(consortium="audit", floors=Floors(), members=lambda: keys, ledger=ledgers[u]),
+            trained_from=trained_from,
+            ledger=ledgers[u],
             stub=None,  # messages go straight to the aggregator below, not over gRPC
             timeout=1.0,
             on_sent=lambda *_: None,
         )
-        for u in silos
+        for u, vector in values.items()
     }
     aggregator = AggregatorRound(
         layer.aggregator_side(PartyKeys(peers=peers)), roundspec.sums_of(signed, spec), min_contributors=3
@@ -312,9 +385,9 @@ def _attempt(
         try:
             out = aggregator.close()
         except SumAborted as exc:
-            return Attempt(None, refusals, str(exc))
+            return Attempt(None, refusals, str(exc), aggregator.census_taken)
         if isinstance(out, Released):
-            return Attempt(out, refusals)
+            return Attempt(out, refusals, census=aggregator.census_taken)
         inbox = [m for u, purpose, step in out for m in answer(u, partial(parts[u].sums.step, purpose, step))]
 
 
@@ -324,15 +397,24 @@ def _delta(attempt: Attempt) -> torch.Tensor | None:
     return RELEASE_SCHEMA.unflatten(attempt.released.total)["delta"]
 
 
-def _difference_finding(first: Attempt, second: Attempt, truth: torch.Tensor) -> Finding:
+def _target(relabel: str) -> str:
+    second = f"the second relabelled: {relabel}" if relabel else "the second the same RoundSpec"
+    return f"silo {LATE}'s contribution to round 1, as the difference of two attempts' sums ({second})"
+
+
+def _difference_finding(first: Attempt, second: Attempt, truth: torch.Tensor, relabel: str) -> Finding:
     one, two = _delta(first), _delta(second)
     error = float("nan") if one is None or two is None else float((two - one - truth).abs().max())
-    leaked = error <= CODEC_TOLERANCE  # False for NaN
+    # a new seed moves every silo's contribution a little: the difference is v's input to within that
+    tolerance = 10 * SEED_WOBBLE * len(FIRST) if "seed" in relabel else CODEC_TOLERANCE
+    leaked = error <= tolerance  # False for NaN
     return Finding(
         attack="protocol: two attempts",
-        mode="silos without a release ledger",
+        mode=f"ledger keyed by the RoundSpec's labels ({relabel})"
+        if relabel
+        else "silos without a release ledger",
         party=AGGREGATOR,
-        target=f"silo {LATE}'s contribution to round 1, as the difference of two attempts' sums",
+        target=_target(relabel),
         metrics={
             "max_abs_error": error,
             "contribution_max_abs": float(truth.abs().max()),
@@ -341,19 +423,23 @@ def _difference_finding(first: Attempt, second: Attempt, truth: torch.Tensor) ->
         },
         leaked=leaked,
         audited=False,
-        note="each silo's ledger file was deleted between the attempts (a silo that forgets what it signed)",
+        note=(
+            "each silo keys its ledger by plan hash, seed and round, which the aggregator chooses"
+            if relabel
+            else "each silo's ledger file was deleted between the attempts (a silo forgetting what it signed)"
+        ),
     )
 
 
-def _ledger_finding(first: Attempt, second: Attempt) -> Finding:
+def _ledger_finding(first: Attempt, second: Attempt, relabel: str) -> Finding:
     refusing = sorted(u for u, why in second.refusals.items() if "subtract" in why)
     why = second.refusals[refusing[0]] if refusing else "no silo refused"
     formed = second.released is not None
     return Finding(
         attack="protocol: two attempts",
-        mode="silo release ledger",
+        mode="silo release gate" + (f" ({relabel})" if relabel else ""),
         party=AGGREGATOR,
-        target=f"silo {LATE}'s contribution to round 1, as the difference of two attempts' sums",
+        target=_target(relabel),
         metrics={
             "first_sums_formed": float(first.released is not None),
             "second_sums_formed": float(formed),
@@ -363,6 +449,100 @@ def _ledger_finding(first: Attempt, second: Attempt) -> Finding:
         leaked=formed,
         audited=True,
         note=f"silo {refusing[0] if refusing else '-'} refused: {why}; the attempt aborted: {second.aborted}",
+    )
+
+
+# --- (2b) one census per silo set, whatever its labels ------------------------------------------------------
+
+CENSUS_SILOS = ("a", "b", "c", "d")
+
+
+class _LabelledGate(ReleaseGate):
+    """For contrast, the gate of fedlt before issue 30: a census keyed by the RoundSpec's labels (consortium,
+    plan hash, seed, round), which the aggregator chooses, not by the presence the silo sends."""
+
+    def __init__(self, *, labels: str, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.labels = labels
+
+    def release(
+        self, spec: SumSpec, side: SiloSide, survivors: Sequence[str], subject: Subject | None
+    ) -> None:
+        if subject is not None and subject.kind == "census":
+            subject = Subject("census", self.labels.encode())
+        super().release(spec, side, survivors, subject)
+
+
+def census_relabels(seed: int = 0) -> list[Finding]:
+    """A census over four silos, then one over each leave-one-out set, each under a new seed (the same state):
+    the differences are each silo's presence vector. Against silos keying the census by labels, then
+    against the release gate, which keys it by the presence sent: one silo set per presence."""
+    rng = np.random.default_rng([seed, 2])
+    truth = (rng.random((len(CENSUS_SILOS), CLASSES)) < 0.5).astype(np.int64)
+    keys = {u: ec.generate_private_key(ec.SECP256R1()) for u in CENSUS_SILOS}
+    peers = KeyPeers({u: k.public_key() for u, k in keys.items()})
+    sets = [CENSUS_SILOS, *(tuple(v for v in CENSUS_SILOS if v != u) for u in CENSUS_SILOS)]
+    findings = []
+    with tempfile.TemporaryDirectory(prefix="fedlt-census-relabels-") as root:
+        for labelled in (True, False):
+            where = Path(root) / str(labelled)
+            for u in CENSUS_SILOS:
+                (where / u).mkdir(parents=True)
+            censuses: dict[tuple[str, ...], Census] = {}
+            refusals: list[str] = []
+            for i, silos in enumerate(sets):
+                spec = _round_spec(i + 1, silos, PRESENCE_SCHEMA, seed, {"seed": i})  # a new seed each time
+                values = {
+                    u: PRESENCE_SCHEMA.flatten(
+                        {
+                            "delta": torch.from_numpy(np.random.default_rng([seed, i, k]).normal(size=4)),
+                            "present": torch.from_numpy(truth[k].astype(np.float64)),
+                        }
+                    )
+                    for k, u in enumerate(CENSUS_SILOS)
+                    if u in silos
+                }
+                gate = partial(_LabelledGate, labels=_labels(spec)) if labelled else ReleaseGate
+                trained_from = _labels(spec) if labelled else spec.state_digest
+                attempt = _run(spec, values, keys, peers, where, gate, trained_from)
+                refusals += list(attempt.refusals.values())
+                if attempt.census is not None:
+                    censuses[attempt.census.silos] = attempt.census
+            findings.append(_census_finding(truth, censuses, refusals, labelled=labelled))
+    return findings
+
+
+def _census_finding(
+    truth: np.ndarray, censuses: Mapping[tuple[str, ...], Census], refusals: list[str], *, labelled: bool
+) -> Finding:
+    """Each silo's presence as the full census minus the census without it; bits beyond what the full
+    census's counts alone imply (a class none or all of the silos hold) are the leak."""
+    full = censuses.get(CENSUS_SILOS)
+    known = np.zeros(truth.shape, dtype=bool)
+    if full is not None:
+        counts = np.asarray(full.counts)
+        known[:, (counts == 0) | (counts == len(CENSUS_SILOS))] = True  # every silo agrees on these
+    implied = int(known.sum())
+    for k, u in enumerate(CENSUS_SILOS):
+        without = censuses.get(tuple(v for v in CENSUS_SILOS if v != u))
+        if full is not None and without is not None:
+            known[k] |= counts - np.asarray(without.counts) == truth[k]
+    recovered = int(known.sum())
+    refused = next((r for r in refusals if "subtract" in r), "")
+    return Finding(
+        attack="protocol: census relabelled",
+        mode="census keyed by the RoundSpec's labels" if labelled else "silo release gate",
+        party=AGGREGATOR,
+        target=f"each of {len(CENSUS_SILOS)} silos' class presence, from censuses over leave-one-out sets, "
+        "each under a new seed",
+        metrics={
+            "censuses_formed": float(len(censuses)),
+            "bits_recovered": recovered / truth.size,
+            "bits_from_one_census": implied / truth.size,
+        },
+        leaked=recovered > implied,
+        audited=not labelled,
+        note=f"refused: {refused}" if refused else "every census formed",
     )
 
 

@@ -4,12 +4,13 @@ Nothing here imitates a protocol: the uploads are the methods' own `local_round`
 the released sums are the privacy layers' own `aggregate` (the secure sum with its tail guard, CKKS, the
 silos' DP noise), so the audit attacks exactly what the code would send.
 
-The federation is the configured long-tailed split with two small classes planted, because a class that a
+The federation is the configured long-tailed split with three small classes planted, because a class that a
 single record or two represent is where the analysis of `../shared/research/privacy.md` §4a/§4d says
 per-class statistics give records away: the rarest class is held by one silo with exactly one record, the
-second rarest by one silo with exactly two (every other copy moves to the public split). The model is FedAvg
-trained for a few rounds in plaintext (the attacks need a trained encoder, not a private one); the attacked
-round runs every method from that model.
+second rarest by one silo with exactly two, and the next class that two silos hold by two silos with one
+record each (every other copy moves to the public split). The last one passes a tail guard that counts
+silos (k_min = 2) and meets the record floor. The model is FedAvg trained for a few rounds in plaintext (the
+attacks need a trained encoder, not a private one); the attacked round runs every method from that model.
 """
 
 from __future__ import annotations
@@ -23,26 +24,33 @@ import torch
 
 from aggregator.config import LAYER_SECTIONS
 from attacks.config import AuditConfig, Mode
-from fedlt.aggregation import make_layer
+from fedlt.aggregation import make_layer, tail_guard
 from fedlt.aggregation.sums import Contribution, Sums
 from fedlt.config import as_table
 from fedlt.data.arrays import LabeledImages
 from fedlt.data.federation import Federation, build_federation
 from fedlt.dp import silo_privacy
+from fedlt.errors import FedltError
 from fedlt.methods import GlobalState, Method, SiloContext
 from fedlt.sim.config import load_sim_config
 from fedlt.sim.run import make_method, run_simulation
 
-PLANTED = (1, 2)  # records of the rarest and the second rarest class, each at one silo
+# records kept of each planted class at each of its holders: the rarest and second rarest at one silo, then
+# a class that two silos hold with one record each
+PLANTED = ((1,), (2,), (1, 1))
 
 
 @dataclass(frozen=True)
 class Planted:
-    """A class held by one silo only, with `records` of its images."""
+    """A small class: `records[k]` of its images at silo `silos[k]`, and nowhere else."""
 
     label: int
-    silo: int
-    records: np.ndarray  # indices into that silo's data
+    silos: tuple[int, ...]
+    records: tuple[np.ndarray, ...]  # indices into each holder's data
+
+    def describe(self) -> str:
+        held = [f"{len(r)} record(s) at silo-{s}" for s, r in zip(self.silos, self.records, strict=True)]
+        return f"class {self.label}: {' and '.join(held)}"
 
 
 @dataclass
@@ -100,30 +108,42 @@ def _sim_config(config: AuditConfig, method: str, *, epsilon: float):
 
 
 def _plant(federation: Federation) -> tuple[list[LabeledImages], LabeledImages, tuple[Planted, ...]]:
-    """Keep `PLANTED` records of the two rarest classes at the silo holding most of each; every other image
-    of those classes joins the public split (so the attacker's data stays disjoint from the silos')."""
-    rarest = [int(c) for c in np.argsort(federation.train_counts, kind="stable")[: len(PLANTED)]]
+    """Keep `PLANTED` records of the rarest classes at the silos holding most of each (a class planted at
+    two silos: the rarest class left that two silos hold); every other image of those classes joins the
+    public split (so the attacker's data stays disjoint from the silos')."""
     silos = list(federation.silos)
     public = [federation.test]
-    planted = []
-    for label, keep in zip(rarest, PLANTED, strict=True):
-        holder = int(np.argmax([int((s.y == label).sum()) for s in silos]))
+    planted, taken = [], set()
+    for keep in PLANTED:
+        label, holders = _rarest_held(federation, silos, keep, taken)
+        taken.add(label)
         for k, silo in enumerate(silos):
             rows = np.flatnonzero(silo.y == label)
-            leave = rows[keep:] if k == holder else rows
+            leave = rows[keep[holders.index(k)] :] if k in holders else rows
             public.append(silo.subset(leave))
             silos[k] = silo.subset(np.setdiff1d(np.arange(len(silo)), leave))
-        planted.append((label, holder, keep))
+        planted.append((label, holders))
     found = []
-    for label, holder, keep in planted:  # indices once every planted class has left its other rows
-        records = np.flatnonzero(silos[holder].y == label)
-        if len(records) != keep:
-            raise ValueError(
-                f"the split has {len(records)} images of class {label} at its largest holder; "
-                f"the audit needs {keep}: lower data.imbalance (a longer tail keeps fewer) or data.silos"
-            )
-        found.append(Planted(label, holder, records))
+    for label, holders in planted:  # indices once every planted class has left its other rows
+        records = tuple(np.flatnonzero(silos[h].y == label) for h in holders)
+        found.append(Planted(label, holders, records))
     return silos, joined(public), tuple(found)
+
+
+def _rarest_held(
+    federation: Federation, silos: list[LabeledImages], keep: tuple[int, ...], taken: set[int]
+) -> tuple[int, tuple[int, ...]]:
+    """The rarest class not yet planted whose largest holders have `keep` records to give (as many holders
+    as `keep` names), and those holders."""
+    for label in (int(c) for c in np.argsort(federation.train_counts, kind="stable")):
+        held = np.array([int((s.y == label).sum()) for s in silos])
+        largest = np.argsort(-held, kind="stable")[: len(keep)]  # PLANTED keeps as much at each holder
+        if label not in taken and (held[largest] >= max(keep)).all():
+            return label, tuple(int(k) for k in largest)
+    raise ValueError(
+        f"no class left whose largest holders have {list(keep)} records: raise data.silos or lower "
+        "data.imbalance"
+    )
 
 
 def joined(parts: list[LabeledImages]) -> LabeledImages:
@@ -162,13 +182,30 @@ def method_for(scenario: Scenario, name: str, epsilon: float = 0.0) -> Method:
     return make_method(sim, scenario.public.image_shape, len(scenario.public.classes))
 
 
+class Refused(FedltError):
+    """Every silo would refuse the round under its policy: nothing of it is released."""
+
+
 def released(scenario: Scenario, uploads: Uploads, mode: Mode) -> Sums:
     """The sums `mode`'s layer releases from these uploads: to the aggregator (secagg), to every silo (CKKS),
-    or everything to the aggregator (plaintext, which also sees each upload)."""
+    or everything to the aggregator (plaintext, which also sees each upload). `Refused` where silos with
+    the mode's policy would not take part (statistics that invert, without DP and without a floor)."""
     layer = make_layer(mode.privacy, _layer_settings(mode))
     schema = uploads.method.schema(uploads.state)
+    if mode.privacy != "plaintext":
+        refusal = tail_guard.inverting_problems(
+            schema, mode.min_records, dp=uploads.method.dp is not None, accepted=mode.min_records
+        )
+        if refusal:
+            raise Refused(refusal[0])
     noise = uploads.private or None
-    return layer.aggregate(schema, uploads.contributions, silos=scenario.silo_ids, noise=noise)
+    records = {
+        i: np.bincount(silo.y, minlength=silo.num_classes)
+        for i, silo in zip(scenario.silo_ids, scenario.federation.silos, strict=True)
+    }
+    return layer.aggregate(
+        schema, uploads.contributions, silos=scenario.silo_ids, noise=noise, records=records
+    )
 
 
 def attacked_state(method: Method, trained: GlobalState) -> GlobalState:
@@ -186,4 +223,4 @@ def attacked_state(method: Method, trained: GlobalState) -> GlobalState:
 def _layer_settings(mode: Mode):
     """The layer's own settings section with the mode's tail guard (the consortium's table of sections)."""
     section = LAYER_SECTIONS.get(mode.privacy)
-    return None if section is None else section(k_min=mode.k_min)
+    return None if section is None else section(k_min=mode.k_min, min_records=mode.min_records)

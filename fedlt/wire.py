@@ -37,6 +37,7 @@ def schema_to_pb(schema: Schema) -> round_pb2.Schema:
             per_class=f.per_class,
             sensitivity=f.sensitivity,
             float64=f.float64,
+            inverts=f.inverts,
         )
         for f in schema.fields
     ]
@@ -53,6 +54,7 @@ def schema_from_pb(schema: round_pb2.Schema) -> Schema:
             per_class=f.per_class,
             sensitivity=f.sensitivity,
             float64=f.float64,
+            inverts=f.inverts,
         )
         for f in schema.fields
     )
@@ -60,11 +62,15 @@ def schema_from_pb(schema: round_pb2.Schema) -> Schema:
 
 
 def census_to_pb(census: Census) -> round_pb2.Census:
-    return round_pb2.Census(silos=census.silos, silos_per_class=census.counts)
+    return round_pb2.Census(
+        silos=census.silos, silos_per_class=census.counts, records_per_class=census.records
+    )
 
 
 def census_from_pb(spec: round_pb2.RoundSpec) -> Census | None:
-    return Census.of(spec.census.silos, spec.census.silos_per_class) if spec.HasField("census") else None
+    if not spec.HasField("census"):
+        return None
+    return Census.of(spec.census.silos, spec.census.silos_per_class, spec.census.records_per_class)
 
 
 def census_result_to_pb(result: CensusResult) -> pb.CensusResult:

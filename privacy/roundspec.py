@@ -16,10 +16,11 @@ from google.protobuf.message import DecodeError
 
 from fedlt.aggregation import Schema
 from fedlt.aggregation.round_sums import RoundSums
-from fedlt.aggregation.tail_guard import Census
+from fedlt.aggregation.tail_guard import ONLY_UNDER_DP, Census
 from fedlt.errors import FedltError
 from fedlt.v1 import round_pb2
 from fedlt.wire import census_from_pb, census_to_pb, schema_from_pb, schema_to_pb
+from privacy.ckks.attestation import Attested
 from privacy.ckks.settings import CkksParameters
 from privacy.pki.signing import ROUNDSPEC_CONTEXT, verify
 from privacy.secagg.settings import SecAggSettings
@@ -42,12 +43,17 @@ PARAMETERS: dict[str, Parameters] = {
     "secagg": Parameters(
         write=lambda settings: {"secagg": round_pb2.SecAggParameters(**asdict(settings))},
         read=lambda spec: SecAggSettings(
-            threshold=spec.secagg.threshold, neighbours=spec.secagg.neighbours, k_min=spec.secagg.k_min
+            threshold=spec.secagg.threshold,
+            neighbours=spec.secagg.neighbours,
+            k_min=spec.secagg.k_min,
+            min_records=spec.secagg.min_records,
         ),
     ),
     "ckks": Parameters(
         write=lambda settings: {"ckks": round_pb2.CkksParameters(**asdict(settings))},
-        read=lambda spec: CkksParameters(spec.ckks.k_min, spec.ckks.context_id, spec.ckks.key_holder),
+        read=lambda spec: CkksParameters(
+            spec.ckks.k_min, spec.ckks.context_id, spec.ckks.key_holder, spec.ckks.min_records
+        ),
     ),
 }
 
@@ -71,7 +77,9 @@ def build(
     disclosers: Sequence[str],
     deadline_unix_ms: int,
     census: Census | None,
+    attested: Attested | None = None,
 ) -> round_pb2.RoundSpec:
+    """`attested`: where silos computed the starting state, every counted silo's signature over it."""
     return round_pb2.RoundSpec(
         consortium_id=consortium_id,
         round=round_number,
@@ -90,6 +98,7 @@ def build(
         disclosers=disclosers,
         deadline_unix_ms=deadline_unix_ms,
         census=None if census is None else census_to_pb(census),
+        attestations=None if attested is None else attested.to_pb(),
         **PARAMETERS[privacy].write(settings),
     )
 
@@ -122,6 +131,7 @@ def sums_of(signed: round_pb2.SignedRoundSpec, spec: round_pb2.RoundSpec) -> Rou
         participants=tuple(sorted(spec.participants)),
         schema=schema_from_pb(spec.schema),
         k_min=getattr(settings, "k_min", 0),
+        record_floor=getattr(settings, "min_records", ONLY_UNDER_DP),
         census=census_from_pb(spec),
         binding=hashlib.sha256(signed.spec).digest(),
         settings=settings,

@@ -34,7 +34,8 @@ import grpc
 import numpy as np
 import torch
 
-from fedlt.aggregation import make_layer
+from fedlt.aggregation import make_layer, tail_guard
+from fedlt.aggregation.gate import Floors, ReleaseGate
 from fedlt.aggregation.halves import PartyKeys, SiloHalf
 from fedlt.atomic import atomic_write, atomic_write_text
 from fedlt.data.arrays import LabeledImages
@@ -57,11 +58,11 @@ from privacy.pki.signing import sign
 from privacy.roundspec import RoundSpecError
 from privacy.secagg.peers import ConsortiumPeers
 from privacy.wire import DRILL_NAMES, UPLOADS, fetched, step_from_pb
-from silo.budget import open_ledger
+from silo.budget import ledger_path, open_ledger
 from silo.ckks_keys import CkksKeyring
 from silo.config import LAYERS_IMPLEMENTED, SiloConfig
-from silo.participation import Participation, round_key
-from silo.releases import ReleaseLedger
+from silo.participation import Participation
+from silo.releases import ReleaseLedger, check_ledgers
 from silo.stepping import opened_state, report_evaluation, step_and_report
 from silo.tls_probe import server_certificate
 from silo.trust import Credentials, OwnCertificate, SiloTrust, expiry_watch, switch_due
@@ -94,6 +95,7 @@ class SiloAgent:
         self.stop = stop or threading.Event()
         self.state_dir = config.path(config.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        check_ledgers(self.state_dir, ledger_path(config))  # before anything here is written
         if config.compute.threads:
             torch.set_num_threads(config.compute.threads)
         self.data: LabeledImages = config.load_data()
@@ -119,8 +121,15 @@ class SiloAgent:
             ca_pem=self.ca_pem,
             kit_roster=config.path(conn.roster),
             crl=config.path(conn.crl) if conn.crl else None,
+            quorum_above=config.policy.roster_quorum_above,
         )
         self.ledger = ReleaseLedger(self.state_dir)
+        self.gate = ReleaseGate(
+            consortium=self.trust.roster.consortium,
+            floors=Floors(config.policy.min_participants, config.policy.min_survivors),
+            members=lambda: self.trust.roster.silo_ids,
+            ledger=self.ledger,
+        )
         self.silo_id = ""
         self.key_holder = False
         self.aggregator_pem = b""
@@ -129,6 +138,8 @@ class SiloAgent:
         self._method: tuple[str, Method] | None = None
         self._privacy: tuple[str, SiloPrivacy] | None = None
         self.privacy_ledger = open_ledger(config)  # one per silo, across plans; read once, then kept in step
+        self.privacy_ledger.keep()
+        self.ledger.note_privacy_ledger()
         self._expiry_warnings()
         self.ckks = CkksKeyring.for_policy(self.state_dir, config.policy.privacy)
         self.held_out = config.load_evaluation() if self.ckks else None
@@ -310,8 +321,8 @@ class SiloAgent:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:  # a retry would send the same again
                 raise Fatal(f"the aggregator refuses this silo's registration: {exc.details()}") from None
             raise
+        self.trust.offer_crl(reply.crl)  # first: a revocation it carries counts against the roster's signers
         self.trust.offer_roster(reply.roster)
-        self.trust.offer_crl(reply.crl)
         self._renewal_due()  # says once if the roster names another certificate than the running one
         roster = self.trust.roster
         try:
@@ -392,9 +403,9 @@ class SiloAgent:
         while not session_over.wait(self.config.connection.heartbeat_seconds) and not self.stop.is_set():
             try:
                 reply = stub.Heartbeat(self._heartbeat(), timeout=10)
-                self.trust.offer_roster(reply.roster)  # a running silo adopts a newer roster here
-                if reply.crl:
+                if reply.crl:  # first: a revocation it carries counts against the roster's signers
                     self.trust.offer_crl(reply.crl)
+                self.trust.offer_roster(reply.roster)  # a running silo adopts a newer roster here
                 if self._renewal_due():
                     return  # the stream is cancelled; the next session presents the renewed certificate
                 if self.key_holder:
@@ -420,11 +431,13 @@ class SiloAgent:
             return
         self.round_id = spec.round_id
         self._taking_part = None
+        checked = self._checked_state(stub, spec, plan)
+        if checked is None:
+            return
+        state, method = checked
         trains = self.silo_id in spec.participants
-        payload = self._pending(spec) if trains else None
-        if payload is not None and self.sides[spec.privacy].steps_model:
-            self._checked_state(stub, spec, plan)  # the server step after the sum needs the starting state
-        payload = payload or self._work(stub, spec, plan, trains)
+        payload = self._pending(spec, state) if trains else None
+        payload = payload or self._work(stub, spec, plan, trains, state, method)
         if payload is None:
             return
         contribution = torch.from_numpy(np.frombuffer(payload, dtype="<f8").copy())
@@ -436,11 +449,14 @@ class SiloAgent:
                 contribution,
                 me=self.silo_id,
                 side=self.sides[spec.privacy],
+                gate=self.gate,
+                trained_from=state.content_digest(),
                 ledger=self.ledger,
                 stub=stub,
                 timeout=CALL_TIMEOUT,
                 on_sent=lambda purpose, message: self._sent(spec, purpose, message),
                 noise=self._privacy_for(plan, spec.config_sha256),
+                records=np.bincount(self.data.y, minlength=self.data.num_classes),
             )
             self._taking_part.start()
 
@@ -475,19 +491,11 @@ class SiloAgent:
             state=state,
             method=method,
             held_out=self.held_out,
-            may_release=self._may_release_evaluation,
+            gate=self.gate,
             timeout=CALL_TIMEOUT,
         )
         self._stepping, self._evaluating = None, (spec.round_id, spec.round, evaluation)
         log.info("round %d: stepped the model to state %s, reported it sealed", spec.round, digest)
-
-    def _may_release_evaluation(self, silos: tuple[str, ...]) -> None:
-        """Evaluation counts leave this silo only inside a sum of as many silos as its policy asks of sums."""
-        if len(silos) < self.config.policy.min_participants:
-            raise RefusedRound(
-                f"an evaluation sum over {len(silos)} silos; policy.min_participants is "
-                f"{self.config.policy.min_participants}"
-            )
 
     def _evaluation_step(self, stub, step: pb.SumStep) -> None:
         if self._evaluating is None or self._evaluating[0] != step.round_id:
@@ -497,7 +505,9 @@ class SiloAgent:
         self._evaluating = None
         purpose, announced = step_from_pb(step)
         summed = fetched(stub, round_id, purpose, announced, timeout=CALL_TIMEOUT)
-        report_evaluation(stub, round_number, evaluation, summed, CALL_TIMEOUT)
+        if not report_evaluation(stub, round_number, evaluation, summed, CALL_TIMEOUT):
+            self._evaluating = (round_id, round_number, evaluation)  # signed: every silo's signature is next
+            return
         log.info("round %d: reported the consortium's evaluation counts", round_number)
 
     def _sent(self, spec: round_pb2.RoundSpec, purpose: str, message: object) -> None:
@@ -564,6 +574,14 @@ class SiloAgent:
         if plan.method.name != spec.method:
             raise RefusedRound(f"{spec.round_id}: plan runs {plan.method.name!r}, spec says {spec.method!r}")
         refused = self.config.dp.problems(plan.dp)
+        if self.sides[spec.privacy].hides_inputs:
+            sums = roundspec.sums_of(signed, spec)
+            refused += tail_guard.inverting_problems(
+                sums.schema,
+                sums.record_floor,
+                dp=plan.dp.enabled,
+                accepted=self.config.policy.min_class_records,
+            )
         if refused:
             raise RefusedRound(f"{spec.round_id}: " + "; ".join(refused))
         if (
@@ -592,7 +610,7 @@ class SiloAgent:
             )
         if self.silo_id in spec.participants:
             try:
-                problems += side.problems(sums.contribution_spec(sums.participants, sums.census))
+                problems += self.gate.problems(sums.contribution_spec(sums.participants, sums.census), side)
             except FedltError as exc:
                 problems.append(f"its sums are malformed: {exc}")
         return problems
@@ -610,7 +628,15 @@ class SiloAgent:
         try:
             if steps_model:
                 secret = self.ckks.secret_for(roundspec.settings_of(spec))
-                state = opened_state(data, spec, secret, method, older=self.ckks.held())
+                state = opened_state(
+                    data,
+                    spec,
+                    secret,
+                    method,
+                    older=self.ckks.held(),
+                    peers=self.sides[spec.privacy].peers,
+                    min_counted=self.config.policy.min_survivors,
+                )
             else:
                 state = unpack_state(data, spec.round - 1)
         except FedltError as exc:
@@ -633,12 +659,16 @@ class SiloAgent:
             self._stepping = (spec.round_id, state, method)
         return state, method
 
-    def _work(self, stub, spec: round_pb2.RoundSpec, plan: RoundPlan, trains: bool) -> bytes | None:
-        """Fetch and check the state; disclose if asked (the policy allowed it); train if a participant."""
-        checked = self._checked_state(stub, spec, plan)
-        if checked is None:
-            return None
-        state, method = checked
+    def _work(
+        self,
+        stub,
+        spec: round_pb2.RoundSpec,
+        plan: RoundPlan,
+        trains: bool,
+        state: GlobalState,
+        method: Method,
+    ) -> bytes | None:
+        """Disclose if asked (the policy allowed it); train if a participant."""
         if DISCLOSURE in spec.disclosures and self.silo_id in spec.disclosers:
             self._disclose(stub, spec, plan, method, state)
         if not trains:
@@ -658,18 +688,18 @@ class SiloAgent:
         trained = time.perf_counter() - started
         payload = np.ascontiguousarray(contribution.flat().numpy(), dtype="<f8").tobytes()
         atomic_write(self.state_dir / "pending.bin", lambda fh: fh.write(payload))
-        atomic_write_text(self.state_dir / "pending.json", json.dumps({"round": round_key(spec)}))
+        atomic_write_text(self.state_dir / "pending.json", json.dumps(_pending_key(spec, state)))
         log.info("round %d: trained on %d samples in %.2f s", spec.round, len(self.data), trained)
         return payload
 
     def _disclose(self, stub, spec: round_pb2.RoundSpec, plan: RoundPlan, method: Method, state) -> None:
         """MFSC: this silo's class means under the received model, random points for classes it lacks or holds
         too few samples of. One disclosure per round's state: a retried attempt sends the same bytes."""
-        key = f"{spec.state_digest}/{spec.round}"
+        key = state.content_digest()  # one disclosure per state, whatever round the aggregator labels it
         values = self.ledger.disclosure(key)
         if values is None:
             minimum = max(plan.selection.min_samples, self.config.policy.disclosure_min_samples)
-            stream = mask_stream(self._mask_secret(), spec.round)
+            stream = mask_stream(self._mask_secret(), key)
             means = class_mean_disclosure(
                 method, state, self.data, plan.selection.mask, stream, min_samples=minimum
             )
@@ -717,11 +747,12 @@ class SiloAgent:
 
     # --- what survives a restart ----------------------------------------------------------------
 
-    def _pending(self, spec: round_pb2.RoundSpec) -> bytes | None:
-        """The contribution this silo trained for this round (same state, plan and seed) in an earlier attempt
-        or before a restart: resent, not retrained, so a retry costs no privacy budget again."""
+    def _pending(self, spec: round_pb2.RoundSpec, state: GlobalState) -> bytes | None:
+        """The contribution this silo trained from this state (and for this schema) in an earlier attempt or
+        before a restart: resent, not retrained, whatever the attempt, round label, plan text or seed, so a
+        retry costs no privacy budget again and releases nothing new."""
         meta = self.state_dir / "pending.json"
-        if meta.exists() and json.loads(meta.read_text()).get("round") == round_key(spec):
+        if meta.exists() and json.loads(meta.read_text()) == _pending_key(spec, state):
             log.info("%s: resending the contribution trained for round %d", spec.round_id, spec.round)
             return (self.state_dir / "pending.bin").read_bytes()
         return None
@@ -736,6 +767,12 @@ class SiloAgent:
 
     def _save_progress(self, **facts: object) -> None:
         atomic_write_text(self.state_dir / "progress.json", json.dumps({**self._progress(), **facts}))
+
+
+def _pending_key(spec: round_pb2.RoundSpec, state: GlobalState) -> dict[str, str]:
+    """What a pending contribution was trained for: the state's content and the signed schema."""
+    schema = hashlib.sha256(spec.schema.SerializeToString(deterministic=True)).hexdigest()
+    return {"trained_from": state.content_digest(), "schema": schema}
 
 
 def _unfit_model(method: Method, state: GlobalState) -> str:

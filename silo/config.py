@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedlt.aggregation.tail_guard import ONLY_UNDER_DP
 from fedlt.config import parse_section, read_toml, resolve, setting
 from fedlt.data.arrays import LabeledImages
 from fedlt.data.federation import DataConfig, Federation, build_federation
@@ -71,8 +72,17 @@ class PolicySection:
     privacy: tuple[str, ...] = ("secagg",)
     disclosures: tuple[str, ...] = ()
     max_state_mb: float = setting(2048.0, gt=0.0)
-    min_tail_guard: int = setting(2, ge=0, doc="refuse secagg rounds whose tail guard k_min is lower")
+    min_tail_guard: int = setting(2, ge=0, doc="refuse rounds whose tail guard k_min is lower")
+    min_class_records: int = setting(
+        ONLY_UNDER_DP,
+        ge=0,
+        doc="release per-class statistics that invert (second moments, per-class gradients) without [dp] "
+        "only under a record floor this high; 0: only under [dp] (they give records back at any class size)",
+    )
     min_participants: int = setting(3, ge=2, doc="refuse secure sums over fewer silos")
+    min_survivors: int = setting(
+        3, ge=2, doc="release nothing into a sum that counts fewer silos, once dropouts are known"
+    )
     threshold_above: str = setting(
         "2/3", doc="refuse secure sums whose threshold is not above this fraction of a seed's holders"
     )
@@ -83,6 +93,10 @@ class PolicySection:
         0,
         ge=0,
         doc="accept SecAgg+ graphs with at least this many neighbours per silo; 0: complete graph only",
+    )
+    roster_quorum_above: str = setting(
+        "1/2",
+        doc="refuse a roster whose quorum of silo signatures is not above this fraction of its silos",
     )
 
     def session_policy(self) -> SessionPolicy:
@@ -103,16 +117,31 @@ class PolicySection:
                 f"policy.privacy: {unknown_layers} not implemented by this agent; "
                 f"known: {', '.join(LAYERS_IMPLEMENTED)}"
             )
-        try:
-            fraction = Fraction(self.threshold_above)
-        except (ValueError, ZeroDivisionError):
-            fraction = None
+        fraction = _fraction(self.threshold_above)
         if fraction is None or not Fraction(1, 2) <= fraction < 1:
             found.append(
                 f"policy.threshold_above: a fraction from 1/2 up to (not including) 1, such as '2/3'; "
                 f"got {self.threshold_above!r}"
             )
+        quorum = _fraction(self.roster_quorum_above)
+        if quorum is None or not 0 <= quorum < 1:
+            found.append(
+                f"policy.roster_quorum_above: a fraction from 0 up to (not including) 1, such as '1/2'; "
+                f"got {self.roster_quorum_above!r}"
+            )
+        if self.min_survivors > self.min_participants:
+            found.append(
+                f"policy.min_survivors: {self.min_survivors} is more than policy.min_participants "
+                f"{self.min_participants}, so no sum could ever count enough silos"
+            )
         return found
+
+
+def _fraction(text: str) -> Fraction | None:
+    try:
+        return Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        return None
 
 
 @dataclass(frozen=True)

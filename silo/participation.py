@@ -1,17 +1,16 @@
 """This silo's part in one round's sums, over whichever layer the RoundSpec names and this silo implements.
 
 The sums themselves (census, tail guard, contribution) are `fedlt.aggregation.round_sums.SiloRound`, the same
-code the simulator runs; the layer's half is this silo's `SiloSide` for it (keys, peers, session policy). What
-this module adds is what a consortium silo must enforce and remember across restarts, whatever the aggregator
-says (`ReleaseLedger`): the census named in a RoundSpec must be the one this silo took part in; a census it
-takes is kept; and it releases each round's contribution and each phase's census for one set of silos only.
-Messages go out through `privacy.wire.send`; steps come in as `SumStep`s.
+code the simulator runs, and every release in them passes the silo's release gate
+(`fedlt.aggregation.gate.ReleaseGate`: roster, floors, the ledger keyed by what is released); the layer's half
+is this silo's `SiloSide` for it (keys, peers, session policy). What this module adds is what a consortium
+silo must remember across restarts (`ReleaseLedger`): the census named in a RoundSpec must be the one this
+silo took part in, and a census it takes is kept. Messages go out through `privacy.wire.send`; steps come
+in as `SumStep`s.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from collections.abc import Callable
 
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 
 from fedlt.aggregation import tail_guard
+from fedlt.aggregation.gate import ReleaseGate, Subject
 from fedlt.aggregation.halves import ReleaseNoise, SiloSide
 from fedlt.aggregation.round_sums import SiloRound
 from fedlt.aggregation.tail_guard import Census, CensusError
@@ -32,12 +32,6 @@ from silo.releases import ReleaseLedger
 log = logging.getLogger("silo")
 
 
-def round_key(spec: round_pb2.RoundSpec) -> str:
-    """One round of one run, whatever the attempt: what a silo trains on, and so releases, is fixed by it."""
-    computed = [spec.consortium_id, spec.state_digest, spec.config_sha256, spec.seed, spec.round]
-    return hashlib.sha256(json.dumps(computed).encode()).hexdigest()
-
-
 class Participation:
     def __init__(
         self,
@@ -47,31 +41,36 @@ class Participation:
         *,
         me: str,
         side: SiloSide,
+        gate: ReleaseGate,
+        trained_from: str,
         ledger: ReleaseLedger,
         stub,
         timeout: float,
         on_sent: Callable[[str, object], None],
         noise: ReleaseNoise | None = None,
+        records: np.ndarray | None = None,
     ) -> None:
+        """`trained_from` is the content digest of the state the contribution was computed from (checked
+        against the signed digest by the caller): the ledger's key for it. `records`: this silo's record
+        count per class, for the census's record floor."""
         self.spec, self.me, self._ledger = spec, me, ledger
         self._stub, self._timeout, self._on_sent = stub, timeout, on_sent
         self._unsent: list[tuple[str, object]] = []  # of the last `_send`, until each is delivered
         sums = roundspec.sums_of(signed, spec)
-        self.phase = tail_guard.phase_key(
-            spec.consortium_id, spec.config_sha256, spec.seed, sums.schema.phase
-        )
-        self._releases = {"census": f"census/{self.phase}", "contribution": f"round/{round_key(spec)}"}
-        if sums.census is not None and me in sums.census.silos:
-            self._check_census_claim(sums, sums.census, contribution)
         self.sums = SiloRound(
             side,
             sums,
             contribution,
             me=me,
-            on_census=lambda census: ledger.record_census(self.phase, census),
-            on_release=self._pin,
+            gate=gate,
+            trained_from=Subject("contribution", trained_from.encode()),
+            records=records,
+            on_census=lambda census: ledger.record_census(self._census_key, census),
             noise=noise,
         )
+        self._census_key = self.sums.census_subject.key(gate.consortium)
+        if sums.census is not None and me in sums.census.silos:
+            self._check_census_claim(sums.census)
 
     @property
     def purpose(self) -> str:
@@ -114,18 +113,29 @@ class Participation:
                 continue
             self._on_sent(purpose, message)
 
-    def _pin(self, purpose: str, survivors: tuple[str, ...]) -> None:
-        what = "census of this phase" if purpose == "census" else f"contribution of round {self.spec.round}"
-        self._ledger.pin_survivors(self._releases[purpose], survivors, what)
-
-    def _check_census_claim(self, sums, census: Census, contribution: torch.Tensor) -> None:
-        """The RoundSpec's census must be the one this silo took part in. A silo that signed the census but
-        never received its result (the aggregator stopped in between) takes the counts the RoundSpec names,
-        checked as a result would be: for the set it signed, counting its own classes."""
-        kept = self._ledger.census(self.phase)
-        if kept is None and self._ledger.survivors(self._releases["census"]) == list(census.silos):
-            counts = np.asarray(census.counts, dtype=np.uint64)
-            tail_guard.check_census(counts, tail_guard.presence(sums.schema, contribution), len(census.silos))
-            self._ledger.record_census(self.phase, census)
+    def _check_census_claim(self, census: Census) -> None:
+        """The RoundSpec's census must be the one this silo took part in and kept (it keeps one the moment it
+        has computed it). A silo that signed the census but kept none (stopped before it could compute it)
+        takes no census on the aggregator's word where the layer hides inputs: the aggregator could withhold
+        the sum and name any counts. It leaves the round; the aggregator takes the census again over the same
+        silos, which this silo allows. Under DP the census says nothing of this silo's records (it claims
+        every class), and under plaintext the aggregator sees every input anyway: there a plausible census
+        is taken."""
+        kept = self._ledger.census(self._census_key)
+        signed_for = self._ledger.survivors(self._census_key) == list(census.silos)
+        trusting = self.sums.noise is not None or (signed_for and not self.sums.side.hides_inputs)
+        if kept is None and trusting:
+            tail_guard.check_census(
+                np.asarray(census.vector(), dtype=np.uint64),
+                self.sums.census_input(),
+                len(census.silos),
+                self.sums.sums.record_floor,
+            )
+            self._ledger.record_census(self._census_key, census)
+        elif kept is None and signed_for:
+            raise CensusError(
+                "the RoundSpec names a census this silo signed for but never computed (it stopped before "
+                "the result); it takes part again once the census is taken anew over the same silos"
+            )
         elif kept != census:
             raise CensusError("the RoundSpec's census differs from the census this silo took part in")

@@ -69,8 +69,16 @@ def write_kit(
         plan=plan,
         consortium=ConsortiumSection(id=consortium_id, min_silos=silos),
         timeouts=TimeoutSection(),
+        record_floor=record_floor_for(plan),
     )
     return configs
+
+
+def record_floor_for(plan: RoundPlan) -> int:
+    """Tests of other things run methods releasing statistics that invert without DP: both sides accept a
+    record floor of 2 for them (the default refuses them, docs/threat-model.md)."""
+    fields, _ = plan.build_method().statistics_plan()
+    return 2 if not plan.dp.enabled and any(f.per_class and f.inverts for f in fields) else 0
 
 
 @dataclass
@@ -112,6 +120,7 @@ class Consortium:
             timeouts=TimeoutSection(gather=3.0, round=round_timeout, keepalive=MIN_SECONDS, **stage),
             silo_threads=SILO_THREADS,
             layer_settings=demo_layer_settings(privacy),
+            record_floor=record_floor_for(plan),
         )
         return cls(directory, silo_configs)
 

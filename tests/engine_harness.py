@@ -13,11 +13,13 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from aggregator.rounds import RoundEngine
 from fedlt.aggregation import Schema
+from fedlt.aggregation.gate import Floors, ReleaseGate
 from fedlt.aggregation.halves import PartyKeys
 from fedlt.errors import FedltError
 from fedlt.v1 import round_pb2
@@ -26,7 +28,7 @@ from privacy.pki.signing import sign
 from privacy.secagg.layer import SecAggSum
 from privacy.secagg.peers import KeyPeers
 from privacy.secagg.policy import SessionPolicy
-from privacy.wire import RECEIVERS, received, upload_of
+from privacy.wire import RECEIVERS, received, submitted
 from silo.participation import Participation
 from silo.releases import ReleaseLedger
 
@@ -54,13 +56,15 @@ class DirectStub:
     def Submit(self, stream, timeout=None) -> None:  # noqa: N802
         first, *parts = list(stream)
         header = first.header
-        upload = upload_of(header.kind, b"".join(part.chunk for part in parts))
+        upload = submitted(header, b"".join(part.chunk for part in parts))
         self.engine.upload(self.silo, header.round_id, PURPOSE_OF_SUM[header.sum], upload, header.sha256)
 
 
 class InProcessSilo:
-    def __init__(self, name: str, values: Values, state_dir: Path) -> None:
-        self.name, self.values, self.state_dir = name, values, state_dir
+    """`records`: the silo's record count per class, for the census's record floor (None: it says none)."""
+
+    def __init__(self, name: str, values: Values, state_dir: Path, records: np.ndarray | None = None) -> None:
+        self.name, self.values, self.state_dir, self.records = name, values, state_dir, records
         self.key = ec.generate_private_key(ec.SECP256R1())
         self.refusals: list[str] = []
         self.errors: list[str] = []
@@ -111,13 +115,19 @@ class InProcessSilo:
         values = schema.unflatten(torch.zeros(schema.size, dtype=torch.float64))
         values.update(self.values(schema, spec.round))
         sign_as = lambda data, *, context: sign(self.key, data, context=context)  # noqa: E731
+        ledger = ReleaseLedger(self.state_dir)
         return Participation(
             signed,
             spec,
             schema.flatten(values),
             me=self.name,
             side=SecAggSum().silo_side(PartyKeys(sign=sign_as, peers=peers, policy=SessionPolicy())),
-            ledger=ReleaseLedger(self.state_dir),
+            gate=ReleaseGate(
+                consortium=spec.consortium_id, floors=Floors(), members=lambda: peers.keys, ledger=ledger
+            ),
+            trained_from=spec.state_digest,  # the state these silos "train" from: the one the RoundSpec signs
+            ledger=ledger,
+            records=self.records,
             stub=stub,
             timeout=30,
             on_sent=lambda purpose, message: None,

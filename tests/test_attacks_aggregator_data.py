@@ -100,7 +100,7 @@ class World:
                 torch.from_numpy(data.y),
                 CLASSES,
                 "gaussian",
-                mask_stream(simulated_mask_secret(0, source), 1),
+                mask_stream(simulated_mask_secret(0, source), "round-1"),
                 min_samples=SelectionConfig.min_samples,
             )
             out[silo] = (DISCLOSURE, means.numpy().astype("<f8").tobytes())

@@ -17,14 +17,15 @@ from fedlt.errors import ConfigError
 
 DIGITS = DataConfig(dataset="digits", imbalance=10, alpha=0.5, silos=4, test_per_class=30)
 PLAIN = Mode(name="plaintext", privacy="plaintext", audited=False)
-OPEN_SUM = Mode(name="secagg, guard off", privacy="secagg", k_min=0)
+OPEN_SUM = Mode(name="secagg, guard off", privacy="secagg", k_min=0, min_records=1)
+SILOS_ONLY = Mode(name="secagg + tail guard, moments released", privacy="secagg", k_min=2, min_records=1)
 GUARD = Mode(name="secagg + tail guard", privacy="secagg", k_min=2)
 DP = Mode(name="dp ε=1", privacy="secagg", k_min=2, epsilon=1.0)
 
 
 @pytest.fixture(scope="module")
 def audit() -> Audit:
-    config = AuditConfig(seed=0, data=DIGITS, modes=(PLAIN, OPEN_SUM, GUARD, DP))
+    config = AuditConfig(seed=0, data=DIGITS, modes=(PLAIN, OPEN_SUM, SILOS_ONLY, GUARD, DP))
     config = replace(config, training=replace(config.training, rounds=2))
     return Audit(build_scenario(config, echo=lambda _: None))
 
@@ -46,26 +47,41 @@ def test_a_one_record_class_gives_its_feature_in_plaintext_and_in_a_sum_it_alone
 
 
 def test_the_tail_guard_and_dp_leave_the_attacker_its_prior(audit):
-    """Guards the protections (the audit must pass where the design holds): under the tail guard the class's
-    rows are zero, so nothing is recovered and the attacker's best image is its own prototype; under DP the
-    noise swamps the record (relative error far above 1)."""
-    (guarded,) = audit.analytic(GUARD)
+    """Guards the protections (the audit must pass where the design holds): under the tail guard alone the
+    class's rows are zero, so nothing is recovered and the attacker's best image is its own prototype; by
+    default silos refuse the round outright (per-class gradients invert, and leave only under DP); under DP
+    the noise swamps the record (relative error far above 1)."""
+    (guarded,) = audit.analytic(SILOS_ONLY)
     assert guarded.note.startswith("withheld")
     assert guarded.metrics["ssim"] == pytest.approx(guarded.metrics["ssim_prior"])
     assert not guarded.leaked
+    (refused,) = audit.analytic(GUARD)
+    assert refused.note.startswith("refused by every silo")
+    assert "only under DP" in refused.note
+    assert refused.metrics["ssim"] == pytest.approx(refused.metrics["ssim_prior"])
+    assert not refused.leaked
     (noised,) = audit.analytic(DP)
     assert noised.metrics["feature_error"] > 1.0
     assert not noised.leaked
 
 
 def test_moments_of_one_and_two_records_invert_exactly_unless_guarded(audit):
-    """Guards attack (b) both ways: Σz, Σzzᵀ and the count of a class of one record and of two give their
-    features exactly in plaintext; the tail guard releases neither."""
+    """Guards attack (b) both ways: Σz, Σzzᵀ and the count of a class of one record, of two at one silo, and
+    of one at each of two silos give their features exactly in plaintext; a tail guard counting silos
+    releases the last one (finding 6: two silos pass k_min = 2); silos by default release no second moment
+    without DP, so nothing of any."""
+    one, two, spread = audit.scenario.planted
+    assert (len(one.silos), len(two.silos), len(spread.silos)) == (1, 1, 2)
     for finding in audit.moments(PLAIN):
         assert finding.metrics["feature_error"] < 1e-6, finding.target
         assert finding.leaked
+    alone, pair, across = audit.moments(SILOS_ONLY)
+    assert alone.note.startswith("withheld")
+    assert pair.note.startswith("withheld")
+    assert across.metrics["feature_error"] < 1e-3, across.target  # the attack the guard alone lets through
+    assert across.leaked
     for finding in audit.moments(GUARD):
-        assert finding.note.startswith("withheld")
+        assert finding.note.startswith("refused by every silo")
         assert not finding.leaked
 
 
@@ -77,9 +93,12 @@ def test_sfd_synthesises_the_one_record_class_from_an_open_sum_and_nothing_under
     assert not safs[OPEN_SUM.name].note.startswith("withheld")
     draws = safs[OPEN_SUM.name].images["recovered"]
     assert len(np.unique(draws.reshape(len(draws), -1), axis=0)) > 1  # distinct SAFS draws, not the prior
-    assert safs[GUARD.name].note.startswith("withheld")
+    assert safs[GUARD.name].note.startswith("refused by every silo")
     assert safs[GUARD.name].metrics["ssim"] == pytest.approx(safs[GUARD.name].metrics["ssim_prior"])
     assert not safs[GUARD.name].leaked
+    guarded = _finding(audit.decoder_attack(SILOS_ONLY), "SFD")
+    assert guarded.note.startswith("withheld")
+    assert not guarded.leaked
     # under DP the method runs: it used to stop the audit with a configuration error, raised in the call
     # above. Whether the one-record class's noised count stays above zero, so that anything is released for
     # it, and whether the noised draws then beat the baselines on 8x8 digits, is the CSPRNG noise's call (a

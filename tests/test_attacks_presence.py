@@ -57,7 +57,7 @@ def disclosures(fed: Federation, model: SplitModel, mask: str) -> dict[str, torc
             torch.from_numpy(silo.y),
             CLASSES,
             mask,
-            mask_stream(simulated_mask_secret(SEED, name), 1),
+            mask_stream(simulated_mask_secret(SEED, name), "round-1"),
             min_samples=MIN_SAMPLES,
         )
         for name, silo in zip(NAMES, fed.silos, strict=True)

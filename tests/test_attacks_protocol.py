@@ -13,6 +13,7 @@ import pytest
 
 from attacks import protocol
 from attacks.audit import Finding
+from attacks.ckks_sums import SILOS, chosen_sums
 from privacy.secagg.peers import KeyPeers
 from privacy.secagg.policy import SessionPolicy
 from silo.releases import ReleaseLedger
@@ -90,11 +91,57 @@ def test_two_attempts_against_silos_that_forget_give_the_late_silos_contribution
 def test_the_release_ledger_refuses_the_second_survivor_set(attempts):
     """Guards the silos' release ledger: the silos of the first attempt refuse to sign the second set, so no
     second sum is formed and there is nothing to subtract."""
-    real = attempts["silo release ledger"]
+    real = attempts["silo release gate"]
     assert (real.leaked, real.audited) == (False, True)
     assert real.metrics["first_sums_formed"] == 1.0
     assert real.metrics["second_sums_formed"] == 0.0
     assert real.metrics["silos_refusing"] == len(protocol.FIRST)
+    assert "would let the aggregator subtract the two sums" in real.note
+
+
+@pytest.mark.parametrize("relabel", [r for r in protocol.RELABELS if r])
+def test_a_relabelled_second_attempt_subtracts_against_a_ledger_keyed_by_labels(attempts, relabel):
+    """Guards the attack itself (issue 30, finding 1): the same state under a new plan text or seed is a new
+    key for a ledger keyed by the RoundSpec's labels, and the difference of the sums is the late silo's input
+    (exactly for a comment, to within the seed's wobble for a new seed)."""
+    naive = attempts[f"ledger keyed by the RoundSpec's labels ({relabel})"]
+    assert (naive.leaked, naive.audited) == (True, False)
+    assert naive.metrics["second_sums_formed"] == 1.0
+    assert naive.metrics["max_abs_error"] < 0.05 * naive.metrics["contribution_max_abs"]
+
+
+@pytest.mark.parametrize("relabel", [r for r in protocol.RELABELS if r])
+def test_the_release_gate_refuses_a_relabelled_second_attempt(attempts, relabel):
+    """Guards the ledger's key (the state trained from, not the labels): a relabelled attempt meets the same
+    key, and the first attempt's silos refuse the second set."""
+    real = attempts[f"silo release gate ({relabel})"]
+    assert (real.leaked, real.audited) == (False, True)
+    assert real.metrics["second_sums_formed"] == 0.0
+    assert real.metrics["silos_refusing"] == len(protocol.FIRST)
+    assert "would let the aggregator subtract the two sums" in real.note
+
+
+@pytest.fixture(scope="module")
+def censuses() -> dict[str, Finding]:
+    return by_mode(protocol.census_relabels(seed=0))
+
+
+def test_censuses_under_new_seeds_give_every_silos_presence_against_label_keys(censuses):
+    """Guards the attack itself (issue 30, finding 2): a census over all silos and one over each leave-one-out
+    set, each under a new seed, recover every presence bit from silos that key the census by labels."""
+    naive = censuses["census keyed by the RoundSpec's labels"]
+    assert (naive.leaked, naive.audited) == (True, False)
+    assert naive.metrics["censuses_formed"] == 1 + len(protocol.CENSUS_SILOS)
+    assert naive.metrics["bits_recovered"] == 1.0
+
+
+def test_the_release_gate_gives_a_silos_presence_over_one_set_only(censuses):
+    """Guards the census's key (the presence sent, not the labels): every leave-one-out census is refused by
+    the silos of the first, so nothing beyond the first census's counts is known."""
+    real = censuses["silo release gate"]
+    assert (real.leaked, real.audited) == (False, True)
+    assert real.metrics["censuses_formed"] == 1.0
+    assert real.metrics["bits_recovered"] == real.metrics["bits_from_one_census"]
     assert "would let the aggregator subtract the two sums" in real.note
 
 
@@ -163,29 +210,57 @@ def test_protocol_findings_are_all_of_them_and_fail_no_audited_mode():
     assert {f.attack for f in findings} == {
         "protocol: presence intersection",
         "protocol: two attempts",
+        "protocol: census relabelled",
         "protocol: split views",
+        "protocol: ckks chosen sum",
     }
-    assert len(findings) == 2 + 2 + 10
+    assert len(findings) == 2 + 2 * len(protocol.RELABELS) + 2 + 10 + 2
     assert not [f for f in findings if f.audited and f.leaked]
     assert all(f.leaked for f in findings if not f.audited)
     assert all(isinstance(v, float) for f in findings for v in f.metrics.values())
 
 
-def test_the_findings_are_deterministic(presence, attempts, views):
+@pytest.fixture(scope="module")
+def chosen() -> dict[str, Finding]:
+    return by_mode(chosen_sums(seed=0))
+
+
+def test_a_ckks_aggregator_handing_silos_different_sums_reads_one_silos_counts_where_they_decrypt_anything(
+    chosen,
+):
+    """Guards the attack itself (issue 30, finding 3): the victim given the true sum and the rest `E + P`, the
+    evaluation sum's count of the forced class is the victim's own held-out count."""
+    naive = chosen["silos decrypting what they are handed"]
+    assert (naive.leaked, naive.audited) == (True, False)
+    assert naive.metrics["read"] == naive.metrics["victims_count"] > 0
+
+
+def test_the_ckks_consistency_step_leaves_no_silo_decrypting_a_split_sum(chosen):
+    real = chosen["silo consistency step"]
+    assert (real.leaked, real.audited) == (False, True)
+    assert real.metrics["silos_decrypting"] == 0.0
+    assert real.metrics["silos_refusing"] == len(SILOS)
+
+
+def test_the_findings_are_deterministic(presence, attempts, censuses, views, chosen):
     """Guards reproducible reports: fresh keys and masks every run, the same findings every run."""
-    again = [*protocol.presence_intersection(0), *protocol.two_attempts(0), *protocol.split_views(0)]
-    first = [*presence.values(), *attempts.values(), *views]
+    again = protocol.protocol_findings(0)
+    first = [*presence.values(), *attempts.values(), *censuses.values(), *views, *chosen.values()]
     assert [(f.mode, f.target, f.metrics, f.leaked) for f in again] == [
         (f.mode, f.target, f.metrics, f.leaked) for f in first
     ]
 
 
-def test_a_ledger_that_never_refuses_makes_the_audited_finding_leak(monkeypatch):
-    """Guards that the ledger finding is measured: take the ledger's check away and the attack succeeds."""
+def test_a_ledger_that_never_refuses_makes_the_audited_findings_leak(monkeypatch):
+    """Guards that the ledger findings are measured: take the ledger's check away and the attacks succeed."""
     monkeypatch.setattr(ReleaseLedger, "pin_survivors", lambda self, key, survivors, what: None)
-    real = by_mode(protocol.two_attempts(seed=0))["silo release ledger"]
-    assert real.leaked
-    assert real.metrics["second_sums_formed"] == 1.0
+    found = by_mode(protocol.two_attempts(seed=0))
+    real = [f for mode, f in found.items() if mode.startswith("silo release gate")]
+    assert len(real) == len(protocol.RELABELS)
+    assert all(f.leaked and f.metrics["second_sums_formed"] == 1.0 for f in real)
+    census = by_mode(protocol.census_relabels(seed=0))["silo release gate"]
+    assert census.leaked
+    assert census.metrics["bits_recovered"] == 1.0
 
 
 def test_a_policy_that_accepts_everything_makes_the_audited_findings_leak(monkeypatch):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 
 from aggregator.config import ConsortiumConfig, ConsortiumSection, TimeoutSection
@@ -52,6 +53,11 @@ def values_of(silo: str):
     return values
 
 
+def records_of(silo: str) -> np.ndarray:
+    """Two records of each class the silo holds: class 1's two silos reach the record floor (3) together."""
+    return np.bincount(np.repeat(HOLDINGS[silo], 2), minlength=CLASSES)
+
+
 def test_census_holds_back_classes_fewer_than_k_min_silos_hold(tmp_path):
     config = ConsortiumConfig(
         consortium=ConsortiumSection(rounds=1, min_silos=3),
@@ -60,7 +66,7 @@ def test_census_holds_back_classes_fewer_than_k_min_silos_hold(tmp_path):
     )
     assert config.consortium.privacy == "secagg"
     assert config.secagg.k_min == 2
-    silos = [InProcessSilo(name, values_of(name), tmp_path / name) for name in HOLDINGS]
+    silos = [InProcessSilo(name, values_of(name), tmp_path / name, records_of(name)) for name in HOLDINGS]
     peers = peers_of(silos)
     store = Store(tmp_path / "db.sqlite", audit_key=AUDIT_KEY)
     for silo in HOLDINGS:
@@ -100,5 +106,7 @@ def test_census_holds_back_classes_fewer_than_k_min_silos_hold(tmp_path):
     assert torch.allclose(sums["per_class"], expected, atol=1e-6)  # classes 2 and 3: one silo each, zeroed
     assert float(sums["n"]) == 15.0
     guard = [r.detail for r in store.audit_log() if r.event == "tail_guard"]
-    assert guard == [{"round_id": guard[0]["round_id"], "k_min": 2, "zeroed": [2, 3]}]
+    assert guard == [
+        {"round_id": guard[0]["round_id"], "k_min": 2, "zeroed": [2, 3], "record_floor": 0, "floored": []}
+    ]
     store.close()

@@ -21,6 +21,7 @@ from fedlt.methods import ModelSpec, TrainConfig
 from fedlt.methods.ccvr import CCVR, CCVROptions
 from fedlt.methods.creff import CReFF, CReFFOptions
 from fedlt.methods.heads import clip_features
+from privacy.ckks.settings import CkksSettings
 from privacy.dp.accountant import ORDERS, epsilon, gaussian_rdp, orders
 from privacy.dp.ledger import Budget, BudgetExceeded, PrivacyLedger
 from privacy.dp.noise import SecureRandom
@@ -426,12 +427,20 @@ def test_without_the_guard_the_shares_are_calibrated_for_the_threshold():
 def test_the_same_round_without_dp_shows_the_holdings_and_guards_the_rare_classes():
     """Guards the contrast: without DP the census shows true holdings and the guard zeroes rare classes."""
     layer = make_layer("secagg", SecAggSettings(threshold=2))
-    layer.aggregate(ROUND, _round_contributions(), silos=["a", "b", "c"])
+    records = {u: 7 * np.isin(np.arange(CLASSES), held) for u, held in zip("abc", HOLDINGS, strict=True)}
+    layer.aggregate(ROUND, _round_contributions(), silos=["a", "b", "c"], records=records)
     assert layer.censuses[ROUND.phase].counts == (3, 2, 1, 1)
     assert layer.zeroed == [2, 3]
 
 
 def test_the_ckks_layer_carries_the_same_noise_from_before_encryption():
-    """Guards the CKKS path under DP: every silo's share goes in before encryption, calibrated for every
-    silo of the sum (CKKS has no dropout recovery), and the decrypted sum carries it on the field's grid."""
+    """Guards the CKKS path under DP: every silo's share goes in before encryption, calibrated for the whole
+    census set (per-class rows go out only in a sum over all of it), and the decrypted sum carries it."""
     _assert_noised(*_dp_round(make_layer("ckks"), "ckks"), counted=3)
+
+
+def test_without_the_guard_ckks_shares_are_calibrated_for_the_floor_not_every_listed_silo():
+    """Finding 4: CKKS has no dropout recovery, and shares calibrated for every listed silo left a sum after
+    a dropout (or with ghost ids listed) short of its noise; they are calibrated for the fewest silos the
+    release gate lets a sum count (the simulator's floor, two), and a sum below it is refused."""
+    _assert_noised(*_dp_round(make_layer("ckks", CkksSettings(k_min=0)), "ckks-floor"), counted=2)

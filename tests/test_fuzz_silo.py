@@ -242,7 +242,9 @@ def work(kit: Kit, data: bytes, parts: list[pb.FetchStateResponse] | None = None
     spec = _described(kit, data)
     plan = RoundPlan.from_toml(spec.method_config, "the fuzzed RoundSpec")
     chunks = [pb.FetchStateResponse(offset=0, data=data)] if parts is None else parts
-    return kit.agent._work(Stub(chunks), spec, plan, trains=True)
+    stub = Stub(chunks)
+    checked = kit.agent._checked_state(stub, spec, plan)
+    return None if checked is None else kit.agent._work(stub, spec, plan, True, *checked)
 
 
 def take_state(kit: Kit, data: bytes, parts: list[pb.FetchStateResponse]) -> None:
@@ -260,6 +262,8 @@ def participation(kit: Kit) -> tuple[Participation, Stub]:
         torch.zeros(SIZE, dtype=torch.float64),
         me=SILOS[0],
         side=kit.agent.sides["secagg"],
+        gate=kit.agent.gate,
+        trained_from=kit.base.state_digest,
         ledger=kit.agent.ledger,
         stub=stub,
         timeout=10.0,

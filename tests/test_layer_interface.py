@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fedlt.aggregation import LAYERS, Field, Schema, make_layer
+from fedlt.aggregation.gate import Floors, MemoryLedger, ReleaseGate, Subject
 from fedlt.aggregation.halves import PartyKeys, Released, SumAborted, SumSpec
 from fedlt.aggregation.round_sums import AggregatorRound, RoundSums, SiloRound
 from fedlt.aggregation.sums import run_round
@@ -46,13 +47,47 @@ def layer(request):
     return make_layer(request.param)
 
 
+class PinningLedger(MemoryLedger):
+    """Remembers every release the gate let through, by silo."""
+
+    def __init__(self, silo: str, pinned: dict[str, tuple[str, ...]]) -> None:
+        super().__init__()
+        self.silo, self.pinned = silo, pinned
+
+    def pin_survivors(self, key: str, survivors, what: str) -> None:
+        super().pin_survivors(key, survivors, what)
+        self.pinned[self.silo] = tuple(survivors)
+
+
+def silo_rounds(
+    silo_sides, sums: RoundSums, given, pinned: dict[str, tuple[str, ...]]
+) -> dict[str, SiloRound]:
+    return {
+        u: SiloRound(
+            silo_sides[u],
+            sums,
+            v,
+            me=u,
+            gate=ReleaseGate(
+                consortium="c", floors=Floors(), members=lambda: SILOS, ledger=PinningLedger(u, pinned)
+            ),
+            trained_from=Subject("contribution", b"state"),
+        )
+        for u, v in given.items()
+    }
+
+
 def test_every_layer_sums_exactly_what_the_silos_hold_to_its_precision(layer):
+    """And every layer that hides inputs releases each silo's through its gate, before the sum is out."""
     given = vectors()
     sums = RoundSums("r1", SILOS, SCHEMA, k_min=0, census=None, binding=b"b", settings=layer.settings)
     silo_sides, aggregator_side = layer.in_process(SILOS)
     aggregator = AggregatorRound(aggregator_side, sums)
-    silos = {u: SiloRound(silo_sides[u], sums, v, me=u) for u, v in given.items()}
+    pinned: dict[str, tuple[str, ...]] = {}
+    silos = silo_rounds(silo_sides, sums, given, pinned)
     released = run_round(aggregator, silos)
+    hides = next(iter(silos.values())).side.hides_inputs
+    assert pinned == (dict.fromkeys(SILOS, SILOS) if hides else {})
     assert isinstance(released, Released)
     assert released.survivors == SILOS
     total = released.total if released.total is not None else silos["a"].result
@@ -69,11 +104,8 @@ def test_a_sum_left_with_fewer_silos_than_the_round_needs_aborts_before_any_silo
     silo_sides, aggregator_side = layer.in_process(SILOS)
     aggregator = AggregatorRound(aggregator_side, sums, min_contributors=len(SILOS))
     pinned: dict[str, tuple[str, ...]] = {}
-    silos = {
-        u: SiloRound(silo_sides[u], sums, v, me=u, on_release=lambda _, s, u=u: pinned.setdefault(u, s))
-        for u, v in given.items()
-        if u != "d"  # gone before its first message
-    }
+    silos = silo_rounds(silo_sides, sums, given, pinned)
+    del silos["d"]  # gone before its first message
     with pytest.raises(SumAborted, match="fewer than"):
         run_round(aggregator, silos)
     assert pinned == {}

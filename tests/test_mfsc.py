@@ -130,12 +130,13 @@ def test_a_silo_holding_one_class_does_not_mask_with_copies_of_its_mean(mask):
 def test_masks_are_keyed_by_a_secret_the_aggregator_does_not_have():
     z, y = synthetic_silos([[0, 2, 5]])["silo-0"]
 
-    def masks(secret: bytes, round_number: int) -> torch.Tensor:
-        return masked_class_means(z, y, CLASSES, "gaussian", mask_stream(secret, round_number))[[1, 3, 4]]
+    def masks(secret: bytes, state: str) -> torch.Tensor:
+        return masked_class_means(z, y, CLASSES, "gaussian", mask_stream(secret, state))[[1, 3, 4]]
 
-    assert torch.equal(masks(b"k" * 32, 3), masks(b"k" * 32, 3))  # every attempt of a round: one answer
-    assert not torch.equal(masks(b"k" * 32, 3), masks(b"k" * 32, 4))
-    assert not torch.equal(masks(b"k" * 32, 3), masks(b"j" * 32, 3))
+    # every attempt, under any round label, of one state: one answer; another state, other masks
+    assert torch.equal(masks(b"k" * 32, "state-a"), masks(b"k" * 32, "state-a"))
+    assert not torch.equal(masks(b"k" * 32, "state-a"), masks(b"k" * 32, "state-b"))
+    assert not torch.equal(masks(b"k" * 32, "state-a"), masks(b"j" * 32, "state-a"))
 
 
 def test_an_unknown_mask_is_refused():

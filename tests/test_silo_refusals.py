@@ -24,7 +24,9 @@ from privacy.pki.ca import issue_silo
 from privacy.pki.errors import PkiError
 from privacy.pki.signing import ROUNDSPEC_CONTEXT, sign
 from silo.agent import Fatal, RefusedRound, SiloAgent, _fetch_state
+from silo.budget import ledger_path
 from silo.config import LAYERS_IMPLEMENTED, load_silo_config
+from silo.releases import LEDGER, LedgerMissing
 from tests.consortium_harness import PLAN, write_kit
 
 SILOS = ["silo-0", "silo-1", "silo-2"]
@@ -140,11 +142,30 @@ def test_a_policy_cannot_name_a_layer_the_agent_does_not_implement(kit):
         ),
         ({"consortium_id": "another"}, "it is for consortium 'another'"),
         ({"participants": ["silo-1", "silo-2", "silo-3"]}, "not among the participants"),
+        ({"participants": ["ghost", "silo-0", "silo-1"]}, "lists ghost, not silos of this silo's roster"),
     ],
 )
 def test_weakened_secure_sums_and_misaddressed_rounds_are_refused_by_default(kit, changes, refusal):
     with pytest.raises(RefusedRound, match=refusal):
         agent_of(kit)._check_spec(signed_spec(kit[0], **changes))
+
+
+def test_an_agent_whose_release_ledger_was_lost_refuses_to_start(kit):
+    """Finding 8a: delete releases.json (or restore half a backup) and a restarted silo would sign a second
+    survivor set for what it released before; it stops instead, naming the file to restore."""
+    _, configs = kit
+    agent = agent_of(kit)
+    ledger = agent.state_dir / LEDGER
+    privacy = ledger_path(agent.config)
+    backup = ledger.read_bytes()  # made at first start, as the privacy ledger is
+    assert privacy.exists()
+    ledger.unlink()
+    with pytest.raises(LedgerMissing, match=r"Restore releases\.json from a backup"):
+        SiloAgent(load_silo_config(configs[0]))
+    ledger.write_bytes(backup)  # restored from the backup ...
+    privacy.unlink()  # ... but the privacy ledger is gone: the budget would be spent again
+    with pytest.raises(LedgerMissing, match="would spend its differential-privacy budget again"):
+        SiloAgent(load_silo_config(configs[0]))
 
 
 def test_a_malformed_plan_is_a_refused_round_not_a_stopped_agent(kit, caplog):

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 
 from aggregator.config import ConsortiumConfig, ConsortiumSection, TimeoutSection
 from aggregator.rounds import RoundEngine
 from aggregator.store import Store
-from fedlt.aggregation import Field, Schema, Sums, tail_guard
+from fedlt.aggregation import Field, Schema, Sums
+from fedlt.aggregation.gate import Floors, ReleaseGate, Subject
 from fedlt.aggregation.halves import PartyKeys, SumAborted
 from fedlt.aggregation.tail_guard import Census, CensusError
 from fedlt.v1 import round_pb2
@@ -177,31 +179,39 @@ def census_round(tmp_path, census: Census, *, holds: list[int]) -> Participation
         secagg=round_pb2.SecAggParameters(k_min=2),
         census=round_pb2.Census(silos=census.silos, silos_per_class=census.counts),
     )
+    ledger = ReleaseLedger(tmp_path)
     return Participation(
         round_pb2.SignedRoundSpec(spec=spec.SerializeToString()),
         spec,
         CENSUS_SCHEMA.flatten({"n": torch.tensor(1.0, dtype=torch.float64), "rows": rows}),
         me="a",
         side=SecAggSum().silo_side(PartyKeys(policy=SessionPolicy())),
-        ledger=ReleaseLedger(tmp_path),
+        gate=ReleaseGate(consortium="c", floors=Floors(), members=lambda: "abcd", ledger=ledger),
+        trained_from="state",
+        ledger=ledger,
         stub=None,
         timeout=1,
         on_sent=lambda purpose, message: None,
     )
 
 
-def test_a_silo_that_missed_its_census_result_takes_only_a_census_of_the_set_it_signed(tmp_path):
-    """The aggregator stopped between the census and its result: the silo signed the census set but kept no
-    counts. It takes the RoundSpec's census for that set, checked as a result is, and nothing else."""
+def test_a_silo_that_signed_a_census_but_kept_none_takes_no_count_on_trust(tmp_path):
+    """Finding 7, its last way round: the aggregator withholds the census's sum after the silos signed its
+    consistency round, aborts, and names inflated counts in the next RoundSpec (fedlt before issue 30 took
+    them, checked only for plausibility, so a class one silo holds could be lifted to k_min). A silo that
+    computed no census of its own now refuses any counts, true or not, until the census is taken again;
+    once kept, it takes only that census."""
     signed = ["a", "b", "c"]
+    key = Subject("census", np.array([1, 0, 1], dtype="<u8").tobytes()).key("c")  # "a" holds classes 0, 2
+    ReleaseLedger(tmp_path).pin_survivors(key, signed, "census")
+    for claimed in ([3, 1, 2], [3, 2, 2]):  # the true census, and class 1 (held by one silo) lifted to 2
+        with pytest.raises(CensusError, match="signed for but never computed"):
+            census_round(tmp_path, Census.of(signed, claimed), holds=[0, 2])
+    assert ReleaseLedger(tmp_path).census(key) is None
     census = Census.of(signed, [3, 1, 2])
-    phase = tail_guard.phase_key("c", "plan", 0, CENSUS_SCHEMA.phase)
-    ReleaseLedger(tmp_path).pin_survivors(f"census/{phase}", signed, "census of this phase")
-    with pytest.raises(CensusError, match="cannot be the sum"):  # it does not count this silo's class 1
-        census_round(tmp_path, Census.of(signed, [3, 0, 2]), holds=[0, 1, 2])
+    ReleaseLedger(tmp_path).record_census(key, census)  # computed when the census was taken again
+    census_round(tmp_path, census, holds=[0, 2])
+    with pytest.raises(CensusError, match="differs from the census this silo took part in"):
+        census_round(tmp_path, Census.of(signed, [3, 2, 2]), holds=[0, 2])
     with pytest.raises(CensusError, match="differs from the census this silo took part in"):
         census_round(tmp_path, Census.of(["a", "b", "d"], [3, 1, 2]), holds=[0, 2])
-    census_round(tmp_path, census, holds=[0, 2])
-    assert ReleaseLedger(tmp_path).census(phase) == census
-    with pytest.raises(CensusError, match="differs"):  # once kept, only that census
-        census_round(tmp_path, Census.of(signed, [3, 2, 2]), holds=[0, 2])

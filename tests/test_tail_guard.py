@@ -18,7 +18,7 @@ CLASSES = 5
 SCHEMA = Schema(
     (
         Field("bias", (3,), 10.0, frac_bits=20),  # not per class: never counted, never zeroed
-        Field("grad", (CLASSES, 2, 2), 10.0, frac_bits=20, per_class=True),
+        Field("grad", (CLASSES, 2, 2), 10.0, frac_bits=20, per_class=True, inverts=True),
         Field("counts", (CLASSES,), 1000.0, frac_bits=0, per_class=True),
     )
 )
@@ -107,10 +107,18 @@ def contributions(holdings: list[tuple[int, ...]]) -> list[Contribution]:
     return out
 
 
+def records(holdings: list[tuple[int, ...]], silos=()) -> dict[str, np.ndarray]:
+    """Each silo's record counts for the census's record floor: 3 of every class it holds (as `counts`)."""
+    names = list(silos) or [f"silo-{i:04d}" for i in range(len(holdings))]
+    return {
+        u: np.bincount(np.repeat(list(h), 3), minlength=CLASSES) for u, h in zip(names, holdings, strict=True)
+    }
+
+
 def check_sums(layer: SecAggSum, held: list[int], holdings: list[tuple[int, ...]] = HOLDINGS) -> None:
     """The layer's sums: rows of `held` zero, everything else the plaintext sum within the codec bound."""
     given = contributions(holdings)
-    sums = layer.aggregate(SCHEMA, given)
+    sums = layer.aggregate(SCHEMA, given, records=records(holdings))
     plain = make_layer("plaintext").aggregate(SCHEMA, given)
     assert layer.zeroed == held
     assert sums.contributors == len(holdings)
@@ -131,13 +139,55 @@ def test_the_layer_releases_no_class_held_by_fewer_than_k_min_silos():
     check_sums(SecAggSum(SecAggSettings(k_min=3)), held=[1, 2, 4])
 
 
+def test_the_layer_releases_no_statistic_that_inverts_of_a_class_held_by_fewer_records_than_the_floor():
+    """Finding 6: two silos with one record each pass k_min = 2, and a statistic that inverts (moments, a
+    per-class gradient) of two records gives both away; the census's capped record counts hold such a class
+    back in those fields, while its counts (which give no record away) still go out; a class held by enough
+    records passes."""
+    given = contributions(HOLDINGS)
+    few = records(HOLDINGS)
+    for silo in few.values():
+        silo[1] = min(int(silo[1]), 1)  # class 1: one record at each of its two silos
+    layer = SecAggSum(SecAggSettings(k_min=2, min_records=3))
+    sums = layer.aggregate(SCHEMA, given, records=few)
+    assert (layer.zeroed, layer.floored) == ([2, 4], [1])
+    plain = make_layer("plaintext").aggregate(SCHEMA, given)
+    assert sums["grad"].reshape(CLASSES, -1)[1].abs().sum() == 0
+    assert float(sums["counts"][1]) == float(plain["counts"][1]) == 6.0
+    open_floor = SecAggSum(SecAggSettings(k_min=2, min_records=2))
+    open_floor.aggregate(SCHEMA, given, records=few)
+    assert (open_floor.zeroed, open_floor.floored) == ([2, 4], [])  # two records reach a floor of two
+    unknown = SecAggSum(SecAggSettings(min_records=3))  # silos that do not say how many they hold claim one
+    unknown.aggregate(SCHEMA, given)
+    assert (unknown.zeroed, unknown.floored) == ([2, 4], [1, 2, 4])  # 2 and 4: one silo, one record each
+    assert SecAggSettings().min_records == tail_guard.ONLY_UNDER_DP  # by default: no floor, only DP
+
+
+def test_a_silo_releases_statistics_that_invert_only_under_dp_unless_its_policy_accepts_a_floor():
+    """Finding 6, measured (docs/BENCHMARKS.md, the record floor): second moments give a class's records back
+    at any size up to 80, so by default a silo refuses a plan releasing them without DP; a floor it accepts
+    knowingly must be met; counts and plain sums need nothing."""
+    refusal = tail_guard.inverting_problems(SCHEMA, 0, dp=False, accepted=tail_guard.ONLY_UNDER_DP)
+    assert len(refusal) == 1
+    assert "grad without [dp]" in refusal[0]
+    assert "only under DP" in refusal[0]
+    assert tail_guard.inverting_problems(SCHEMA, 0, dp=True, accepted=0) == []
+    assert (
+        "below policy.min_class_records 3"
+        in tail_guard.inverting_problems(SCHEMA, 2, dp=False, accepted=3)[0]
+    )
+    assert tail_guard.inverting_problems(SCHEMA, 3, dp=False, accepted=3) == []
+    counts_only = Schema((Field("counts", (CLASSES,), 1000.0, frac_bits=0, per_class=True),))
+    assert tail_guard.inverting_problems(counts_only, 0, dp=False, accepted=0) == []
+
+
 @pytest.mark.parametrize("k_min", [0, 1])
 def test_with_the_tail_guard_off_every_class_is_released(k_min):
     check_sums(SecAggSum(SecAggSettings(k_min=k_min)), held=[])
 
 
 def check_zeroed(layer: SecAggSum, zeroed: list[int], holdings, silos=()) -> None:
-    sums = layer.aggregate(SCHEMA, contributions(holdings), silos=silos)
+    sums = layer.aggregate(SCHEMA, contributions(holdings), silos=silos, records=records(holdings, silos))
     assert layer.zeroed == zeroed
     rows = sums["grad"].reshape(CLASSES, -1)
     assert rows[zeroed].abs().sum() == 0

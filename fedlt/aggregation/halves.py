@@ -61,9 +61,16 @@ class SumSpec:
             raise SumAborted("a sum's silos are distinct and sorted")
 
 
-def census_schema(classes: int) -> Schema:
-    """The census sums one 0/1 presence flag per class and silo: exact integers in every layer."""
-    return Schema((Field("present", (classes,), 1.0, "1 for each class the silo holds", frac_bits=0),))
+def census_schema(classes: int, record_floor: int = 1) -> Schema:
+    """The census sums one 0/1 presence flag per class and silo, and with a record floor each silo's record
+    count of the class capped at the floor (`tail_guard.census_input`): exact integers in every layer."""
+    present = Field("present", (classes,), 1.0, "1 for each class the silo holds", frac_bits=0)
+    if record_floor <= 1:
+        return Schema((present,))
+    records = Field(
+        "records", (classes,), float(record_floor), "records of each class, capped at the floor", frac_bits=0
+    )
+    return Schema((present, records))
 
 
 def evaluation_schema(classes: int) -> Schema:
@@ -196,10 +203,10 @@ class SiloSide(ABC):
         return []
 
     def min_counted(self, spec: SumSpec) -> int:
-        """The fewest silos whose inputs a completed sum counts: distributed DP noise is calibrated so that
-        this many silos' shares already give the released sum its target noise. Every silo of the sum, for
-        layers without dropout recovery."""
-        return len(spec.silos)
+        """The fewest silos whose inputs a completed sum of this layer can count, by its own protocol (secagg:
+        its threshold). The silo's release gate raises it to the policy's floor and refuses sums below that,
+        and distributed DP noise is calibrated for the result (`gate.ReleaseGate.min_counted`)."""
+        return 1
 
 
 class ReleaseNoise(Protocol):

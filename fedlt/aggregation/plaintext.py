@@ -146,6 +146,11 @@ class PlaintextSiloSide(SiloSide):
     def half(self, spec: SumSpec, me: str, *, may_release: Callable[[tuple[str, ...]], None]) -> SiloHalf:
         return PlaintextSiloHalf(spec)
 
+    def min_counted(self, spec: SumSpec) -> int:
+        """DP noise as if every listed silo's share is in the sum: research runs, where the aggregator sees
+        each upload anyway, compare with the secure layers at full participation."""
+        return len(spec.silos)
+
 
 class PlaintextAggregatorSide(AggregatorSide):
     def half(self, spec: SumSpec) -> AggregatorHalf:

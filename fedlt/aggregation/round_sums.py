@@ -11,6 +11,9 @@ Under differential privacy (a silo with `noise`) per-class rows are noised inste
 every class in the census, so the census says nothing about its records and zeroes no class, and it adds its
 share of noise to its contribution, calibrated for the fewest silos the sum can count.
 
+Every half a silo runs is made through its release gate (`gate.ReleaseGate`: roster, floors, ledger), which
+also has the last word wherever the half releases the silo's input.
+
 Messages travel as (purpose, message) pairs: `purpose` names the sum, "census" or "contribution".
 """
 
@@ -24,6 +27,7 @@ import numpy as np
 import torch
 
 from fedlt.aggregation import tail_guard
+from fedlt.aggregation.gate import ReleaseGate, Subject
 from fedlt.aggregation.halves import (
     AggregatorHalf,
     AggregatorSide,
@@ -36,7 +40,7 @@ from fedlt.aggregation.halves import (
     census_schema,
 )
 from fedlt.aggregation.schema import Schema
-from fedlt.aggregation.tail_guard import Census
+from fedlt.aggregation.tail_guard import Census, CensusError
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +49,8 @@ Outgoing = list[tuple[str, object]]  # (purpose, message)
 
 @dataclass(frozen=True)
 class CensusResult:
-    """After the census: how many of the counted silos hold each class (None when only silos can read it)."""
+    """After the census: its sum as the aggregator read it, how many of the counted silos hold each class and
+    (with a record floor) their capped records (`Census.vector`); None when only silos can read it."""
 
     counts: tuple[int, ...] | None
 
@@ -61,6 +66,7 @@ class RoundSums:
     census: Census | None  # the phase's census, when an earlier round took it
     binding: bytes = field(default=b"", repr=False)  # the RoundSpec's hash
     settings: object = None  # the layer's parameters, as signed
+    record_floor: int = 0  # with the guard on: rows that invert also need this many records (below 2: none)
 
     @property
     def guarded(self) -> bool:
@@ -75,7 +81,7 @@ class RoundSums:
             self.round_id,
             "census",
             self.participants,
-            census_schema(self.schema.classes),
+            census_schema(self.schema.classes, self.record_floor),
             self.binding,
             self.settings,
         )
@@ -92,8 +98,10 @@ class RoundSums:
 
 
 class SiloRound:
-    """One silo's sums of one round. `on_census` keeps a census this silo took part in; `on_release(purpose,
-    survivors)` is asked last before this silo's input becomes releasable (a consortium silo's ledger)."""
+    """One silo's sums of one round, every half made and every release decided through `gate`.
+    `trained_from` is what the contribution was computed from (the starting state's content), the ledger's
+    key for it; `records` this silo's record count per class, for the census's record floor (None: the
+    fewest its presence allows); `on_census` keeps a census this silo took part in."""
 
     def __init__(
         self,
@@ -102,16 +110,20 @@ class SiloRound:
         contribution: torch.Tensor,
         *,
         me: str,
+        gate: ReleaseGate,
+        trained_from: Subject,
+        records: np.ndarray | None = None,
         on_census: Callable[[Census], None] = lambda _: None,
-        on_release: Callable[[str, tuple[str, ...]], None] = lambda *_: None,
         noise: ReleaseNoise | None = None,
     ) -> None:
         self.side, self.sums, self.me = side, sums, me
-        self.contribution = contribution
+        self.contribution, self.records = contribution, records
         self.noise = noise
-        self.on_census, self.on_release = on_census, on_release
+        self.gate, self.trained_from = gate, trained_from
+        self.on_census = on_census
         self.census = sums.census
         self.purpose = ""
+        self.spec: SumSpec | None = None  # of the open sum
         self.half: SiloHalf | None = None
         self.whole: frozenset[str] = frozenset()  # per-class rows went out: release only for exactly these
 
@@ -125,7 +137,9 @@ class SiloRound:
 
     def start(self) -> Outgoing:
         if self.sums.census_due:
-            return self._begin(self.sums.census_spec(), torch.from_numpy(self._presence().astype(np.float64)))
+            spec = self.sums.census_spec()
+            self.gate.admit(spec, self.side)
+            return self._begin(spec, torch.from_numpy(self.census_input().astype(np.float64)))
         return self._begin_contribution(self.sums.participants)
 
     def step(self, purpose: str, step: object) -> Outgoing:
@@ -135,20 +149,44 @@ class SiloRound:
             return self._after_census(step)
         if purpose != self.purpose or self.half is None:
             raise SumAborted(f"a {purpose} step arrived during the {self.purpose or 'no'} sum")
-        return [(purpose, m) for m in self.half.step(step)]
+        outgoing = [(purpose, m) for m in self.half.step(step)]
+        if purpose == "census" and self.half.done and self.half.result is not None:
+            # kept at once: the aggregator may stop before it sends the result it read
+            self._keep_census(np.rint(self.half.result.numpy()).astype(np.uint64))
+        return outgoing
+
+    @property
+    def census_subject(self) -> Subject:
+        """What this silo's census input is, for its ledger: the vector it sends."""
+        return Subject("census", self.census_input().astype("<u8").tobytes())
+
+    def census_input(self) -> np.ndarray:
+        """Presence flags and, with a record floor, capped record counts; under DP every class at the floor,
+        so the census is no release."""
+        classes, floor = self.sums.schema.classes, self.sums.record_floor
+        if not classes:  # no per-class field: no census
+            return np.zeros(0, dtype=np.uint64)
+        if self.noise is not None:
+            return tail_guard.census_input(np.ones(classes), np.full(classes, floor), floor)
+        return tail_guard.census_input(self.presence(), self.records, floor)
 
     def may_release(self, survivors: tuple[str, ...]) -> None:
         """Asked by the layer's silo half where its input becomes releasable: per-class rows leave only in a
-        sum over the whole census set, and the silo's own hook has the last word."""
+        sum over the whole census set, and the gate has the last word."""
         if self.purpose == "contribution" and self.whole and set(survivors) != self.whole:
             raise SumAborted(
                 "per-class rows are summed only over the whole census set, and some of it left: "
                 f"{', '.join(sorted(self.whole - set(survivors)))}"
             )
-        self.on_release(self.purpose, survivors)
+        if self.purpose == "census":  # under DP every flag is 1: a census that says nothing of the records
+            subject = None if self.noise is not None else self.census_subject
+        else:
+            subject = self.trained_from
+        self.gate.release(self.spec, self.side, survivors, subject)
 
     def _begin(self, spec: SumSpec, vector: torch.Tensor) -> Outgoing:
-        self.purpose = spec.purpose
+        """This silo's half of `spec`, which the gate admitted."""
+        self.purpose, self.spec = spec.purpose, spec
         self.half = self.side.half(spec, self.me, may_release=self.may_release)
         return [(spec.purpose, m) for m in self.half.start(vector)]
 
@@ -157,44 +195,58 @@ class SiloRound:
         if self.sums.guarded:
             census = self.census
             if census is None or self.me not in census.silos:
-                zeroed = list(range(self.sums.schema.classes))
+                zeroed, floored = list(range(self.sums.schema.classes)), []
             else:
                 zeroed = census.guarded(silos, self.sums.k_min)
+                floored = census.floored(self.sums.record_floor)
             if len(zeroed) < self.sums.schema.classes:
                 self.whole = frozenset(silos)
-            if zeroed:
-                log.info("%s: tail guard zeroes classes %s", self.sums.round_id, zeroed)
-            vector = tail_guard.zero_classes(self.sums.schema, vector, zeroed)
+            if zeroed or floored:
+                log.info(
+                    "%s: tail guard zeroes classes %s, and in fields that invert %s",
+                    self.sums.round_id,
+                    zeroed,
+                    floored,
+                )
+            vector = tail_guard.zero_classes(self.sums.schema, vector, zeroed, inverting=floored)
         spec = self.sums.contribution_spec(silos, self.census)
+        self.gate.admit(spec, self.side)  # before any noise is charged to the silo's ledger
         if self.noise is not None:
-            counted = len(spec.silos) if self.whole else self.side.min_counted(spec)
+            counted = len(spec.silos) if self.whole else self.gate.min_counted(spec, self.side)
             vector = self.noise.noised(spec, vector, counted=counted)
         return self._begin(spec, vector)
 
-    def _presence(self) -> np.ndarray:
-        """The classes this silo says it holds; under DP every class, so the census is no release."""
-        if self.noise is not None:
-            return np.ones(self.sums.schema.classes, dtype=np.uint64)
+    def presence(self) -> np.ndarray:
+        """The classes this silo's contribution says something about."""
         return tail_guard.presence(self.sums.schema, self.contribution)
 
     def _after_census(self, result: CensusResult) -> Outgoing:
-        """Check and keep the phase's census, then start the contribution among the silos it counted."""
+        """Start the contribution among the silos the census counted, with the census this silo computed
+        itself (a layer that hides inputs must let it: the count would be the aggregator's word alone); only
+        where the aggregator sees every input anyway (plaintext) is its reading taken."""
+        reported = None if result.counts is None else np.asarray(result.counts, dtype=np.uint64)
+        if self.census is None or self.census.silos != self.half.counted:
+            if self.side.hides_inputs or reported is None:
+                raise CensusError("this silo computed no census of its own, and takes no count on trust")
+            self._keep_census(reported)
+        if reported is not None and tuple(int(v) for v in reported) != self.census.vector():
+            raise CensusError("the census the aggregator reports is not the sum this silo computed")
+        return self._begin_contribution(self.census.silos)
+
+    def _keep_census(self, counts: np.ndarray) -> None:
+        """Check the census sum as far as a silo can, and keep it (`on_census`) before anything else."""
         survivors = self.half.counted
-        counts = (
-            np.rint(self.half.result.numpy()).astype(np.uint64) if result.counts is None else result.counts
-        )
-        counts = np.asarray(counts, dtype=np.uint64)
-        tail_guard.check_census(counts, self._presence(), len(survivors))
-        self.census = Census.of(survivors, counts)
+        tail_guard.check_census(counts, self.census_input(), len(survivors), self.sums.record_floor)
+        self.census = Census.from_sum(survivors, counts, self.sums.schema.classes)
         self.on_census(self.census)
         log.info(
-            "%s: census of %d silos taken for this phase; classes held by fewer than %d: %s",
+            "%s: census of %d silos taken; classes held by fewer than %d silos or %d records: %s",
             self.sums.round_id,
             len(survivors),
             self.sums.k_min,
-            tail_guard.held_back(counts, self.sums.k_min),
+            self.sums.record_floor,
+            self.census.guarded(survivors, self.sums.k_min) + self.census.floored(self.sums.record_floor),
         )
-        return self._begin_contribution(survivors)
 
 
 # --- the aggregator -----------------------------------------------------------------------------------------
@@ -208,7 +260,8 @@ class AggregatorRound:
         self.min_contributors = min_contributors
         self.census = sums.census
         self.census_taken: Census | None = None  # a census this round took, for the caller to keep
-        self.zeroed: list[int] = []
+        self.zeroed: list[int] = []  # classes zeroed in every per-class field
+        self.floored: list[int] = []  # classes below the record floor, zeroed in the fields that invert
         self.whole: tuple[str, ...] = ()
         self.released: dict[str, AggregatorHalf] = {}  # sums this round has moved past, by purpose
         first = sums.census_spec() if sums.census_due else self._contribution_spec(sums.participants)
@@ -272,7 +325,8 @@ class AggregatorRound:
             None if released.total is None else tuple(int(c) for c in torch.round(released.total).tolist())
         )
         if counts is not None:
-            self.census_taken = self.census = Census.of(released.survivors, counts)
+            census = Census.from_sum(released.survivors, counts, self.sums.schema.classes)
+            self.census_taken = self.census = census
         silos = list(released.survivors)
         self.released[self.purpose] = self.half
         self.half = self.side.half(self._contribution_spec(silos, self.census))
@@ -283,4 +337,5 @@ class AggregatorRound:
         if self.sums.guarded and census is not None:
             self.whole = census.silos if tuple(sorted(silos)) == census.silos else ()
             self.zeroed = census.guarded(silos, self.sums.k_min)
+            self.floored = census.floored(self.sums.record_floor)
         return self.sums.contribution_spec(silos, census)

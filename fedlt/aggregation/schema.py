@@ -29,6 +29,9 @@ class Field:
     release (`privacy.dp.release`). 0: not such a statistic (a model change DP-SGD made, a noised count).
     `float64`: a plaintext upload sends it as float64, not float32 (`wire_dtype`): a second moment, whose
     covariance subtracts nearly equal numbers, needs the digits.
+    `inverts`: a per-class statistic that a few records' worth gives those records away (second moments,
+    per-class gradients, random-feature sums): the tail guard's record floor zeroes it for classes with too
+    few records (`tail_guard`), where counts and plain sums still go out.
     """
 
     name: str
@@ -39,6 +42,7 @@ class Field:
     per_class: bool = False
     sensitivity: float = 0.0
     float64: bool = False
+    inverts: bool = False
 
     @property
     def row_size(self) -> int:

@@ -12,8 +12,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from typing import ClassVar
 
+import numpy as np
 import torch
 
+from fedlt.aggregation import tail_guard
+from fedlt.aggregation.gate import Floors, MemoryLedger, ReleaseGate, Subject
 from fedlt.aggregation.halves import AggregatorSide, PartyKeys, Released, ReleaseNoise, SiloSide
 from fedlt.aggregation.round_sums import AggregatorRound, RoundSums, SiloRound
 from fedlt.aggregation.schema import Contribution, Schema
@@ -21,6 +24,7 @@ from fedlt.aggregation.tail_guard import Census
 from fedlt.errors import ContributionError
 
 _SEAL = object()
+SIMULATED_FLOORS = Floors(participants=2, survivors=2)  # a sum of one silo is its input, even in one process
 
 
 class Sums(Mapping[str, torch.Tensor]):
@@ -65,6 +69,8 @@ class SumLayer(ABC):
     def __init__(self) -> None:
         self.censuses: dict[str, Census] = {}  # the simulator's census per phase (a consortium keeps its own)
         self.zeroed: list[int] = []  # the classes the last round's guard zeroed
+        self.floored: list[int] = []  # and those it zeroed in the fields that invert (the record floor)
+        self.ledgers: dict[str, MemoryLedger] = {}  # each simulated silo's releases, for as long as the run
 
     @abstractmethod
     def describe(self) -> str:
@@ -89,12 +95,18 @@ class SumLayer(ABC):
         *,
         silos: Sequence[str] = (),
         noise: Mapping[str, ReleaseNoise] | None = None,
+        trained_from: str = "",
+        records: Mapping[str, np.ndarray] | None = None,
     ) -> Sums:
         """Sum the contributions of one round, or raise; never return a partial sum.
 
         `silos` names the contributors, in order; without names they are numbered. Every silo answers every
         stage: the simulator has no dropouts (tests drive the halves themselves for those). `noise` holds
-        each silo's differential privacy, under DP.
+        each silo's differential privacy, under DP. Each silo passes its own release gate, as in a
+        consortium, with the floor of two silos (every silo's data is in this process anyway) and a ledger
+        kept for the run; `trained_from` names the state the contributions come from (its content digest),
+        the ledger's key, or, empty, a state no other call repeats. `records` holds each silo's record count
+        per class, for the census's record floor (without it a silo claims the fewest its rows allow).
         """
         self.check_round(schema, contributions)
         names = list(silos) or [f"silo-{i:04d}" for i in range(len(contributions))]
@@ -105,26 +117,53 @@ class SumLayer(ABC):
             k_min=self.k_min,
             census=self.censuses.get(schema.phase),
             settings=self.settings,
+            record_floor=getattr(self.settings, "min_records", tail_guard.ONLY_UNDER_DP),
         )
         silo_sides, aggregator_side = self.in_process(names)
         aggregator = AggregatorRound(aggregator_side, sums)
         vectors = dict(zip(names, (c.flat() for c in contributions), strict=True))
-        noise = noise or {}
-        rounds = {u: SiloRound(silo_sides[u], sums, v, me=u, noise=noise.get(u)) for u, v in vectors.items()}
+        noise, records = noise or {}, records or {}
+        subject = (
+            Subject("contribution", trained_from.encode()) if trained_from else Subject.fresh("contribution")
+        )
+        rounds = {
+            u: SiloRound(
+                silo_sides[u],
+                sums,
+                v,
+                me=u,
+                gate=self._gate(u, names),
+                trained_from=subject,
+                records=records.get(u),
+                noise=noise.get(u),
+            )
+            for u, v in vectors.items()
+        }
         released = run_round(aggregator, rounds)
         if aggregator.census_taken is not None:
             self.censuses[schema.phase] = aggregator.census_taken
-        self.zeroed = aggregator.zeroed
+        self.zeroed, self.floored = aggregator.zeroed, aggregator.floored
         total = released.total if released.total is not None else rounds[released.survivors[0]].result
         return self.seal(schema, total, len(released.survivors))
 
+    def _gate(self, silo: str, names: Sequence[str]) -> ReleaseGate:
+        ledger = self.ledgers.setdefault(silo, MemoryLedger())
+        return ReleaseGate(
+            consortium="simulation", floors=SIMULATED_FLOORS, members=lambda: names, ledger=ledger
+        )
+
     def saved(self) -> dict:
         """What a resumed simulation must carry over: the census of each phase."""
-        return {p: {"silos": list(c.silos), "counts": list(c.counts)} for p, c in self.censuses.items()}
+        return {
+            p: {"silos": list(c.silos), "counts": list(c.counts), "records": list(c.records)}
+            for p, c in self.censuses.items()
+        }
 
     def restore(self, saved: dict) -> None:
         """Take back what `saved` returned."""
-        self.censuses = {phase: Census.of(c["silos"], c["counts"]) for phase, c in saved.items()}
+        self.censuses = {
+            phase: Census.of(c["silos"], c["counts"], c.get("records", ())) for phase, c in saved.items()
+        }
 
     @staticmethod
     def seal(schema: Schema, vector: torch.Tensor, contributors: int) -> Sums:

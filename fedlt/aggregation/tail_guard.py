@@ -12,6 +12,19 @@ per class that stays put) over different silo sets form a linear system the aggr
 silo's classes, and two censuses over sets that differ by one silo give that silo's classes outright. With
 one census per phase and per-class sums over one set only, there is nothing to intersect. The census reveals
 how many silos of P hold each class, never which.
+
+**Statistics that invert, and the record floor.** k_min counts silos, not records: two silos holding one
+record each pass k_min = 2, and their Σz, Σzzᵀ and n = 2 invert into both records' features
+(`attacks.moments`). Measured with the audit's attack (docs/BENCHMARKS.md, "The record floor"), a class's
+second moments give its records back at every size the long tail has (1 to 80 records): post-ReLU features
+are non-negative, which pins down the rotation the moments leave free. So by default the fields that invert
+(`Field.inverts`: second moments, per-class gradients, random-feature sums) leave a silo only under DP
+(`ONLY_UNDER_DP`): a silo refuses a plan that would release them without it (`inverting_problems`). A
+consortium and every silo may knowingly accept a numeric floor r ≥ 2 instead: the census then also sums, per
+class, each silo's record count capped at r (`census_input`), and the rows of a class fewer than r records
+hold are zeroed in every field that inverts even when k_min silos hold it; its counts and plain sums still
+go out. The cap keeps the census from saying more than "enough". Such a floor stops the closed-form cases
+(one or two records), not the rotation search.
 """
 
 from __future__ import annotations
@@ -27,6 +40,10 @@ import torch
 from fedlt.aggregation.schema import Schema
 from fedlt.errors import FedltError
 
+# a record floor of 0: statistics that invert leave a silo only under DP (the default of every layer's
+# settings and every silo's policy; benchmarks/record_floor.py)
+ONLY_UNDER_DP = 0
+
 
 class CensusError(FedltError):
     """A census result no honest set of silos could have produced; the silo that sees it leaves the round."""
@@ -34,33 +51,92 @@ class CensusError(FedltError):
 
 @dataclass(frozen=True)
 class Census:
-    """How many of the census set's silos hold each class."""
+    """How many of the census set's silos hold each class and, with a record floor, how many records (each
+    silo's count capped at the floor)."""
 
     silos: tuple[str, ...]  # sorted
     counts: tuple[int, ...]
+    records: tuple[int, ...] = ()  # empty without a record floor
 
     @classmethod
-    def of(cls, silos: Sequence[str], counts: Sequence[int] | np.ndarray) -> Census:
-        return cls(tuple(sorted(silos)), tuple(int(c) for c in counts))
+    def of(
+        cls,
+        silos: Sequence[str],
+        counts: Sequence[int] | np.ndarray,
+        records: Sequence[int] | np.ndarray = (),
+    ) -> Census:
+        return cls(tuple(sorted(silos)), tuple(int(c) for c in counts), tuple(int(r) for r in records))
+
+    @classmethod
+    def from_sum(cls, silos: Sequence[str], total: Sequence[int] | np.ndarray, classes: int) -> Census:
+        """The census a summed `census_input` gives: silos per class, then (with a floor) capped records."""
+        total = [int(v) for v in total]
+        return cls.of(silos, total[:classes], total[classes:])
+
+    def vector(self) -> tuple[int, ...]:
+        """The summed `census_input` this census was read from."""
+        return self.counts + self.records
 
     def digest(self) -> bytes:
-        return _digest("fedlt/census/v1", list(self.silos), list(self.counts))
+        if not self.records:
+            return _digest("fedlt/census/v1", list(self.silos), list(self.counts))
+        return _digest("fedlt/census/v2", list(self.silos), list(self.counts), list(self.records))
 
     def binding(self, spec_hash: bytes) -> bytes:
         """What a contribution's consistency round signs: the RoundSpec and the census its guard used."""
         return hashlib.sha256(spec_hash + self.digest()).digest()
 
     def guarded(self, contributors: Sequence[str], k_min: int) -> list[int]:
-        """The classes every silo zeroes in a sum over `contributors`: all of them unless it is the census
-        set, else those some but fewer than `k_min` silos hold."""
+        """The classes every silo zeroes, in every per-class field, in a sum over `contributors`: all of them
+        unless it is the census set, else those some but fewer than `k_min` silos hold."""
         if tuple(sorted(contributors)) != self.silos:
             return list(range(len(self.counts)))
         return held_back(np.asarray(self.counts), k_min)
+
+    def floored(self, record_floor: int) -> list[int]:
+        """The classes the census set holds but fewer than `record_floor` records of: zeroed in the fields
+        that invert."""
+        if record_floor <= 1 or not self.records:
+            return []
+        counts, records = np.asarray(self.counts), np.asarray(self.records)
+        return [int(c) for c in np.flatnonzero((counts > 0) & (records < record_floor))]
 
 
 def phase_key(consortium: str, config_sha256: str, seed: int, phase: str) -> str:
     """Names the phase whose census a silo keeps: one census per (consortium, plan, seed, phase)."""
     return _digest("fedlt/phase/v1", consortium, config_sha256, seed, phase).hex()
+
+
+def census_input(present: np.ndarray, records: np.ndarray | None, record_floor: int) -> np.ndarray:
+    """What a silo sends to the census: its presence flags and, with a record floor, its record count of each
+    class it holds, capped at the floor (at least one where it holds the class: rows need records). Without
+    its counts (`records` None) a silo claims one record per class it holds, the fewest it can hold."""
+    present = np.asarray(present, dtype=np.uint64)
+    if record_floor <= 1:
+        return present
+    held = present if records is None else np.asarray(records, dtype=np.uint64)
+    capped = np.where(present > 0, np.clip(held, 1, record_floor), 0).astype(np.uint64)
+    return np.concatenate([present, capped])
+
+
+def inverting_problems(schema: Schema, record_floor: int, *, dp: bool, accepted: int) -> list[str]:
+    """Why a silo whose policy accepts a record floor of `accepted` (0: none, only DP) refuses to release
+    `schema`'s statistics that invert, in a round with `record_floor` and DP on or off."""
+    fields = [f.name for f in schema.fields if f.per_class and f.inverts]
+    if dp or not fields:
+        return []
+    if accepted == ONLY_UNDER_DP:
+        return [
+            f"it would release {', '.join(fields)} without [dp]: per-class statistics that give the records "
+            "back at any class size (docs/threat-model.md); this silo releases them only under DP "
+            "(policy.min_class_records = 0)"
+        ]
+    if record_floor < accepted:
+        return [
+            f"it would release {', '.join(fields)} without [dp] under a record floor of {record_floor}, "
+            f"below policy.min_class_records {accepted}"
+        ]
+    return []
 
 
 def presence(schema: Schema, flat: torch.Tensor) -> np.ndarray:
@@ -72,14 +148,26 @@ def presence(schema: Schema, flat: torch.Tensor) -> np.ndarray:
     return present.numpy().astype(np.uint64)
 
 
-def check_census(counts: np.ndarray, mine: np.ndarray, counted: int) -> None:
-    """What a silo can check of a census result: its own classes are counted, no count exceeds the silos.
+def check_census(counts: np.ndarray, mine: np.ndarray, counted: int, record_floor: int = 1) -> None:
+    """What a silo checks of any census, whatever the layer: its own classes are counted, no count exceeds the
+    silos.
 
-    It cannot check more: a malicious silo may add up to `counted` minus the true count to any class (its
-    input is masked, and without zero-knowledge range proofs nobody can tell a 1 from a 3), which can lift a
-    class one honest silo holds to k_min. docs/threat-model.md states this limit; a test pins it.
+    The counts are not the aggregator's word alone where inputs are hidden from it: under `secagg` they are
+    the sum the silo recomputed from every counted silo's signed masked input and reveal
+    (`privacy.secagg.protocol.Transcript`), and the round driver refuses a reported count that differs;
+    under `ckks` the silo decrypts them itself. What stays: a malicious silo may add up to `counted` minus
+    the true count to any class (its input is masked, and without zero-knowledge range proofs nobody can
+    tell a 1 from a 3), which can lift a class one honest silo holds to k_min. docs/threat-model.md states
+    this limit; a test pins it.
     """
-    if len(counts) != len(mine) or (counts < mine).any() or (counts > counted).any():
+    classes = len(counts) // 2 if record_floor > 1 else len(counts)
+    silos, records = counts[:classes], counts[classes:]
+    plausible = len(counts) == len(mine) and (counts >= mine).all() and (silos <= counted).all()
+    if plausible and record_floor > 1:  # each holder adds at least one record and at most the floor
+        plausible = (
+            len(records) == classes and (silos <= records).all() and (records <= silos * record_floor).all()
+        )
+    if not plausible:
         raise CensusError("the census result cannot be the sum of the silos' presence")
 
 
@@ -88,14 +176,18 @@ def held_back(counts: np.ndarray, k_min: int) -> list[int]:
     return [int(c) for c in np.flatnonzero((counts > 0) & (counts < k_min))]
 
 
-def zero_classes(schema: Schema, flat: torch.Tensor, classes: list[int]) -> torch.Tensor:
-    """`flat` with the rows of `classes` zeroed in every per-class field."""
-    if not classes:
+def zero_classes(
+    schema: Schema, flat: torch.Tensor, classes: list[int], *, inverting: list[int] = ()
+) -> torch.Tensor:
+    """`flat` with the rows of `classes` zeroed in every per-class field, and those of `inverting` in the
+    fields that invert."""
+    if not classes and not inverting:
         return flat
     out = flat.clone()
     for f, part in zip(schema.fields, torch.split(out, [f.size for f in schema.fields]), strict=True):
-        if f.per_class:
-            part.view(f.shape[0], -1)[classes] = 0
+        rows = sorted({*classes, *inverting}) if f.inverts else list(classes)
+        if f.per_class and rows:
+            part.view(f.shape[0], -1)[rows] = 0
     return out
 
 

@@ -98,6 +98,7 @@ def class_gradient_fields(
             else f"per class held: [∇W | ∇b] of {what}",
             per_class=True,
             sensitivity=head_gradient_sensitivity(dp.feature_norm) if summed else 0.0,
+            inverts=True,  # one record's row is its feature (attacks.analytic)
         ),
         Field(
             "present",

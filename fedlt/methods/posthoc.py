@@ -94,6 +94,7 @@ class PostHocHead(FedAvg):
                 per_class=True,
                 sensitivity=norm**2,
                 float64=True,  # the covariance is E[zzᵀ] − μμᵀ: float32 would lose it to cancellation
+                inverts=True,  # with Σz and n, two records' worth are both records (attacks.moments)
             ),
             count_field(classes, n_max),
         )

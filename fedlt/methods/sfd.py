@@ -166,6 +166,7 @@ class SFD(PostHocHead):
             frac_bits=32,
             per_class=True,
             sensitivity=1.0 if self.dp else 0.0,  # ‖φ(z)‖ = 1: D/2 pairs of √(2/D)·(cos, sin)
+            inverts=True,  # one record's φ(z) pins z down (its phases, D/2 of them)
         )
         return (*super().statistics_fields(), rff)
 

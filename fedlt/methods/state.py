@@ -28,8 +28,17 @@ class GlobalState:
             object.__setattr__(self, "_digest", self._compute_digest())
         return self.__dict__["_digest"]
 
+    def content_digest(self) -> str:
+        """SHA-256 over the tensors alone, without the round number: what a silo trains from, whatever round
+        the aggregator labels it with (the release gate keys a silo's contribution by it)."""
+        if "_content" not in self.__dict__:
+            object.__setattr__(self, "_content", self._hash(hashlib.sha256(b"fedlt/state-content/v1")))
+        return self.__dict__["_content"]
+
     def _compute_digest(self) -> str:
-        h = hashlib.sha256(f"round={self.round}".encode())
+        return self._hash(hashlib.sha256(f"round={self.round}".encode()))
+
+    def _hash(self, h: hashlib._Hash) -> str:
         for group, tensors in (("model", self.model), ("extra", self.extra)):
             for name in sorted(tensors):
                 t = tensors[name].detach().contiguous().cpu()

@@ -90,9 +90,11 @@ def _mask_points(reference: torch.Tensor, k: int, mask: str, stream: MaskStream)
     return (mean + spread * torch.special.ndtri(u)).clamp(low, high)  # clamp: rounding at the edges
 
 
-def mask_stream(secret: bytes, round_number: int) -> MaskStream:
-    """The mask draws of one round: keyed by the silo's secret, the same for every attempt of the round."""
-    key = hmac.new(secret, b"fedlt/mfsc-mask/" + round_number.to_bytes(8, "little"), "sha256").digest()
+def mask_stream(secret: bytes, state: str) -> MaskStream:
+    """The mask draws for one state (its content digest), keyed by the silo's secret: the same whatever round
+    or attempt the aggregator labels the state with, so a relabelled state gets the same disclosure, and two
+    disclosures never show the class means beside two different sets of mask points."""
+    key = hmac.new(secret, b"fedlt/mfsc-mask/v2/" + state.encode(), "sha256").digest()
     return MaskStream(key)
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from fedlt.aggregation import make_layer
@@ -95,7 +96,7 @@ def run_simulation(
         )
         if trains and config.selection.discloses:  # every silo, so that all means share one encoder
             for silo_id, silo in silos.items():
-                stream = mask_stream(simulated_mask_secret(config.seed, silo_id), r)
+                stream = mask_stream(simulated_mask_secret(config.seed, silo_id), state.content_digest())
                 book.disclosures[silo_id] = class_mean_disclosure(
                     method,
                     state,
@@ -114,7 +115,14 @@ def run_simulation(
         training = time.perf_counter() - training_started
         if trains:
             book.record(r, picked)
-        sums = layer.aggregate(method.schema(state), contributions, silos=picked, noise=private)
+        sums = layer.aggregate(
+            method.schema(state),
+            contributions,
+            silos=picked,
+            noise=private,
+            trained_from=state.content_digest(),
+            records={u: np.bincount(silos[u].y, minlength=silos[u].num_classes) for u in picked},
+        )
         state = method.server_step(state, sums, ServerContext(r, config.seed))
         entry = recorder.evaluate(
             r,

@@ -102,7 +102,7 @@ class JoinResponse(_message.Message):
     def __init__(self, round_spec: _Optional[_Union[_round_pb2.SignedRoundSpec, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., sum_step: _Optional[_Union[SumStep, _Mapping]] = ..., roster: _Optional[bytes] = ...) -> None: ...
 
 class SumStep(_message.Message):
-    __slots__ = ("round_id", "sum", "keys", "inbox", "survivors", "signatures", "census", "encrypted_sum")
+    __slots__ = ("round_id", "sum", "keys", "inbox", "survivors", "signatures", "census", "encrypted_sum", "transcript", "ckks_signatures")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     SUM_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,8 @@ class SumStep(_message.Message):
     SIGNATURES_FIELD_NUMBER: _ClassVar[int]
     CENSUS_FIELD_NUMBER: _ClassVar[int]
     ENCRYPTED_SUM_FIELD_NUMBER: _ClassVar[int]
+    TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
+    CKKS_SIGNATURES_FIELD_NUMBER: _ClassVar[int]
     round_id: str
     sum: SecureSum
     keys: KeyList
@@ -119,7 +121,25 @@ class SumStep(_message.Message):
     signatures: ConsistencySignatures
     census: CensusResult
     encrypted_sum: EncryptedSumReady
-    def __init__(self, round_id: _Optional[str] = ..., sum: _Optional[_Union[SecureSum, str]] = ..., keys: _Optional[_Union[KeyList, _Mapping]] = ..., inbox: _Optional[_Union[ShareInbox, _Mapping]] = ..., survivors: _Optional[_Union[SurvivorList, _Mapping]] = ..., signatures: _Optional[_Union[ConsistencySignatures, _Mapping]] = ..., census: _Optional[_Union[CensusResult, _Mapping]] = ..., encrypted_sum: _Optional[_Union[EncryptedSumReady, _Mapping]] = ...) -> None: ...
+    transcript: SecAggTranscript
+    ckks_signatures: CkksSumSignatures
+    def __init__(self, round_id: _Optional[str] = ..., sum: _Optional[_Union[SecureSum, str]] = ..., keys: _Optional[_Union[KeyList, _Mapping]] = ..., inbox: _Optional[_Union[ShareInbox, _Mapping]] = ..., survivors: _Optional[_Union[SurvivorList, _Mapping]] = ..., signatures: _Optional[_Union[ConsistencySignatures, _Mapping]] = ..., census: _Optional[_Union[CensusResult, _Mapping]] = ..., encrypted_sum: _Optional[_Union[EncryptedSumReady, _Mapping]] = ..., transcript: _Optional[_Union[SecAggTranscript, _Mapping]] = ..., ckks_signatures: _Optional[_Union[CkksSumSignatures, _Mapping]] = ...) -> None: ...
+
+class CkksSumSignatures(_message.Message):
+    __slots__ = ("signatures",)
+    SIGNATURES_FIELD_NUMBER: _ClassVar[int]
+    signatures: _containers.RepeatedCompositeFieldContainer[CkksSiloSignature]
+    def __init__(self, signatures: _Optional[_Iterable[_Union[CkksSiloSignature, _Mapping]]] = ...) -> None: ...
+
+class CkksSiloSignature(_message.Message):
+    __slots__ = ("silo_id", "signature", "certificate")
+    SILO_ID_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    silo_id: str
+    signature: bytes
+    certificate: bytes
+    def __init__(self, silo_id: _Optional[str] = ..., signature: _Optional[bytes] = ..., certificate: _Optional[bytes] = ...) -> None: ...
 
 class EncryptedSumReady(_message.Message):
     __slots__ = ("survivors", "total_bytes", "sha256")
@@ -178,6 +198,36 @@ class ConsistencySignatures(_message.Message):
     SIGNATURES_FIELD_NUMBER: _ClassVar[int]
     signatures: _containers.RepeatedCompositeFieldContainer[SiloSignature]
     def __init__(self, signatures: _Optional[_Iterable[_Union[SiloSignature, _Mapping]]] = ...) -> None: ...
+
+class SignedMaskedInput(_message.Message):
+    __slots__ = ("silo_id", "masked", "signature")
+    SILO_ID_FIELD_NUMBER: _ClassVar[int]
+    MASKED_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    silo_id: str
+    masked: bytes
+    signature: bytes
+    def __init__(self, silo_id: _Optional[str] = ..., masked: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class SignedReveal(_message.Message):
+    __slots__ = ("silo_id", "self_mask_shares", "mask_key_shares", "signature")
+    SILO_ID_FIELD_NUMBER: _ClassVar[int]
+    SELF_MASK_SHARES_FIELD_NUMBER: _ClassVar[int]
+    MASK_KEY_SHARES_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    silo_id: str
+    self_mask_shares: _containers.RepeatedCompositeFieldContainer[RevealedShare]
+    mask_key_shares: _containers.RepeatedCompositeFieldContainer[RevealedShare]
+    signature: bytes
+    def __init__(self, silo_id: _Optional[str] = ..., self_mask_shares: _Optional[_Iterable[_Union[RevealedShare, _Mapping]]] = ..., mask_key_shares: _Optional[_Iterable[_Union[RevealedShare, _Mapping]]] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class SecAggTranscript(_message.Message):
+    __slots__ = ("masked_inputs", "reveals")
+    MASKED_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    REVEALS_FIELD_NUMBER: _ClassVar[int]
+    masked_inputs: _containers.RepeatedCompositeFieldContainer[SignedMaskedInput]
+    reveals: _containers.RepeatedCompositeFieldContainer[SignedReveal]
+    def __init__(self, masked_inputs: _Optional[_Iterable[_Union[SignedMaskedInput, _Mapping]]] = ..., reveals: _Optional[_Iterable[_Union[SignedReveal, _Mapping]]] = ...) -> None: ...
 
 class CensusResult(_message.Message):
     __slots__ = ("silos_per_class",)
@@ -240,18 +290,20 @@ class FetchStateResponse(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SubmitHeader(_message.Message):
-    __slots__ = ("round_id", "kind", "total_bytes", "sha256", "sum")
+    __slots__ = ("round_id", "kind", "total_bytes", "sha256", "sum", "signature")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     SUM_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     round_id: str
     kind: ContributionKind
     total_bytes: int
     sha256: str
     sum: SecureSum
-    def __init__(self, round_id: _Optional[str] = ..., kind: _Optional[_Union[ContributionKind, str]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., sum: _Optional[_Union[SecureSum, str]] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, round_id: _Optional[str] = ..., kind: _Optional[_Union[ContributionKind, str]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., sum: _Optional[_Union[SecureSum, str]] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -362,16 +414,18 @@ class RevealedShare(_message.Message):
     def __init__(self, owner: _Optional[str] = ..., share: _Optional[bytes] = ...) -> None: ...
 
 class UnmaskRequest(_message.Message):
-    __slots__ = ("round_id", "self_mask_shares", "mask_key_shares", "sum")
+    __slots__ = ("round_id", "self_mask_shares", "mask_key_shares", "sum", "signature")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     SELF_MASK_SHARES_FIELD_NUMBER: _ClassVar[int]
     MASK_KEY_SHARES_FIELD_NUMBER: _ClassVar[int]
     SUM_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     round_id: str
     self_mask_shares: _containers.RepeatedCompositeFieldContainer[RevealedShare]
     mask_key_shares: _containers.RepeatedCompositeFieldContainer[RevealedShare]
     sum: SecureSum
-    def __init__(self, round_id: _Optional[str] = ..., self_mask_shares: _Optional[_Iterable[_Union[RevealedShare, _Mapping]]] = ..., mask_key_shares: _Optional[_Iterable[_Union[RevealedShare, _Mapping]]] = ..., sum: _Optional[_Union[SecureSum, str]] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, round_id: _Optional[str] = ..., self_mask_shares: _Optional[_Iterable[_Union[RevealedShare, _Mapping]]] = ..., mask_key_shares: _Optional[_Iterable[_Union[RevealedShare, _Mapping]]] = ..., sum: _Optional[_Union[SecureSum, str]] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class UnmaskResponse(_message.Message):
     __slots__ = ("round_id",)
@@ -464,7 +518,7 @@ class FetchEncryptedSumResponse(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StateReportHeader(_message.Message):
-    __slots__ = ("round_id", "state_digest", "total_bytes", "sha256", "next_schema", "remaining_rounds", "next_trains", "evaluation", "evaluation_kind")
+    __slots__ = ("round_id", "state_digest", "total_bytes", "sha256", "next_schema", "remaining_rounds", "next_trains", "evaluation", "evaluation_kind", "state_signature", "round", "counted")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -474,6 +528,9 @@ class StateReportHeader(_message.Message):
     NEXT_TRAINS_FIELD_NUMBER: _ClassVar[int]
     EVALUATION_FIELD_NUMBER: _ClassVar[int]
     EVALUATION_KIND_FIELD_NUMBER: _ClassVar[int]
+    STATE_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    COUNTED_FIELD_NUMBER: _ClassVar[int]
     round_id: str
     state_digest: str
     total_bytes: int
@@ -483,7 +540,10 @@ class StateReportHeader(_message.Message):
     next_trains: bool
     evaluation: bytes
     evaluation_kind: ContributionKind
-    def __init__(self, round_id: _Optional[str] = ..., state_digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., next_schema: _Optional[_Union[_round_pb2.Schema, _Mapping]] = ..., remaining_rounds: _Optional[int] = ..., next_trains: _Optional[bool] = ..., evaluation: _Optional[bytes] = ..., evaluation_kind: _Optional[_Union[ContributionKind, str]] = ...) -> None: ...
+    state_signature: bytes
+    round: int
+    counted: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, round_id: _Optional[str] = ..., state_digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., next_schema: _Optional[_Union[_round_pb2.Schema, _Mapping]] = ..., remaining_rounds: _Optional[int] = ..., next_trains: _Optional[bool] = ..., evaluation: _Optional[bytes] = ..., evaluation_kind: _Optional[_Union[ContributionKind, str]] = ..., state_signature: _Optional[bytes] = ..., round: _Optional[int] = ..., counted: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReportStateRequest(_message.Message):
     __slots__ = ("header", "chunk")

@@ -117,6 +117,12 @@ class PrivacyLedger:
             self._save()
         return dict(entry)
 
+    def keep(self) -> None:
+        """Write the ledger now, even with no entries: from then on its file must be there (the silo's
+        release ledger notes it, and a lost privacy ledger stops the silo instead of starting over)."""
+        with self._lock:
+            self._save()
+
     def find(self, what: str) -> dict | None:
         """The latest entry recorded for `what` (a release made once and reused, such as a noised count)."""
         with self._lock:
