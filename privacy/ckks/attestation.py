@@ -15,11 +15,12 @@ public and checked against the seed instead (`silo.stepping.opened_state`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fedlt.aggregation.halves import BadMessage
 from fedlt.errors import FedltError
 from fedlt.v1 import round_pb2
+from privacy.ckks.halves import Signed
 from privacy.pki.trust import MemberTrust
 from privacy.secagg.crypto import transcript
 from privacy.secagg.peers import ConsortiumPeers
@@ -32,12 +33,9 @@ class NotAttested(BadMessage):
     """A sealed state not signed by every silo its sum counted: this silo will not step from it."""
 
 
-@dataclass(frozen=True)
-class Attestation:
-    """One silo's signature over a state it computed, and its certificate (PEM) for peers to check."""
-
-    signature: bytes
-    certificate: bytes = field(default=b"", repr=False)
+# one silo's signature over a state it computed, and its certificate (PEM) for peers to check: the same pair
+# as a consistency signature of a sum
+Attestation = Signed
 
 
 @dataclass(frozen=True)
