@@ -60,11 +60,15 @@ def invert_moments(
     basis = _centred_basis(n)
     if n <= 2:
         return mean + basis @ spread
-    energy = float(torch.diagonal(second).sum().clamp_min(1e-300))
+    # noised sums (DP) may have a negative trace: its size still sets the scale of the loss
+    energy = float(torch.diagonal(second).sum().abs().clamp_min(1e-300))
     generator = torch.Generator().manual_seed(seed)
     starts = [_random_rotation(n - 1, generator) for _ in range(restarts)]
     found = [mean + basis @ _nonnegative_rotation(mean, basis, spread, energy, r) @ spread for r in starts]
-    return min(found, key=lambda records: float(_negative_part(records, energy)))
+    finite = [records for records in found if bool(torch.isfinite(records).all())]
+    if not finite:  # the search diverged on sums too noisy to hold records: the unrotated spread is all left
+        return mean + basis @ spread
+    return min(finite, key=lambda records: float(_negative_part(records, energy)))
 
 
 def record_errors(found: torch.Tensor | None, truth: torch.Tensor) -> torch.Tensor:

@@ -10,9 +10,12 @@ this silo, that its method, privacy layer, disclosures and secure-sum parameters
 the plan parses and matches its hash, and that the state it streams matches the signed digest. Only then does
 it train. The contribution then leaves through the round's sums (`silo.participation`) over the layer the
 RoundSpec names, with this silo's side of that layer (`sides`, one per layer its policy lists, among those it
-implements); a RoundSpec naming any other layer is refused, so no layer ever falls back to a plain upload. A
-finished contribution is written to disk before upload, so an agent restarted mid-upload sends the same bytes
-instead of training again. Where the layer lets only silos read the sum (ckks), the silo also runs the server
+implements); a RoundSpec naming any other layer is refused, so no layer ever falls back to a plain upload.
+Every release passes the silo's one release gate (`fedlt.aggregation.gate`: roster, floors, and the release
+ledger keyed by the state trained from), whose ledgers fail closed at start (`silo.releases.check_ledgers`). A
+finished contribution is written to disk before upload, keyed by the state it was trained from, so an agent
+restarted mid-upload, or handed the same state under another label, sends the same bytes instead of training
+again. Where the layer lets only silos read the sum (ckks), the silo also runs the server
 step and reports the sealed next state (`silo.stepping`), with its keys from the key ceremony
 (`silo.ckks_keys`).
 """
