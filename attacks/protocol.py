@@ -11,7 +11,7 @@ design for contrast (audited = False) and once against what silos run (audited =
 - `presence_intersection`: which classes a silo holds does not change between rounds, so per-class presence
   sums over changing participant sets form a linear system in every silo's presence bits. The aggregator
   keeps every 0/1 holding consistent with what it was released; a bit is recovered when all of them agree.
-  Against a census per round it recovers every bit; against the `secagg` layer (one census per phase,
+  Against a census per round it recovers every bit; against the `secagg` layer (one census per silo set,
   per-class rows only in sums over that census set) it learns no bit the one census's counts do not already
   imply (a class that none or all of the census set hold).
 - `two_attempts`: a round's contribution is the same in every attempt, so summing attempt 1 over {a, b, c},

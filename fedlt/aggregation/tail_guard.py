@@ -9,9 +9,10 @@ zeroed; a round over any other set (partial participation, a dropout) zeroes eve
 
 Why so strict: what a silo holds does not change between rounds, so sums of presence (or of anything else
 per class that stays put) over different silo sets form a linear system the aggregator can solve for each
-silo's classes, and two censuses over sets that differ by one silo give that silo's classes outright. With
-one census per phase and per-class sums over one set only, there is nothing to intersect. The census reveals
-how many silos of P hold each class, never which.
+silo's classes, and two censuses over sets that differ by one silo give that silo's classes outright. So a
+silo gives its presence to one set of silos only, whatever phase, plan or seed a RoundSpec names (its release
+gate keys the census by the presence it sends), and per-class sums go over that set only: there is nothing to
+intersect. The census reveals how many silos of P hold each class, never which.
 
 **Statistics that invert, and the record floor.** k_min counts silos, not records: two silos holding one
 record each pass k_min = 2, and their Σz, Σzzᵀ and n = 2 invert into both records' features
@@ -103,7 +104,8 @@ class Census:
 
 
 def phase_key(consortium: str, config_sha256: str, seed: int, phase: str) -> str:
-    """Names the phase whose census a silo keeps: one census per (consortium, plan, seed, phase)."""
+    """Names the phase whose census the aggregator keeps and names in its RoundSpecs; silos key their own
+    record by the presence they sent, not by this label (`gate.Subject`)."""
     return _digest("fedlt/phase/v1", consortium, config_sha256, seed, phase).hex()
 
 
