@@ -19,6 +19,7 @@ def open_ledger(config: SiloConfig) -> PrivacyLedger:
 
 
 def show_budget(config: SiloConfig) -> int:
+    """Only reads (the agent replaces the ledger atomically): it needs no lock and runs beside the agent."""
     path = ledger_path(config)
     if not path.exists():
         print(

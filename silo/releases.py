@@ -8,6 +8,11 @@ the same subject it never releases to another. It also keeps the census it took 
 (a retry gets the same bytes). The ledger is written (and its directory synced) before the signature leaves,
 so a silo restarted at any point remembers what it may already have released.
 
+Every change is a read-modify-write under the file's lock (`privacy.dp.ledger.ledger_lock`, as the privacy
+ledger's): the file is re-read, the change checked against what it holds and applied, and the file replaced
+atomically, so a second writer on the same state directory neither erases a pin nor pins a subject again to
+another silo set.
+
 Ledgers fail closed (`check_ledgers`): a state directory that shows this silo has worked before (progress,
 a pinned roster, a pending upload, a privacy ledger) but has no release ledger, or whose release ledger says
 a privacy ledger was kept that is no longer there, stops the agent instead of starting afresh.
@@ -16,19 +21,23 @@ a privacy ledger was kept that is no longer there, stops the agent instead of st
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from fedlt.aggregation.gate import RepeatedRelease
 from fedlt.aggregation.tail_guard import Census
 from fedlt.atomic import atomic_write_text
 from fedlt.errors import FedltError
+from privacy.dp.ledger import ledger_lock
 
 LEDGER = "releases.json"
 # files a silo writes once it has started working: with any of them present, a missing ledger is a lost one
 EVIDENCE = ("progress.json", "pending.json", "roster.json")
+BOOK = ("survivors", "censuses", "disclosure")
+RESTORE = "restore releases.json from a backup of the state directory"
 
 __all__ = ["LEDGER", "LedgerMissing", "ReleaseLedger", "RepeatedRelease", "check_ledgers"]
 
@@ -59,14 +68,18 @@ def check_ledgers(state_dir: Path, privacy_ledger: Path) -> None:
 
 
 class ReleaseLedger:
+    """Thread- and process-safe on one state directory; what it reports is the file as this object last read
+    it, on opening or at its last change."""
+
     def __init__(self, state_dir: Path) -> None:
         self.path = state_dir / LEDGER
         self._lock = threading.Lock()
-        if self.path.exists():
-            self._book = json.loads(self.path.read_text())
-        else:
-            self._book = {"survivors": {}, "censuses": {}, "disclosure": {}}
-            self._save()
+        with ledger_lock(self.path):
+            if self.path.exists():
+                self._book = _read(self.path)
+            else:
+                self._book = {part: {} for part in BOOK}
+                self._save(self._book)
 
     @property
     def keeps_privacy_ledger(self) -> bool:
@@ -76,24 +89,19 @@ class ReleaseLedger:
 
     def note_privacy_ledger(self) -> None:
         """Record that the privacy ledger file exists from now on, so that losing it stops the silo."""
-        with self._lock:
-            if not self._book.get("privacy_ledger"):
-                self._book["privacy_ledger"] = True
-                self._save()
+        with self._changing() as book:
+            book["privacy_ledger"] = True
 
     def pin_survivors(self, key: str, survivors: Sequence[str], what: str) -> None:
         """Allow releasing `key` to `survivors` only if it was never released to another set."""
         wanted = sorted(survivors)
-        with self._lock:
-            pinned = self._book["survivors"].get(key)
-            if pinned is not None and pinned != wanted:
+        with self._changing() as book:
+            pinned = book["survivors"].setdefault(key, wanted)
+            if pinned != wanted:
                 raise RepeatedRelease(
                     f"this silo already signed the {what} for {', '.join(pinned)}; signing it for "
                     f"{', '.join(wanted)} would let the aggregator subtract the two sums"
                 )
-            if pinned is None:
-                self._book["survivors"][key] = wanted
-                self._save()
 
     def survivors(self, key: str) -> list[str] | None:
         """The survivor set this silo signed for `key`, if any."""
@@ -106,14 +114,9 @@ class ReleaseLedger:
         return None if saved is None else Census.of(saved["silos"], saved["counts"], saved.get("records", ()))
 
     def record_census(self, key: str, census: Census) -> None:
-        with self._lock:
-            saved = {
-                "silos": list(census.silos),
-                "counts": list(census.counts),
-                "records": list(census.records),
-            }
-            self._book["censuses"][key] = saved
-            self._save()
+        saved = {"silos": list(census.silos), "counts": list(census.counts), "records": list(census.records)}
+        with self._changing() as book:
+            book["censuses"][key] = saved
 
     def disclosure(self, key: str) -> bytes | None:
         """The values already disclosed for `key` (this round's state), to be sent again unchanged."""
@@ -122,9 +125,48 @@ class ReleaseLedger:
         return base64.b64decode(saved["values"]) if saved.get("key") == key else None
 
     def record_disclosure(self, key: str, values: bytes) -> None:
-        with self._lock:
-            self._book["disclosure"] = {"key": key, "values": base64.b64encode(values).decode()}
-            self._save()
+        with self._changing() as book:
+            book["disclosure"] = {"key": key, "values": base64.b64encode(values).decode()}
 
-    def _save(self) -> None:
-        atomic_write_text(self.path, json.dumps(self._book))
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[dict]:
+        """The book as the file holds it now, under the file's lock; written back if the caller changed it
+        (and not at all if the caller raised)."""
+        with self._lock, ledger_lock(self.path):
+            book = self._reread()
+            before = json.dumps(book)
+            yield book
+            if json.dumps(book) != before:
+                self._save(book)
+            self._book = book
+
+    def _reread(self) -> dict:
+        """The file's book; one that lost a pin this object saw (deleted, or put back from an older copy
+        while the silo ran) is refused rather than written over: a lost pin would allow a second release."""
+        if not self.path.exists():
+            raise LedgerMissing(
+                f"{self.path} was removed while this silo ran: without it the silo could release the same "
+                f"data again over other silos; {RESTORE}"
+            )
+        book = _read(self.path)
+        kept = all(book["survivors"].get(k) == pinned for k, pinned in self._book["survivors"].items())
+        if not kept or (self._book.get("privacy_ledger") and not book.get("privacy_ledger")):
+            raise LedgerMissing(
+                f"{self.path} no longer holds releases this silo recorded (it was replaced by an older copy "
+                f"while the silo ran); {RESTORE}"
+            )
+        return book
+
+    def _save(self, book: dict) -> None:
+        atomic_write_text(self.path, json.dumps(book))
+
+
+def _read(path: Path) -> dict:
+    """The book in `path`; a damaged one counts as lost, since it could not refuse a second release."""
+    try:
+        book = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise LedgerMissing(f"{path} is not a readable release ledger ({exc}); {RESTORE}") from None
+    if not isinstance(book, dict) or not all(isinstance(book.get(part), dict) for part in BOOK):
+        raise LedgerMissing(f"{path} is not a release ledger of this format; {RESTORE}")
+    return book

@@ -359,5 +359,6 @@ def test_a_silos_mask_secret_is_its_own_kept_and_private(tmp_path):
     secret = first._mask_secret()
     assert len(secret) == 32
     assert secret != second._mask_secret()
+    first.state_lock.release()  # the first agent stops: its directory is free for the restart
     assert SiloAgent(load_silo_config(silo_configs[0]))._mask_secret() == secret  # kept across restarts
     assert (first.state_dir / "mask.secret").stat().st_mode & 0o077 == 0

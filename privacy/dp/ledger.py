@@ -4,15 +4,23 @@ The ledger is asked before the work, not after: `charge` writes the entry (atomi
 silo train or release, so a silo killed half-way remembers the spending it may already have done; work that
 would take the total past the budget is refused with `BudgetExceeded`. Totals are composed in Rényi DP over
 `privacy.dp.accountant.ORDERS` and converted to (ε, δ) once.
+
+Every write is a read-modify-write under an exclusive lock of the file (`ledger_lock`): the file is re-read,
+the entry checked against everything in it and appended, and the file replaced atomically. Two writers that
+each kept their own copy (two agents on one state directory, or a process that bypasses the agent's lock)
+would otherwise erase each other's entries, and each would spend the whole budget.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
+import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,8 +52,26 @@ class Budget:
             raise ValueError(f"a budget needs ε > 0 and 0 < δ < 1, got ε = {self.epsilon}, δ = {self.delta}")
 
 
+@contextlib.contextmanager
+def ledger_lock(path: Path) -> Iterator[None]:
+    """Hold `path`'s lock for one read-modify-write, blocking while another thread or process holds it.
+
+    The lock is taken on a file beside the ledger (`<name>.lock`), never on the ledger itself: each write
+    replaces the ledger's inode, so a lock on it would guard a file nobody reads any more.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.with_name(f"{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 class PrivacyLedger:
-    """Thread-safe; `path` None keeps the ledger in memory (the simulator saves it with its checkpoint)."""
+    """Thread- and process-safe on one file; what it reports (`entries`, `spent`, ...) is the file as this
+    object last read it, on opening or at its last write. `path` None keeps the ledger in memory (the
+    simulator saves it with its checkpoint)."""
 
     def __init__(self, budget: Budget, path: Path | None = None) -> None:
         self.budget = budget
@@ -59,10 +85,7 @@ class PrivacyLedger:
     def restore(self, entries: list[dict]) -> None:
         """Replace the in-memory entries with saved ones (a simulator resuming from its checkpoint)."""
         with self._lock:
-            self._entries = [dict(e) for e in entries]
-            self._total = np.zeros(len(ORDERS))
-            for e in self._entries:
-                self._total += np.asarray(e["rdp"], dtype=np.float64)
+            self._take(entries)
 
     @property
     def entries(self) -> list[dict]:
@@ -94,7 +117,8 @@ class PrivacyLedger:
             raise ValueError(f"an RDP curve has {len(ORDERS)} orders, got shape {rdp.shape}")
         if not np.all(rdp >= 0):  # a cost is >= 0 at every order (inf: unbounded, refused below); no NaN
             raise ValueError("an RDP curve is >= 0 at every order (no negative values, no NaN)")
-        with self._lock:
+        with self._lock, self._file_lock():
+            self._reread()
             after = epsilon(self._total + rdp, self.budget.delta)
             if after > self.budget.epsilon:
                 before = epsilon(self._total, self.budget.delta)
@@ -112,6 +136,7 @@ class PrivacyLedger:
                 "epsilon_after": after,
                 "rdp": [float(v) for v in rdp],
             }
+            entry = json.loads(json.dumps(entry))  # as the file holds it, so a re-read compares equal
             self._entries.append(entry)
             self._total += rdp
             self._save()
@@ -120,7 +145,8 @@ class PrivacyLedger:
     def keep(self) -> None:
         """Write the ledger now, even with no entries: from then on its file must be there (the silo's
         release ledger notes it, and a lost privacy ledger stops the silo instead of starting over)."""
-        with self._lock:
+        with self._lock, self._file_lock():
+            self._reread()
             self._save()
 
     def find(self, what: str) -> dict | None:
@@ -142,16 +168,42 @@ class PrivacyLedger:
             )
         return "\n".join(lines)
 
+    def _file_lock(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if self.path is None else ledger_lock(self.path)
+
+    def _reread(self) -> None:
+        """Take in what other writers added since this object last read the file (under `ledger_lock`).
+
+        Writers only ever append, so what this object saw is the start of the file's entries; a file that
+        lost some of them (deleted, or put back from an older copy while the silo ran) is refused, never
+        written over, as a lost ledger is at start (`silo.releases.check_ledgers`)."""
+        if self.path is None:
+            return
+        entries = _read(self.path, known=self._entries) if self.path.exists() else []
+        if entries[: len(self._entries)] != self._entries:
+            raise LedgerError(
+                f"{self.path}: privacy ledger entries this silo recorded are gone (the file was deleted or "
+                "replaced by an older copy while the silo ran); restore it from a backup"
+            )
+        self._take(entries)
+
+    def _take(self, entries: list[dict]) -> None:
+        self._entries = [dict(e) for e in entries]
+        self._total = np.zeros(len(ORDERS))
+        for e in self._entries:  # in order, as `charge` adds them: a re-read total equals the running one
+            self._total += np.asarray(e["rdp"], dtype=np.float64)
+
     def _save(self) -> None:
         if self.path is None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(
             self.path, json.dumps({"format": FORMAT, "orders": ORDERS, "entries": self._entries})
         )
 
 
-def _read(path: Path) -> list[dict]:
+def _read(path: Path, *, known: Sequence[dict] = ()) -> list[dict]:
+    """The file's entries. Those it starts with that equal `known` (entries the caller checked when it read
+    or wrote them) are not checked again, so a re-read costs the new entries only."""
     try:
         saved = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -165,7 +217,8 @@ def _read(path: Path) -> list[dict]:
     ):
         raise LedgerError(f"{path}: a privacy ledger of another format; restore it from a backup")
     entries = saved.get("entries")
-    if not isinstance(entries, list) or not all(_readable(e) for e in entries):
+    skip = len(known) if isinstance(entries, list) and entries[: len(known)] == list(known) else 0
+    if not isinstance(entries, list) or not all(_readable(e) for e in entries[skip:]):
         raise LedgerError(f"{path}: a privacy ledger with damaged entries; restore it from a backup")
     return entries
 
