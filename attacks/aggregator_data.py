@@ -19,6 +19,10 @@ Not stored, so not attacked: the released sums themselves (a round's `grad`, `pr
 head, so `invert_moments` has nothing to run on), CReFF's per-class gradients (its state keeps the federated
 features matched to them), and silos' contributions. No original images exist here, so a finding's images
 are the recovered ones only (`images["recovered"]`).
+
+`describe_store` heads the report with the consortium (its id, method, layer and rounds, from the
+consortium.toml the store is bound to) and what the store holds; where no attack applies (FedAvg keeps
+neither), it says why, and the audit's verdict is NOTHING AUDITED, never PASSED.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from aggregator.config import ConsortiumConfig, load_consortium_config
 from aggregator.held_state import SEALED
 from aggregator.server import DATABASE
 from attacks.analytic import recover_feature
@@ -40,6 +45,7 @@ from attacks.audit import Finding
 from attacks.config import Thresholds
 from attacks.decoder import FeatureDecoder, decode, train_decoder
 from attacks.presence import presence_report, presence_scores
+from attacks.report import Subject
 from fedlt.data.arrays import LabeledImages
 from fedlt.errors import FedltError
 from fedlt.methods import ModelSpec
@@ -49,6 +55,10 @@ from fedlt.selection import DISCLOSURE
 from fedlt.tensorpack import PackError
 
 TABLES = frozenset({"meta", "attempts", "states", "disclosures", "censuses", "audit"})
+CONSORTIUM_TOML = "consortium.toml"  # where the demo and the operator guide keep it: beside server.data_dir
+NEVER_STORED = "the released sums and the silos' contributions are never stored"
+# how the store keeps a committed round's state
+CLEAR, SEALED_BY_SILOS, BLANKED = "in the clear", "sealed by the silos (ckks)", "blanked by [retention]"
 PARTY = "whoever reads the aggregator's database"
 # each detector's own cut between "real mean" and "mask" (`presence_scores`); cosine has none
 CALLS_REAL: dict[str, Callable[[np.ndarray], np.ndarray]] = {
@@ -71,12 +81,15 @@ class StoredRound:
     contributors: tuple[str, ...]
     state: GlobalState | None
     guard: dict | None  # the round's tail_guard audit record: k_min and the classes zeroed
+    sealed: bool  # under ckks: only the silos can open the state
 
 
 @dataclass(frozen=True)
 class AggregatorData:
     rounds: dict[int, StoredRound]  # round 0 is the initial state, the model of round 1
     disclosures: dict[str, dict[str, np.ndarray]]  # round_id -> silo -> flat float64 class means
+    database: Path  # resolved
+    fingerprint: str  # of the consortium settings the store is bound to (`Store.bind`); "" if none
 
 
 def read_aggregator_data(folder: Path) -> AggregatorData:
@@ -98,7 +111,7 @@ def read_aggregator_data(folder: Path) -> AggregatorData:
     except sqlite3.Error as exc:
         raise AggregatorDataError(f"cannot open {path} read-only: {exc}") from None
     try:
-        return _read(db, path)
+        return _read(db, path.resolve())
     except sqlite3.Error as exc:  # DatabaseError for a file that is not SQLite
         raise AggregatorDataError(f"{path} is not an aggregator database: {exc}") from None
     finally:
@@ -121,7 +134,12 @@ def _read(db: sqlite3.Connection, path: Path) -> AggregatorData:
         state = _state(data, number, path)
         round_id = round_id or ""  # the initial state belongs to no round
         rounds[number] = StoredRound(
-            number, round_id, tuple(json.loads(contributors)), state, guards.get(round_id)
+            number,
+            round_id,
+            tuple(json.loads(contributors)),
+            state,
+            guards.get(round_id),
+            data.startswith(SEALED),
         )
     if not any(number >= 1 for number in rounds):
         raise AggregatorDataError(f"{path} holds no committed round: nothing was released yet")
@@ -130,7 +148,8 @@ def _read(db: sqlite3.Connection, path: Path) -> AggregatorData:
         "SELECT silo_id, round_id, data FROM disclosures WHERE name = ? ORDER BY silo_id", (DISCLOSURE,)
     ):
         disclosures.setdefault(round_id, {})[silo] = np.frombuffer(data, dtype="<f8").copy()
-    return AggregatorData(rounds, disclosures)
+    bound = db.execute("SELECT value FROM meta WHERE key = 'fingerprint'").fetchone()
+    return AggregatorData(rounds, disclosures, path, bound[0] if bound else "")
 
 
 def _state(data: bytes, number: int, path: Path) -> GlobalState | None:
@@ -141,6 +160,135 @@ def _state(data: bytes, number: int, path: Path) -> GlobalState | None:
         return unpack_state(data, number)
     except PackError as exc:
         raise AggregatorDataError(f"{path}: the state of round {number} does not unpack: {exc}") from None
+
+
+def describe_store(data: AggregatorData, settings: Path | None = None) -> Subject:
+    """The report's header for a deployment audit: the consortium (from the consortium.toml the store was
+    run with: `settings`, else one beside the data folder that names it) and what its store holds, and why
+    no attack applies where none does."""
+    config, source = _settings(data, settings)
+    committed = max(data.rounds)
+    facts: dict = {"database": str(data.database), "rounds_committed": committed, "settings": source}
+    if config is None:
+        who = f"Consortium settings unknown ({source}); {_count(committed, 'round')} committed."
+    else:
+        facts |= {
+            "consortium": config.consortium.id,
+            "method": config.plan.method.name,
+            "privacy": config.consortium.privacy,
+            "rounds": config.consortium.rounds,
+        }
+        who = (
+            f"Consortium {config.consortium.id!r}: method {config.plan.method.name}, privacy layer "
+            f"{config.consortium.privacy}, {committed} of {config.consortium.rounds} rounds committed "
+            f"({source})."
+        )
+    holds = _holdings(data)
+    facts["holds"] = holds
+    header = f"{who} Data: the aggregator's store {data.database}, read-only; it holds {', '.join(holds)}."
+    return Subject(header, _why_nothing_applies(data), facts)
+
+
+def _settings(data: AggregatorData, given: Path | None) -> tuple[ConsortiumConfig | None, str]:
+    """The consortium.toml the store is bound to, and where it came from; None and why when there is none.
+    A file of other settings would describe another consortium: given, it is refused; found, passed over."""
+    if given is not None:
+        config = load_consortium_config(given)
+        if config.fingerprint() != data.fingerprint:
+            raise AggregatorDataError(
+                f"{given} holds other settings than the ones {data.database} was run with (their "
+                "fingerprint is not the one the store is bound to): pass the consortium.toml this "
+                "aggregator serves with"
+            )
+        return config, f"settings from {Path(given).resolve()}, which the store is bound to"
+    beside = data.database.parent.parent / CONSORTIUM_TOML
+    hint = "pass --consortium with the consortium.toml the aggregator ran with to name them"
+    if not beside.is_file():
+        return None, f"no {CONSORTIUM_TOML} beside the data folder; {hint}"
+    try:
+        config = load_consortium_config(beside)
+    except FedltError:
+        return None, f"{beside} does not load; {hint}"
+    if config.path(config.server.data_dir).resolve() != data.database.parent:
+        return None, f"{beside} names another data folder; {hint}"
+    if config.fingerprint() != data.fingerprint:
+        return None, f"{beside} holds other settings than the store was run with; {hint}"
+    return config, f"settings from {beside}, beside the data folder, which the store is bound to"
+
+
+def _states(data: AggregatorData) -> dict[str, list[int]]:
+    """The committed rounds by how the store keeps their state."""
+    rounds = [stored for number, stored in sorted(data.rounds.items()) if number >= 1]
+    return {
+        CLEAR: [r.round for r in rounds if r.state is not None],
+        SEALED_BY_SILOS: [r.round for r in rounds if r.sealed],
+        BLANKED: [r.round for r in rounds if r.state is None and not r.sealed],
+    }
+
+
+def _holdings(data: AggregatorData) -> list[str]:
+    """What the store keeps of its committed rounds, one phrase each."""
+    states = _states(data)
+    holds = [f"{_states_of(numbers)} {how}" for how, numbers in states.items() if numbers]
+    gradients = _with_gradients(data)
+    holds.append(
+        f"per-class head gradients (RedGrape's prototypes) in {_rounds(gradients)}"
+        if gradients
+        else "no per-class head gradients"
+    )
+    silos = sorted({silo for disclosed in data.disclosures.values() for silo in disclosed})
+    holds.append(
+        f"MFSC disclosures of {_count(len(silos), 'silo')} from {_count(len(data.disclosures), 'round')}"
+        if silos
+        else "no MFSC disclosures"
+    )
+    return holds
+
+
+def _why_nothing_applies(data: AggregatorData) -> str:
+    """Why neither attack on a store (per-class gradients in a state, MFSC disclosures) has anything here."""
+    states = _states(data)
+    reasons = []
+    if states[CLEAR] and not _with_gradients(data):
+        reasons.append(
+            f"no per-class head gradients in {_states_of(states[CLEAR])} it keeps in the clear "
+            "(RedGrape's prototypes are the only released statistic a state keeps)"
+        )
+    for how in (SEALED_BY_SILOS, BLANKED):
+        if states[how]:
+            reasons.append(f"{_states_of(states[how])}: {how}")
+    if not data.disclosures:
+        reasons.append("it holds no MFSC disclosures (the presence attack's input)")
+    return "; ".join([*reasons, NEVER_STORED])
+
+
+def _with_gradients(data: AggregatorData) -> list[int]:
+    """The committed rounds whose state keeps per-class head gradients, the analytic attack's input."""
+    return [
+        number
+        for number, stored in sorted(data.rounds.items())
+        if number >= 1 and stored.state is not None and "prototypes" in stored.state.extra
+    ]
+
+
+def _rounds(numbers: list[int]) -> str:
+    """Sorted round numbers in runs: [1, 2, 3, 5] -> 'rounds 1–3, 5'; [4] -> 'round 4'."""
+    runs: list[list[int]] = []
+    for number in numbers:
+        if runs and number == runs[-1][-1] + 1:
+            runs[-1].append(number)
+        else:
+            runs.append([number])
+    spans = ", ".join(f"{run[0]}–{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
+    return f"round {spans}" if len(numbers) == 1 else f"rounds {spans}"
+
+
+def _states_of(numbers: list[int]) -> str:
+    return f"the state{'s' if len(numbers) > 1 else ''} of {_rounds(numbers)}"
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
 
 
 def released_class_features(state: GlobalState) -> dict[int, torch.Tensor]:
@@ -166,16 +314,27 @@ def audit_aggregator_data(
     decode recovered features and score disclosures; `holdings`, which classes each silo disclosed a real
     mean of (at least `selection.min_samples` samples), if the operator asked the silos, scores the
     presence detectors against the truth, which otherwise nobody but the silos knows."""
-    folder = Path(folder)
-    progress(f"reading {folder / DATABASE}")
+    progress(f"reading {Path(folder) / DATABASE}")
     data = read_aggregator_data(folder)
-    mode = f"deployment: {folder.resolve().name}"
+    return audit_stored(data, thresholds=thresholds, public=public, holdings=holdings, progress=progress)
+
+
+def audit_stored(
+    data: AggregatorData,
+    *,
+    thresholds: Thresholds,
+    public: LabeledImages | None = None,
+    holdings: Mapping[str, Collection[int]] | None = None,
+    progress: Callable[[str], None] = lambda _: None,
+) -> list[Finding]:
+    """`audit_aggregator_data` on a store already read (`read_aggregator_data`), which `describe_store`
+    describes: the findings and the description are of the same reading of a live store."""
+    mode = f"deployment: {data.database.parent.name}"
     models = _Models(data, public, progress)
     findings = []
-    for number, stored in sorted(data.rounds.items()):
-        if number >= 1 and stored.state is not None and "prototypes" in stored.state.extra:
-            progress(f"round {number}: per-class head gradients")
-            findings.append(_gradient_finding(stored, models, mode))
+    for number in _with_gradients(data):
+        progress(f"round {number}: per-class head gradients")
+        findings.append(_gradient_finding(data.rounds[number], models, mode))
     for round_id, disclosed in sorted(data.disclosures.items()):
         progress(f"{round_id}: MFSC disclosures of {len(disclosed)} silos")
         findings.append(_presence_finding(round_id, disclosed, models, mode, thresholds, holdings))

@@ -7,7 +7,8 @@
         --public-data mnist5k
 
 Exit codes: 0 the audit passed, 1 a leak crossed a threshold in an audited mode, 2 a usage or configuration
-error (with the message, never a traceback).
+error (with the message, never a traceback), 3 nothing audited: no attack applies to what the store holds
+(or the grid's attacks and modes gave no finding), which is no pass.
 """
 
 from __future__ import annotations
@@ -33,35 +34,47 @@ def main(argv: list[str] | None = None) -> int:
         config = load_audit_config(args.config)
         config = _narrowed(config, args)
         if args.aggregator_data is not None:
-            return audit_deployment(config, args.aggregator_data, args.public_data, args.out)
+            return audit_deployment(
+                config, args.aggregator_data, args.public_data, args.out, settings=args.consortium
+            )
+        if args.consortium is not None:
+            raise ValueError("--consortium describes the store of --aggregator-data; give both")
         return run(config, args.out)
     except (FedltError, ValueError) as exc:  # a grid the data cannot serve, a folder without a store
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
 
-def audit_deployment(config, folder: Path, public_name: str | None, out: Path) -> int:
-    """The attacks that apply to what a real aggregator stored in `folder`, with the grid's thresholds."""
-    from attacks.aggregator_data import audit_aggregator_data
-    from attacks.report import console_summary, write_report
+def audit_deployment(
+    config, folder: Path, public_name: str | None, out: Path, *, settings: Path | None = None
+) -> int:
+    """The attacks that apply to what a real aggregator stored in `folder`, with the grid's thresholds;
+    `settings`, its consortium.toml, names the consortium in the report."""
+    from aggregator.server import DATABASE
+    from attacks.aggregator_data import audit_stored, describe_store, read_aggregator_data
+    from attacks.report import EXIT_CODES, console_summary, verdict, verdict_line, write_report
     from fedlt.data.embedded import load_embedded
 
     started = time.perf_counter()
     public = load_embedded(public_name) if public_name else None
-    findings = audit_aggregator_data(
-        folder, thresholds=config.thresholds, public=public, progress=lambda label: print(label, flush=True)
+    print(f"reading {folder / DATABASE}", flush=True)
+    data = read_aggregator_data(folder)
+    subject = describe_store(data, settings)
+    print(subject.header, flush=True)
+    findings = audit_stored(
+        data, thresholds=config.thresholds, public=public, progress=lambda label: print(label, flush=True)
     )
-    summary = write_report(out, config, findings, time.perf_counter() - started)
+    write_report(out, config, findings, time.perf_counter() - started, subject=subject)
     print(console_summary(findings))
-    print(f"audit {'passed' if summary['passed'] else 'FAILED'}; report: {out / 'report.md'}")
-    return 0 if summary["passed"] else 1
+    print(verdict_line(findings, subject, out / "report.md"))
+    return EXIT_CODES[verdict(findings)]
 
 
 def run(config, out: Path) -> int:
     from tqdm import tqdm
 
     from attacks.audit import DECODED, ONCE, PER_MODE, Audit
-    from attacks.report import console_summary, write_report
+    from attacks.report import EXIT_CODES, console_summary, verdict, verdict_line, write_report
     from attacks.scenario import build_scenario
 
     started = time.perf_counter()
@@ -84,11 +97,10 @@ def run(config, out: Path) -> int:
             bar.set_description(f"{attack} · {mode.name}")
             findings += PER_MODE[attack](audit, mode)
             bar.update()
-    summary = write_report(out, config, findings, time.perf_counter() - started)
+    write_report(out, config, findings, time.perf_counter() - started)
     print(console_summary(findings))
-    verdict = "passed" if summary["passed"] else "FAILED: a leak crossed a threshold in an audited mode"
-    print(f"audit {verdict}; report: {out / 'report.md'}")
-    return 0 if summary["passed"] else 1
+    print(verdict_line(findings, None, out / "report.md"))
+    return EXIT_CODES[verdict(findings)]
 
 
 def _narrowed(config, args: argparse.Namespace):
@@ -110,7 +122,11 @@ def _narrowed(config, args: argparse.Namespace):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m attacks.evaluate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m attacks.evaluate",
+        description=__doc__.split("\n")[0],
+        epilog=__doc__.split("\n\n")[-1],
+    )
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="the audit grid (TOML)")
     p.add_argument("--out", type=Path, default=Path("runs/audit"), help="the report folder")
     p.add_argument("--attacks", nargs="+", help="only these attacks")
@@ -120,6 +136,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--public-data", help="an embedded dataset the auditor owns, to decode and score (--aggregator-data)"
+    )
+    p.add_argument(
+        "--consortium",
+        type=Path,
+        help="the consortium.toml the aggregator ran with, to name the consortium in the report "
+        "(--aggregator-data; default: one beside the data folder that names it)",
     )
     return p
 

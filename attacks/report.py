@@ -1,6 +1,10 @@
 """The audit's report folder: report.json (every finding and score), report.md (the table a privacy officer
 reads), one PNG grid per image attack (originals beside what each mode let the attacker draw), and the
-one-screen console summary."""
+one-screen console summary.
+
+The verdict is one of three: FAILED (a leak crossed a threshold in an audited mode), PASSED, or NOTHING
+AUDITED where no attack ran at all, so that zero findings never read as zero leaks.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import json
 import math
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,35 +32,95 @@ HEADLINE = {  # the score each attack's row shows, and how to read it
 }
 
 
-def write_report(out: Path, config: AuditConfig, findings: list[Finding], seconds: float) -> dict:
+PASSED, FAILED, NOTHING_AUDITED = "PASSED", "FAILED", "NOTHING AUDITED"
+EXIT_CODES = {PASSED: 0, FAILED: 1, NOTHING_AUDITED: 3}  # `python -m attacks.evaluate`; 2: a usage error
+
+
+@dataclass(frozen=True)
+class Subject:
+    """What a deployment audit attacked, in place of the grid's data: `header`, the report's sentence on the
+    consortium and its store; `nothing_applies`, why no attack applies to it (shown only when none ran);
+    `facts`, the same for report.json."""
+
+    header: str
+    nothing_applies: str
+    facts: dict
+
+
+def verdict(findings: list[Finding]) -> str:
+    """No finding is no check, so its own verdict: "0 findings" must not read as "no leak"."""
+    if not findings:
+        return NOTHING_AUDITED
+    return FAILED if any(f.leaked and f.audited for f in findings) else PASSED
+
+
+def verdict_line(findings: list[Finding], subject: Subject | None, report: Path) -> str:
+    """The console's last line: the verdict, and for NOTHING AUDITED why."""
+    said = verdict(findings)
+    if said == FAILED:
+        return f"audit FAILED: a leak crossed a threshold in an audited mode; report: {report}"
+    if said == NOTHING_AUDITED:
+        return f"audit {NOTHING_AUDITED} — {_nothing(subject)}; report: {report}"
+    return f"audit passed; report: {report}"
+
+
+def write_report(
+    out: Path, config: AuditConfig, findings: list[Finding], seconds: float, *, subject: Subject | None = None
+) -> dict:
+    """`subject`: a deployment's store was audited, not the grid's scenario; report.json then records its
+    facts and the thresholds, not the grid's settings."""
     out.mkdir(parents=True, exist_ok=True)
     grids = _plot_grids(out, findings)
-    failed = [f for f in findings if f.leaked and f.audited]
+    said = verdict(findings)
+    audited = (
+        {"config": dataclasses.asdict(config)}
+        if subject is None
+        else {"deployment": subject.facts, "thresholds": dataclasses.asdict(config.thresholds)}
+    )
     summary = {
-        "passed": not failed,
+        "verdict": said.lower(),
+        "passed": said == PASSED,
         "seconds": round(seconds, 1),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "config": dataclasses.asdict(config),
+        **audited,
         "findings": [_as_json(f) for f in findings],
         "grids": grids,
     }
     atomic_write_text(out / "report.json", json.dumps(_plain(summary), indent=1, allow_nan=False))
-    atomic_write_text(out / "report.md", render_markdown(config, findings, grids, seconds))
+    atomic_write_text(out / "report.md", render_markdown(config, findings, grids, seconds, subject=subject))
     return summary
 
 
-def render_markdown(config: AuditConfig, findings: list[Finding], grids: list[str], seconds: float) -> str:
+def render_markdown(
+    config: AuditConfig,
+    findings: list[Finding],
+    grids: list[str],
+    seconds: float,
+    *,
+    subject: Subject | None = None,
+) -> str:
     failed = [f for f in findings if f.leaked and f.audited]
-    verdict = "FAILED" if failed else "PASSED"
-    lines = [
-        f"# Privacy audit: {verdict}",
-        "",
-        f"{len(findings)} findings in {seconds / 60:.1f} min; {len(failed)} leak(s) in audited modes. Data: "
-        f"{config.data.dataset}, IF {config.data.imbalance:g}, α {config.data.alpha:g}, {config.data.silos} "
-        f"silos, seed {config.seed}. Thresholds: SSIM over the best baseline > "
-        f"{config.thresholds.ssim_over_random}, feature error < {config.thresholds.feature_error}, presence "
-        f"AUC > {config.thresholds.presence_auc}, membership TPR at 0.1% FPR > "
-        f"{config.thresholds.membership_tpr}.",
+    said = verdict(findings)
+    data = (
+        f"Data: {config.data.dataset}, IF {config.data.imbalance:g}, α {config.data.alpha:g}, "
+        f"{config.data.silos} silos, seed {config.seed}."
+        if subject is None
+        else subject.header
+    )
+    thresholds = config.thresholds
+    lines = [f"# Privacy audit: {said}", ""]
+    if said == NOTHING_AUDITED:
+        why = _nothing(subject)
+        lines += [f"{why[0].upper()}{why[1:]}.", ""]
+    lines += [
+        f"{len(findings)} findings in {seconds / 60:.1f} min; {len(failed)} leak(s) in audited modes. {data} "
+        f"Thresholds: SSIM over the best baseline > {thresholds.ssim_over_random}, feature error < "
+        f"{thresholds.feature_error}, presence AUC > {thresholds.presence_auc}, membership TPR at 0.1% FPR > "
+        f"{thresholds.membership_tpr}.",
+    ]
+    if not findings:
+        return "\n".join(lines) + "\n"  # no tables of nothing
+    lines += [
         "",
         "Image scores are medians over the attacked records (SSIM, PSNR in dB) beside two baselines: random "
         "images, and the attacker's prior (its own data's class prototype, decoded). *withheld*: the mode "
@@ -85,6 +150,13 @@ def render_markdown(config: AuditConfig, findings: list[Finding], grids: list[st
         lines += ["", "## Reconstructions", ""]
         lines += [f"![{Path(g).stem}]({g})" for g in grids]
     return "\n".join(lines) + "\n"
+
+
+def _nothing(subject: Subject | None) -> str:
+    """Why no attack ran."""
+    if subject is None:
+        return "the grid's attacks and modes gave no finding (see --attacks and --modes)"
+    return f"no attack applies to what this store holds: {subject.nothing_applies}"
 
 
 def render_matrix(findings: list[Finding]) -> str:

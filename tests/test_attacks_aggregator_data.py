@@ -9,7 +9,9 @@ The round also stores MFSC disclosures of the silos' masked class means on the m
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,17 +19,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
+from aggregator.config import load_consortium_config
+from aggregator.held_state import SEALED
 from aggregator.server import DATABASE
-from aggregator.store import Store
+from aggregator.store import Retention, Store
 from attacks.aggregator_data import (
     AggregatorDataError,
+    _rounds,
     audit_aggregator_data,
+    audit_stored,
+    describe_store,
     read_aggregator_data,
     released_class_features,
 )
 from attacks.analytic import relative_error
-from attacks.config import Thresholds
+from attacks.config import Thresholds, load_audit_config
+from attacks.evaluate import DEFAULT_CONFIG, main
 from fedlt.aggregation import tail_guard
 from fedlt.aggregation.plaintext import PlaintextSum
 from fedlt.aggregation.sums import SumLayer
@@ -313,3 +323,128 @@ def test_a_store_without_a_committed_round_is_a_clear_error(world, tmp_path):
     with pytest.raises(AggregatorDataError, match="no committed round"):
         audit_aggregator_data(tmp_path, thresholds=THRESHOLDS)
     store.close()
+
+
+CONSORTIUM_TOML = """
+[consortium]
+id = "clinics"
+rounds = 5
+privacy = "secagg"
+
+[server]
+data_dir = "aggregator-data"
+
+[model]
+name = "cnn-small"
+image_shape = [1, 8, 8]
+classes = ["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"]
+
+[method]
+name = "fedavg"
+"""
+
+
+def fedavg_deployment(world: World, directory: Path) -> Path:
+    """A FedAvg consortium under secagg after one round, laid out as `aggregator serve` leaves it: its
+    consortium.toml beside the data folder, whose store is bound to that file's settings."""
+    directory.mkdir()
+    (directory / "consortium.toml").write_text(CONSORTIUM_TOML)
+    folder = build_store(directory / "aggregator-data", world, GlobalState(1, world.initial.model))
+    store = Store(folder / DATABASE, audit_key=AUDIT_KEY)
+    store.bind(load_consortium_config(directory / "consortium.toml").fingerprint())
+    store.close()
+    return folder
+
+
+def test_a_store_no_attack_applies_to_is_nothing_audited_not_passed(world, tmp_path, capsys):
+    """Guards 'an audit that ran nothing is not PASSED' (issue 31): FedAvg under secagg keeps states without
+    per-class statistics and no disclosures, so no attack runs; the verdict says so, why, and exits 3, and
+    the report describes the consortium's store, not the default grid's data."""
+    folder = fedavg_deployment(world, tmp_path / "clinics")
+    out = tmp_path / "report"
+    assert main(["--aggregator-data", str(folder), "--out", str(out)]) == 3
+    printed = capsys.readouterr().out
+    assert "NOTHING AUDITED — no attack applies to what this store holds:" in printed
+    assert "PASSED" not in printed
+    assert "no per-class head gradients" in printed
+    assert "no MFSC disclosures" in printed
+    report = (out / "report.md").read_text()
+    title, _, body = report.partition("\n")
+    assert title == "# Privacy audit: NOTHING AUDITED"
+    for fact in ("'clinics'", "fedavg", "secagg", "1 of 5 rounds", str(folder.resolve() / DATABASE)):
+        assert fact in body
+    grid = load_audit_config(DEFAULT_CONFIG)
+    assert grid.data.dataset not in body
+    assert f"IF {grid.data.imbalance:g}" not in body
+    summary = json.loads((out / "report.json").read_text())
+    assert summary["verdict"] == "nothing audited"
+    assert not summary["passed"]
+    assert summary["deployment"]["consortium"] == "clinics"
+    assert "config" not in summary  # the default grid's settings describe nothing audited here
+    assert summary["thresholds"] == dataclasses.asdict(grid.thresholds)
+
+
+def test_sealed_and_blanked_states_are_named_as_why_nothing_was_audited(world, tmp_path):
+    """Guards the reason's other branches: under ckks the silos seal every state, and [retention] blanks
+    old ones; neither is attackable, and the verdict says which rounds are which."""
+    store = Store(tmp_path / DATABASE, audit_key=AUDIT_KEY, retention=Retention(last=2))
+    store.save_initial_state(world.initial.digest(), pack_state(world.initial))
+    for number in (1, 2, 3):
+        _, round_id = store.begin_attempt(number, SILOS, "0000")
+        data = SEALED + bytes(8) if number < 3 else pack_state(GlobalState(number, world.initial.model))
+        store.commit_round(round_number=number, round_id=round_id, digest="d", data=data, contributors=SILOS)
+    store.close()
+    data = read_aggregator_data(tmp_path)
+    assert audit_stored(data, thresholds=THRESHOLDS) == []
+    subject = describe_store(data)
+    assert subject.nothing_applies == (
+        "no per-class head gradients in the state of round 3 it keeps in the clear (RedGrape's prototypes "
+        "are the only released statistic a state keeps); the state of round 2: sealed by the silos (ckks); "
+        "the state of round 1: blanked by [retention]; it holds no MFSC disclosures (the presence attack's "
+        "input); the released sums and the silos' contributions are never stored"
+    )
+    assert "no consortium.toml beside the data folder" in subject.header
+    assert "3 rounds committed" in subject.header
+
+
+def test_a_consortium_toml_is_used_only_for_the_store_it_ran(world, plaintext, tmp_path, capsys):
+    """Guards the header's source: settings given for another store are refused (exit 2, no report); a
+    store whose audit finds leaks still names itself and fails (exit 1); a guarded one passes (exit 0)."""
+    settings = fedavg_deployment(world, tmp_path / "clinics").parent / "consortium.toml"
+    out = tmp_path / "report"
+    assert main(["--aggregator-data", str(plaintext), "--consortium", str(settings), "--out", str(out)]) == 2
+    assert "holds other settings than the ones" in capsys.readouterr().err
+    assert not out.exists()
+
+    assert main(["--aggregator-data", str(plaintext), "--out", str(out)]) == 1
+    assert "audit FAILED" in capsys.readouterr().out
+    report = (out / "report.md").read_text()
+    assert report.startswith("# Privacy audit: FAILED\n")
+    assert f"the aggregator's store {plaintext.resolve() / DATABASE}" in report
+    assert "pass --consortium" in report
+
+    copy = tmp_path / "copied" / "aggregator-data"
+    copy.mkdir(parents=True)
+    (copy / DATABASE).write_bytes((settings.parent / "aggregator-data" / DATABASE).read_bytes())
+    assert main(["--aggregator-data", str(copy), "--consortium", str(settings), "--out", str(out)]) == 3
+    assert "Consortium 'clinics': method fedavg" in (out / "report.md").read_text()
+
+
+def test_a_guarded_store_passes(guarded, tmp_path, capsys):
+    assert main(["--aggregator-data", str(guarded), "--out", str(tmp_path / "report")]) == 0
+    assert "audit passed" in capsys.readouterr().out
+    assert json.loads((tmp_path / "report" / "report.json").read_text())["verdict"] == "passed"
+
+
+@given(st.sets(st.integers(min_value=1, max_value=200), min_size=1))
+def test_round_numbers_are_named_in_runs_that_give_them_back(numbers):
+    """Guards the header's round lists: every run 'a–b' or 'a' expands back to exactly the rounds named."""
+    text = _rounds(sorted(numbers))
+    noun, _, spans = text.partition(" ")
+    assert noun == ("round" if len(numbers) == 1 else "rounds")
+    named = set()
+    for span in spans.split(", "):
+        first, _, last = span.partition("–")
+        named |= set(range(int(first), int(last or first) + 1))
+        assert not last or int(last) > int(first)
+    assert named == numbers

@@ -139,9 +139,10 @@ def _grid(tmp_path, modes: str) -> str:
 
 @pytest.mark.slow
 def test_exit_code_fails_the_audit_only_for_a_leak_in_an_audited_mode(tmp_path, capsys):
-    """Guards the CI contract: exit 1 with a leak in an audited mode (a secure sum without the guard), 0
-    when the same leak is in a mode shown for contrast only, and the report folder is written either way."""
-    leaky = '[[mode]]\nname = "open sum"\nprivacy = "secagg"\nk_min = 0\n'
+    """Guards the CI contract: exit 1 with a leak in an audited mode (a secure sum without the guard or the
+    record floor), 0 when the same leak is in a mode shown for contrast only, and the report folder is
+    written either way."""
+    leaky = '[[mode]]\nname = "open sum"\nprivacy = "secagg"\nk_min = 0\nmin_records = 1\n'
     assert main(["--config", _grid(tmp_path, leaky), "--out", str(tmp_path / "a")]) == 1
     assert "FAILED" in (tmp_path / "a" / "report.md").read_text()
     contrast = leaky + "audited = false\n"
