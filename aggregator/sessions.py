@@ -63,6 +63,10 @@ class Sessions:
     def connected(self) -> set[str]:
         return set(self._open)
 
+    def current(self, silo_id: str) -> Session | None:
+        """The silo's open session: a refusal made on another one no longer stands."""
+        return self._open.get(silo_id)
+
     def round_spec(self, silos: Iterable[str], signed: round_pb2.SignedRoundSpec) -> None:
         self._send(silos, pb.JoinResponse(round_spec=signed))
 

@@ -40,7 +40,7 @@ def show_status(
         except grpc.RpcError as exc:
             print(f"error: {address}: {exc.code().name}: {exc.details()}")
             return 1
-    print(render(status))
+    print(render(status, dp=config.plan.dp.enabled))
     return 0
 
 
@@ -50,7 +50,9 @@ def _bound_address(config) -> str:
     return json.loads(listening.read_text())["address"] if listening.exists() else config.server.listen
 
 
-def render(status: operator_pb2.StatusResponse) -> str:
+def render(status: operator_pb2.StatusResponse, *, dp: bool = True) -> str:
+    """`dp`: whether the plan enables [dp]. Without it a silo's reported ε left is its lifetime budget, which
+    this study does not spend, so the column says "no DP" rather than a number that reads as this study's."""
     now = time.time() * 1000
     lines = [
         f"consortium {status.consortium_id!r}: {status.method} over {status.privacy}",
@@ -72,7 +74,22 @@ def render(status: operator_pb2.StatusResponse) -> str:
     for s in status.silos:
         seen = f"{(now - s.last_seen_unix_ms) / 1000:.0f} s ago" if s.last_seen_unix_ms else "never"
         connected = "yes" if s.connected else "no"
-        left = f"{s.privacy_remaining:.3g}" if s.HasField("privacy_remaining") else "-"  # the silo's choice
-        row = f"{s.silo_id:<20} {connected:<10} {s.activity:<10} {seen:>10} {s.last_contributed_round:>10}"
+        left = _epsilon_left(s, dp)
+        activity = "refused" if s.HasField("refusal") else s.activity
+        row = f"{s.silo_id:<20} {connected:<10} {activity:<10} {seen:>10} {s.last_contributed_round:>10}"
         lines.append(f"{row} {left:>8}")
+        if s.HasField("refusal"):
+            lines.append(_refusal_line(s.refusal))
     return "\n".join(lines)
+
+
+def _refusal_line(refusal: operator_pb2.SiloRefusal) -> str:
+    """Under a silo's row: the attempt it refused and why, as the silo put it (one line, escaped)."""
+    said = "".join(c if c.isprintable() else "?" for c in refusal.text)  # no terminal control sequences
+    return f"  └ refused {refusal.round_id}: {refusal.code}: {said}"
+
+
+def _epsilon_left(silo: operator_pb2.SiloStatus, dp: bool) -> str:
+    if not dp:
+        return "no DP"
+    return f"{silo.privacy_remaining:.3g}" if silo.HasField("privacy_remaining") else "-"  # the silo's choice

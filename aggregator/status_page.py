@@ -70,7 +70,8 @@ def is_loopback(host: str) -> bool:
 
 def snapshot(status: dict, about: dict, store: Store) -> dict:
     """Everything the page shows, as JSON-ready values: the engine's `status()`, the run's facts (`about`:
-    consortium, method, privacy, total rounds) and what the store keeps."""
+    consortium, method, privacy, total rounds, `dp_enabled`: whether the plan enables [dp], without which a
+    silo's `privacy_remaining` is its lifetime budget, not this study's) and what the store keeps."""
     try:
         store.verify_audit()
         chain = {"verified": True, "problem": ""}
@@ -160,16 +161,36 @@ def _silos(snap: dict) -> str:
     for s in snap["silos"]:
         seen = s["last_seen_unix_ms"]
         contact = f"{(now - seen) / 1000:.0f} s ago ({_when(seen)})" if seen else "never"
-        left = s.get("privacy_remaining")
         rows.append(
             f"<tr><td>{html.escape(s['silo_id'])}</td>"
             f"<td class='{'ok' if s['connected'] else 'muted'}'>{'yes' if s['connected'] else 'no'}</td>"
-            f"<td>{html.escape(s['activity'])}</td><td>{contact}</td>"
-            f"<td>{s['last_contributed_round']}</td><td>{'-' if left is None else f'{left:.3g}'}</td></tr>"
+            f"{_activity(s)}<td>{contact}</td>"
+            f"<td>{s['last_contributed_round']}</td>{_epsilon_left(s, snap['dp_enabled'])}</tr>"
         )
     head = "<tr><th>silo</th><th>connected</th><th>activity</th><th>last contact</th>"
     head += "<th>last round</th><th>ε left</th></tr>"
     return f"<table id='silos'>{head}{''.join(rows)}</table>"
+
+
+def _epsilon_left(silo: dict, dp: bool) -> str:
+    """Without [dp] in the plan a silo's reported ε left is its lifetime budget, which this study does not
+    spend: "no DP" then, so it does not read as this study's (status.json keeps the raw value, and
+    `dp_enabled`)."""
+    if not dp:
+        return "<td class='muted'>no DP</td>"
+    left = silo.get("privacy_remaining")
+    return f"<td>{'-' if left is None else f'{left:.3g}'}</td>"
+
+
+def _activity(silo: dict) -> str:
+    """The silo's activity cell; while its refusal of the round stands, `refused: <code>` and its words."""
+    refusal = silo.get("refusal")
+    if refusal is None:
+        return f"<td>{html.escape(silo['activity'])}</td>"
+    return (
+        f"<td class='bad'>refused: {html.escape(refusal['code'])}<br><span class='muted'>"
+        f"{html.escape(refusal['round_id'])}: {html.escape(refusal['text'])}</span></td>"
+    )
 
 
 def _chart(metrics: list[dict], total_rounds: int, width: int = 720, height: int = 260) -> str:

@@ -26,7 +26,7 @@ import pytest
 from aggregator.config import ConsortiumSection, TimeoutSection, load_consortium_config
 from aggregator.demo import demo_layer_settings, point_silos_at, wait_for_address, write_consortium
 from aggregator.server import derive_audit_key
-from aggregator.service import ConsortiumServicer, Identity
+from aggregator.service import CertificateGate, ConsortiumServicer, Identity
 from aggregator.store import AuditKey, Store
 from fedlt.data.federation import DataConfig
 from fedlt.keepalive import MIN_SECONDS
@@ -310,16 +310,25 @@ def no_members(directory: Path, identity: Identity) -> dict:
 
 
 @contextmanager
-def payload_server(directory: Path, payload: bytes) -> Iterator[consortium_pb2_grpc.ConsortiumServiceStub]:
-    """The real ConsortiumServicer over mutual TLS on 127.0.0.1, and a stub connected as silo-0."""
-    init_ca(directory / "ca", name="payload CA")
+def servicer_channel(
+    directory: Path,
+    engine: object,
+    store: object = None,
+    *,
+    gated: bool = False,
+    submit_seconds: float = 120.0,
+) -> Iterator[grpc.Channel]:
+    """The real ConsortiumServicer before `engine` (behind the certificate gate if `gated`), over mutual TLS
+    on 127.0.0.1, and a channel connected to it as silo-0."""
+    init_ca(directory / "ca", name="servicer CA")
     issue_server(directory / "ca", directory, hosts=["127.0.0.1"])
     issue_silo(directory / "ca", directory, silo_id="silo-0")
     ca = (directory / "ca" / "ca.pem").read_bytes()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     identity = Identity(RevocationList.load(directory / "ca" / "ca.pem", directory / "ca" / "crl.pem"))
+    interceptors = [CertificateGate(identity)] if gated else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=interceptors)
     servicer = ConsortiumServicer(
-        PayloadEngine(payload), None, identity, b"", **no_members(directory, identity), submit_seconds=120.0
+        engine, store, identity, b"", **no_members(directory, identity), submit_seconds=submit_seconds
     )
     consortium_pb2_grpc.add_ConsortiumServiceServicer_to_server(servicer, server)
     key_pair = ((directory / "aggregator.key").read_bytes(), (directory / "aggregator.pem").read_bytes())
@@ -334,9 +343,16 @@ def payload_server(directory: Path, payload: bytes) -> Iterator[consortium_pb2_g
     )
     try:
         with grpc.secure_channel(f"127.0.0.1:{port}", client) as channel:
-            yield consortium_pb2_grpc.ConsortiumServiceStub(channel)
+            yield channel
     finally:
         server.stop(0)
+
+
+@contextmanager
+def payload_server(directory: Path, payload: bytes) -> Iterator[consortium_pb2_grpc.ConsortiumServiceStub]:
+    """The real ConsortiumServicer over mutual TLS on 127.0.0.1, and a stub connected as silo-0."""
+    with servicer_channel(directory, PayloadEngine(payload)) as channel:
+        yield consortium_pb2_grpc.ConsortiumServiceStub(channel)
 
 
 # --- playing a silo (or an intruder) by hand over real mutual TLS ---------------------------------------

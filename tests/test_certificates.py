@@ -341,7 +341,7 @@ def test_a_running_silo_is_offered_a_newer_roster_and_crl_until_it_holds_them(tm
     identity = Identity(RevocationList.load(pki / "ca" / "ca.pem", pki / "ca" / "crl.pem"))
     roster = RosterFile(pki / "roster.json")
     engine = SimpleNamespace(heartbeat=lambda *args: None)
-    store = SimpleNamespace(touch_silo=lambda silo: None)
+    store = SimpleNamespace(touch_silo=lambda silo, privacy_remaining=None: None)
     servicer = ConsortiumServicer(
         engine,
         store,

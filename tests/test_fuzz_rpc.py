@@ -78,6 +78,8 @@ EXPECTED: dict[str, frozenset[grpc.StatusCode]] = {
     "FetchState": frozenset({CODE.OK, CODE.FAILED_PRECONDITION}),
     # no upload is due while the sum waits for keys
     "Submit": frozenset({CODE.INVALID_ARGUMENT, CODE.FAILED_PRECONDITION}),
+    # a refusal of the attempt in flight from an invited silo, in one printable line; else refused
+    "Refuse": frozenset({CODE.OK, CODE.INVALID_ARGUMENT, CODE.FAILED_PRECONDITION}),
     # fedavg asks no silo for a disclosure
     "Disclose": frozenset({CODE.FAILED_PRECONDITION, CODE.PERMISSION_DENIED}),
     # no key set is signed by silo-0's key; other stages are not open

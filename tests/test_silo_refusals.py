@@ -2,28 +2,35 @@
 against its own policy and roster, with the defaults a new silo gets, and refused before any work.
 
 The aggregator's side is played with real certificates and signatures (the aggregator's key signs what a
-malicious operator would send); a stub records what the silo calls, so a refusal is seen to send nothing.
+malicious operator would send); a stub records what the silo calls, so a refusal is seen to send nothing but
+the refusal itself (`ConsortiumService.Refuse`), whose words name the policy and the plan, never the silo's
+data or budget.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
+from types import SimpleNamespace
 
+import grpc
 import pytest
 
 from fedlt.aggregation import LAYERS, make_layer
 from fedlt.aggregation.halves import PartyKeys, SiloSide
 from fedlt.config import read_toml, render_toml
 from fedlt.errors import ConfigError
+from fedlt.methods.state import pack_state
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import round_pb2
 from fedlt.wire import schema_to_pb
 from privacy.ckks.keys import SecretContext
+from privacy.dp import BudgetExceeded
 from privacy.pki.ca import issue_silo
 from privacy.pki.errors import PkiError
 from privacy.pki.signing import ROUNDSPEC_CONTEXT, sign
-from silo.agent import Fatal, RefusedRound, SiloAgent, _fetch_state
+from silo.agent import TOLD, Fatal, RefusedRound, SiloAgent, _fetch_state
 from silo.budget import ledger_path
 from silo.config import LAYERS_IMPLEMENTED, load_silo_config
 from silo.releases import LEDGER, LedgerMissing
@@ -77,10 +84,17 @@ def signed_spec(root, key: str = "aggregator", **changes) -> round_pb2.SignedRou
 
 
 class RecordingStub:
-    """Answers nothing; remembers every call, so a test can see that a refused round sent nothing."""
+    """Takes refusals and answers nothing else; remembers every call, so a test can see that a refused round
+    sent nothing but its refusal (`refusals`: what the aggregator was told)."""
 
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self.refusals: list[pb.RefuseRequest] = []
+
+    def Refuse(self, request: pb.RefuseRequest, timeout=None) -> pb.RefuseResponse:  # noqa: N802 (gRPC's)
+        self.calls.append("Refuse")
+        self.refusals.append(request)
+        return pb.RefuseResponse(round_id=request.round_id)
 
     def __getattr__(self, name: str):
         def call(*args, **kwargs):
@@ -107,7 +121,10 @@ def test_a_roundspec_asking_for_a_layer_the_silo_does_not_implement_or_allow_sen
         agent._check_spec(signed_spec(kit[0], privacy=layer))
     stub = RecordingStub()
     agent._round(stub, signed_spec(kit[0], privacy=layer))
-    assert stub.calls == []
+    assert stub.calls == ["Refuse"]  # the refusal, so that the aggregator waits for nothing; nothing else
+    (told,) = stub.refusals
+    assert (told.round_id, told.code) == ("r1.a1.x", pb.REFUSAL_CODE_POLICY)
+    assert f"privacy layer {layer!r} is not" in told.text
     assert "refusing a round" in caplog.text
 
 
@@ -159,6 +176,7 @@ def test_an_agent_whose_release_ledger_was_lost_refuses_to_start(kit):
     privacy = ledger_path(agent.config)
     backup = ledger.read_bytes()  # made at first start, as the privacy ledger is
     assert privacy.exists()
+    del agent  # it stops, letting go of its state directory (`silo.state_lock`) for the restarts below
     ledger.unlink()
     with pytest.raises(LedgerMissing, match=r"Restore releases\.json from a backup"):
         SiloAgent(load_silo_config(configs[0]))
@@ -276,3 +294,110 @@ def test_a_ckks_round_naming_a_key_this_silo_does_not_hold_is_refused_and_sends_
         agent._check_spec(
             signed_spec(kit[0], **ckks, ckks=round_pb2.CkksParameters(k_min=1, context_id=held.context_id))
         )
+
+
+# --- refusals the aggregator hears (issue 31, item 5) -------------------------------------------------
+
+
+def test_a_roundspec_another_certificate_signed_is_refused_as_such_to_the_aggregator(kit):
+    root, _ = kit
+    agent = agent_of(kit)
+    agent.aggregator_pem = (root / "pki" / "silo-1.pem").read_bytes()
+    stub = RecordingStub()
+    agent._round(stub, signed_spec(root, key="silo-1"))
+    (told,) = stub.refusals
+    assert (told.round_id, told.code) == ("r1.a1.x", pb.REFUSAL_CODE_SIGNATURE)
+    assert "does not name this certificate" in told.text
+
+
+class RefusalRefused(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.FAILED_PRECONDITION
+
+    def details(self) -> str:
+        return "no attempt 'r1.a1.x' in flight"
+
+
+class RefusingStub:
+    """An aggregator that takes no refusal (the attempt has moved on, or the network failed)."""
+
+    def Refuse(self, request, timeout=None):  # noqa: N802
+        raise RefusalRefused()
+
+
+def test_a_refusal_the_aggregator_does_not_take_leaves_the_agent_going(kit, caplog):
+    caplog.set_level(logging.WARNING, logger="silo")
+    agent_of(kit)._round(RefusingStub(), signed_spec(kit[0], privacy="ckks"))  # returns: no crash
+    assert "refusing a round: r1.a1.x: privacy layer 'ckks'" in caplog.text
+    assert "the aggregator did not take this refusal (FAILED_PRECONDITION" in caplog.text
+
+
+class StateStub(RecordingStub):
+    def __init__(self, data: bytes) -> None:
+        super().__init__()
+        self.data = data
+
+    def FetchState(self, request, timeout=None):  # noqa: N802
+        return iter([pb.FetchStateResponse(offset=0, data=self.data)])
+
+
+def test_a_state_that_is_not_the_signed_one_is_refused_to_the_aggregator(kit):
+    """It was only logged ("not training"), and the round waited for this silo until its deadline."""
+    packed = pack_state(PLAN.build_method().init_state(seed=0))
+    signed = signed_spec(kit[0], state_digest="ab" * 32, state_bytes=len(packed))
+    spec = round_pb2.RoundSpec.FromString(signed.spec)
+    stub = StateStub(packed)
+    agent = agent_of(kit)
+    assert agent._checked_state(stub, spec, PLAN) is None
+    (told,) = stub.refusals
+    assert told.code == pb.REFUSAL_CODE_STATE
+    assert told.text == "the state received does not match the signed digest; not training"
+
+
+def test_a_budget_refusal_tells_the_aggregator_no_figure_of_the_silos_budget(kit, caplog):
+    """The ε a silo has spent is its own to report (dp.report); refusing a round must not tell it anyway."""
+    spent = (
+        "refusing DP-SGD for round 1: it would take this silo's privacy spending from ε = 2.71 to ε = 3.14 "
+        "(δ = 1e-05), past its budget of ε = 3"
+    )
+
+    def over_budget(*args, **kwargs):
+        raise BudgetExceeded(spent)
+
+    spec = round_pb2.RoundSpec.FromString(signed_spec(kit[0]).spec)
+    stub = RecordingStub()
+    agent = agent_of(kit)
+    method = SimpleNamespace(local_round=over_budget)
+    assert agent._work(stub, spec, PLAN, True, None, method) is None
+    (told,) = stub.refusals
+    assert told.code == pb.REFUSAL_CODE_BUDGET
+    assert told.text == TOLD[pb.REFUSAL_CODE_BUDGET]
+    assert not any(figure in told.text for figure in ("2.71", "3.14", "ε", "1e-05"))
+    assert spent in caplog.text  # the silo's own log keeps the figures
+
+
+@pytest.mark.parametrize(
+    "local",
+    [
+        "local data names classes ['pneumonia', 'covid-19'], which the plan does not: ['normal', 'viral']",
+        "local data is (3, 224, 224) images in /srv/hospital-a/xray/train.npz, 1207 records",
+    ],
+)
+def test_a_data_refusal_tells_the_aggregator_no_fact_of_the_local_data(kit, caplog, local):
+    stub = RecordingStub()
+    agent_of(kit)._refuse(stub, "r1.a1.x", RefusedRound(f"r1.a1.x: {local}", code=pb.REFUSAL_CODE_DATA))
+    (told,) = stub.refusals
+    assert (told.code, told.text) == (pb.REFUSAL_CODE_DATA, TOLD[pb.REFUSAL_CODE_DATA])
+    assert local in caplog.text
+
+
+def test_data_that_does_not_fit_the_plan_is_refused_without_telling_the_aggregator_how(kit):
+    """Through the agent's own check: the plan asks for 16x16 images, the silo holds 8x8 ones."""
+    plan = PLAN.to_toml().replace("image_shape = [1, 8, 8]", "image_shape = [1, 16, 16]")
+    assert plan != PLAN.to_toml()
+    signed = signed_spec(kit[0], method_config=plan, config_sha256=hashlib.sha256(plan.encode()).hexdigest())
+    stub = RecordingStub()
+    agent_of(kit)._round(stub, signed)
+    (told,) = stub.refusals
+    assert told.code == pb.REFUSAL_CODE_DATA
+    assert "(1, 8, 8)" not in told.text

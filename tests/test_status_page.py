@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import re
 import shutil
 import socket
 import ssl
@@ -23,6 +24,7 @@ from aggregator.status_page import (
     certificate_names,
     host_headers,
     operator_tls,
+    render,
     served_names,
     snapshot,
 )
@@ -32,7 +34,13 @@ from privacy.pki.identity import RevocationList
 
 AUDIT_KEY = AuditKey(b"fedlt tests' fixed audit key ...")
 HOSTILE = "<script>alert(1)</script>"
-ABOUT = {"consortium_id": "st-test", "method": "creff", "privacy": "secagg", "total_rounds": 5}
+ABOUT = {
+    "consortium_id": "st-test",
+    "method": "creff",
+    "privacy": "secagg",
+    "total_rounds": 5,
+    "dp_enabled": False,
+}
 
 
 def _status(silos: list[dict]) -> dict:
@@ -528,3 +536,48 @@ def test_a_served_aggregator_names_its_page_in_listening_json(tmp_path):
         process.terminate()
         process.wait(timeout=60)
     assert token not in line + token_line + process.stdout.read()  # printed: the file, never the token
+
+
+@pytest.mark.parametrize("dp", [False, True])
+def test_the_epsilon_column_shows_a_budget_only_under_dp(store, dp):
+    """Without [dp] the ε a silo reports is its lifetime budget, which the walkthrough's operator read as
+    this study's: the page says "no DP" then; status.json keeps the value, with `dp_enabled` beside it."""
+    silos = [{**SILOS[0], "privacy_remaining": 7.5}, SILOS[1]]
+    snap = snapshot(_status(silos), {**ABOUT, "dp_enabled": dp}, store)
+    assert snap["dp_enabled"] is dp
+    assert snap["silos"][0]["privacy_remaining"] == 7.5
+    table = re.search(r"<table id='silos'>.*?</table>", render(snap), re.DOTALL)
+    assert table is not None
+    last_cells = re.findall(r"<td[^>]*>([^<]*)</td></tr>", table.group())
+    assert last_cells == (["7.5", "-"] if dp else ["no DP", "no DP"])
+
+
+def test_a_silos_refusal_shows_in_its_row_with_its_code_and_words_escaped(store, pki, tmp_path):
+    """A silo that refused the round in flight reads `refused: <code>` with what it said, not `idle`."""
+    refusal = {
+        "round_id": "r3.a1.x",
+        "code": "policy",
+        "text": f"method {HOSTILE} is not allowed",
+        "at_unix_ms": 1,
+    }
+    silos = [{**SILOS[0], "activity": "idle", "refusal": refusal}, SILOS[1]]
+    page = StatusPage(
+        "127.0.0.1:0",
+        lambda: snapshot(_status(silos), ABOUT, store),
+        _revocations(pki),
+        token_file=tmp_path / "token",
+    )
+    page.start()
+    try:
+        text = _get(page).read().decode()
+        facts = json.loads(_get(page, "/status.json").read())
+    finally:
+        page.stop()
+    row = re.search(r"<tr><td>alpha</td>.*?</tr>", text, re.DOTALL)
+    assert row is not None
+    assert "<td class='bad'>refused: policy<br>" in row.group()
+    assert "r3.a1.x: method &lt;script&gt;alert(1)&lt;/script&gt; is not allowed" in row.group()
+    assert "<script>" not in text
+    assert ">idle<" not in row.group()
+    assert facts["silos"][0]["refusal"] == refusal
+    assert "refusal" not in facts["silos"][1]

@@ -29,6 +29,17 @@ class ContributionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CONTRIBUTION_KIND_PLAINTEXT: _ClassVar[ContributionKind]
     CONTRIBUTION_KIND_MASKED: _ClassVar[ContributionKind]
     CONTRIBUTION_KIND_CKKS: _ClassVar[ContributionKind]
+
+class RefusalCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REFUSAL_CODE_UNSPECIFIED: _ClassVar[RefusalCode]
+    REFUSAL_CODE_POLICY: _ClassVar[RefusalCode]
+    REFUSAL_CODE_SIGNATURE: _ClassVar[RefusalCode]
+    REFUSAL_CODE_PLAN: _ClassVar[RefusalCode]
+    REFUSAL_CODE_DATA: _ClassVar[RefusalCode]
+    REFUSAL_CODE_STATE: _ClassVar[RefusalCode]
+    REFUSAL_CODE_BUDGET: _ClassVar[RefusalCode]
+    REFUSAL_CODE_OTHER: _ClassVar[RefusalCode]
 SECURE_SUM_UNSPECIFIED: SecureSum
 SECURE_SUM_CENSUS: SecureSum
 SECURE_SUM_CONTRIBUTION: SecureSum
@@ -42,6 +53,14 @@ CONTRIBUTION_KIND_UNSPECIFIED: ContributionKind
 CONTRIBUTION_KIND_PLAINTEXT: ContributionKind
 CONTRIBUTION_KIND_MASKED: ContributionKind
 CONTRIBUTION_KIND_CKKS: ContributionKind
+REFUSAL_CODE_UNSPECIFIED: RefusalCode
+REFUSAL_CODE_POLICY: RefusalCode
+REFUSAL_CODE_SIGNATURE: RefusalCode
+REFUSAL_CODE_PLAN: RefusalCode
+REFUSAL_CODE_DATA: RefusalCode
+REFUSAL_CODE_STATE: RefusalCode
+REFUSAL_CODE_BUDGET: RefusalCode
+REFUSAL_CODE_OTHER: RefusalCode
 
 class RegisterRequest(_message.Message):
     __slots__ = ("agent_version", "accepted_methods", "accepted_privacy", "accepted_disclosures", "ckks_enrollment")
@@ -574,3 +593,19 @@ class ReportEvaluationResponse(_message.Message):
     ROUND_FIELD_NUMBER: _ClassVar[int]
     round: int
     def __init__(self, round: _Optional[int] = ...) -> None: ...
+
+class RefuseRequest(_message.Message):
+    __slots__ = ("round_id", "code", "text")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    round_id: str
+    code: RefusalCode
+    text: str
+    def __init__(self, round_id: _Optional[str] = ..., code: _Optional[_Union[RefusalCode, str]] = ..., text: _Optional[str] = ...) -> None: ...
+
+class RefuseResponse(_message.Message):
+    __slots__ = ("round_id",)
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    round_id: str
+    def __init__(self, round_id: _Optional[str] = ...) -> None: ...

@@ -115,6 +115,11 @@ class ConsortiumServiceStub:
                 request_serializer=fedlt_dot_v1_dot_consortium__pb2.ReportEvaluationRequest.SerializeToString,
                 response_deserializer=fedlt_dot_v1_dot_consortium__pb2.ReportEvaluationResponse.FromString,
                 _registered_method=True)
+        self.Refuse = channel.unary_unary(
+                '/fedlt.v1.ConsortiumService/Refuse',
+                request_serializer=fedlt_dot_v1_dot_consortium__pb2.RefuseRequest.SerializeToString,
+                response_deserializer=fedlt_dot_v1_dot_consortium__pb2.RefuseResponse.FromString,
+                _registered_method=True)
 
 
 class ConsortiumServiceServicer:
@@ -233,6 +238,14 @@ class ConsortiumServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Refuse(self, request, context):
+        """The silo will not take part in the attempt it was sent: the attempt goes on without it, or ends at once
+        where it cannot reach its floor without it. Shown to the operator and kept in the audit log.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ConsortiumServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -315,6 +328,11 @@ def add_ConsortiumServiceServicer_to_server(servicer, server):
                     servicer.ReportEvaluation,
                     request_deserializer=fedlt_dot_v1_dot_consortium__pb2.ReportEvaluationRequest.FromString,
                     response_serializer=fedlt_dot_v1_dot_consortium__pb2.ReportEvaluationResponse.SerializeToString,
+            ),
+            'Refuse': grpc.unary_unary_rpc_method_handler(
+                    servicer.Refuse,
+                    request_deserializer=fedlt_dot_v1_dot_consortium__pb2.RefuseRequest.FromString,
+                    response_serializer=fedlt_dot_v1_dot_consortium__pb2.RefuseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -750,6 +768,33 @@ class ConsortiumService:
             '/fedlt.v1.ConsortiumService/ReportEvaluation',
             fedlt_dot_v1_dot_consortium__pb2.ReportEvaluationRequest.SerializeToString,
             fedlt_dot_v1_dot_consortium__pb2.ReportEvaluationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Refuse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedlt.v1.ConsortiumService/Refuse',
+            fedlt_dot_v1_dot_consortium__pb2.RefuseRequest.SerializeToString,
+            fedlt_dot_v1_dot_consortium__pb2.RefuseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66\x65\x64lt/v1/operator.proto\x12\x08\x66\x65\x64lt.v1\"\x0f\n\rStatusRequest\"\xb3\x01\n\nSiloStatus\x12\x0f\n\x07silo_id\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\x19\n\x11last_seen_unix_ms\x18\x03 \x01(\x03\x12\x10\n\x08\x61\x63tivity\x18\x04 \x01(\t\x12\x1e\n\x16last_contributed_round\x18\x05 \x01(\x04\x12\x1e\n\x11privacy_remaining\x18\x06 \x01(\x01H\x00\x88\x01\x01\x42\x14\n\x12_privacy_remaining\"\xbb\x02\n\x0eStatusResponse\x12\x15\n\rconsortium_id\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x0f\n\x07privacy\x18\x03 \x01(\t\x12\x18\n\x10\x63ommitted_rounds\x18\x04 \x01(\x04\x12\x14\n\x0ctotal_rounds\x18\x05 \x01(\x04\x12\x10\n\x08round_id\x18\x06 \x01(\t\x12\r\n\x05stage\x18\x07 \x01(\t\x12\x1e\n\x16stage_deadline_unix_ms\x18\x08 \x01(\x03\x12\x14\n\x0cparticipants\x18\t \x03(\t\x12\x11\n\tsubmitted\x18\n \x03(\t\x12#\n\x05silos\x18\x0b \x03(\x0b\x32\x14.fedlt.v1.SiloStatus\x12\x14\n\x0cstate_digest\x18\x0c \x01(\t\x12\x1c\n\x14\x63\x65rtificate_warnings\x18\r \x03(\t2N\n\x0fOperatorService\x12;\n\x06Status\x12\x17.fedlt.v1.StatusRequest\x1a\x18.fedlt.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66\x65\x64lt/v1/operator.proto\x12\x08\x66\x65\x64lt.v1\"\x0f\n\rStatusRequest\"\xdb\x01\n\nSiloStatus\x12\x0f\n\x07silo_id\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\x19\n\x11last_seen_unix_ms\x18\x03 \x01(\x03\x12\x10\n\x08\x61\x63tivity\x18\x04 \x01(\t\x12\x1e\n\x16last_contributed_round\x18\x05 \x01(\x04\x12\x1e\n\x11privacy_remaining\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12&\n\x07refusal\x18\x07 \x01(\x0b\x32\x15.fedlt.v1.SiloRefusalB\x14\n\x12_privacy_remaining\"O\n\x0bSiloRefusal\x12\x10\n\x08round_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x12\n\nat_unix_ms\x18\x04 \x01(\x03\"\xbb\x02\n\x0eStatusResponse\x12\x15\n\rconsortium_id\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x0f\n\x07privacy\x18\x03 \x01(\t\x12\x18\n\x10\x63ommitted_rounds\x18\x04 \x01(\x04\x12\x14\n\x0ctotal_rounds\x18\x05 \x01(\x04\x12\x10\n\x08round_id\x18\x06 \x01(\t\x12\r\n\x05stage\x18\x07 \x01(\t\x12\x1e\n\x16stage_deadline_unix_ms\x18\x08 \x01(\x03\x12\x14\n\x0cparticipants\x18\t \x03(\t\x12\x11\n\tsubmitted\x18\n \x03(\t\x12#\n\x05silos\x18\x0b \x03(\x0b\x32\x14.fedlt.v1.SiloStatus\x12\x14\n\x0cstate_digest\x18\x0c \x01(\t\x12\x1c\n\x14\x63\x65rtificate_warnings\x18\r \x03(\t2N\n\x0fOperatorService\x12;\n\x06Status\x12\x17.fedlt.v1.StatusRequest\x1a\x18.fedlt.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,9 +34,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATUSREQUEST']._serialized_start=37
   _globals['_STATUSREQUEST']._serialized_end=52
   _globals['_SILOSTATUS']._serialized_start=55
-  _globals['_SILOSTATUS']._serialized_end=234
-  _globals['_STATUSRESPONSE']._serialized_start=237
-  _globals['_STATUSRESPONSE']._serialized_end=552
-  _globals['_OPERATORSERVICE']._serialized_start=554
-  _globals['_OPERATORSERVICE']._serialized_end=632
+  _globals['_SILOSTATUS']._serialized_end=274
+  _globals['_SILOREFUSAL']._serialized_start=276
+  _globals['_SILOREFUSAL']._serialized_end=355
+  _globals['_STATUSRESPONSE']._serialized_start=358
+  _globals['_STATUSRESPONSE']._serialized_end=673
+  _globals['_OPERATORSERVICE']._serialized_start=675
+  _globals['_OPERATORSERVICE']._serialized_end=753
 # @@protoc_insertion_point(module_scope)

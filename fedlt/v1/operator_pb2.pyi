@@ -11,20 +11,34 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SiloStatus(_message.Message):
-    __slots__ = ("silo_id", "connected", "last_seen_unix_ms", "activity", "last_contributed_round", "privacy_remaining")
+    __slots__ = ("silo_id", "connected", "last_seen_unix_ms", "activity", "last_contributed_round", "privacy_remaining", "refusal")
     SILO_ID_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     ACTIVITY_FIELD_NUMBER: _ClassVar[int]
     LAST_CONTRIBUTED_ROUND_FIELD_NUMBER: _ClassVar[int]
     PRIVACY_REMAINING_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
     silo_id: str
     connected: bool
     last_seen_unix_ms: int
     activity: str
     last_contributed_round: int
     privacy_remaining: float
-    def __init__(self, silo_id: _Optional[str] = ..., connected: _Optional[bool] = ..., last_seen_unix_ms: _Optional[int] = ..., activity: _Optional[str] = ..., last_contributed_round: _Optional[int] = ..., privacy_remaining: _Optional[float] = ...) -> None: ...
+    refusal: SiloRefusal
+    def __init__(self, silo_id: _Optional[str] = ..., connected: _Optional[bool] = ..., last_seen_unix_ms: _Optional[int] = ..., activity: _Optional[str] = ..., last_contributed_round: _Optional[int] = ..., privacy_remaining: _Optional[float] = ..., refusal: _Optional[_Union[SiloRefusal, _Mapping]] = ...) -> None: ...
+
+class SiloRefusal(_message.Message):
+    __slots__ = ("round_id", "code", "text", "at_unix_ms")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    round_id: str
+    code: str
+    text: str
+    at_unix_ms: int
+    def __init__(self, round_id: _Optional[str] = ..., code: _Optional[str] = ..., text: _Optional[str] = ..., at_unix_ms: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("consortium_id", "method", "privacy", "committed_rounds", "total_rounds", "round_id", "stage", "stage_deadline_unix_ms", "participants", "submitted", "silos", "state_digest", "certificate_warnings")
