@@ -1,4 +1,4 @@
-"""`python -m aggregator`: the consortium operator's commands (CA, roster, serve, status, demo)."""
+"""`python -m aggregator`: the consortium operator's commands (CA, roster, serve, status, export, demo)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument(
         "--address", help="host:port to dial (default: where the aggregator bound, or [server] listen)"
     )
+    export = commands.add_parser(
+        "export", help="write a committed model as safetensors with a model card (the store is only read)"
+    )
+    export.add_argument("--config", required=True, help="consortium.toml")
+    export.add_argument("--out", type=Path, required=True, help="a new or empty folder to write it to")
+    export.add_argument("--round", type=int, help="the committed round to export (default: the last)")
     demo = commands.add_parser("demo", help="a whole consortium on this machine: CA, aggregator, silos")
     demo.add_argument("--dir", type=Path, default=Path("runs/consortium-demo"))
     demo.add_argument("--silos", type=int, default=4)
@@ -67,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
             from aggregator.status import show_status
 
             return show_status(args.config, cert=args.cert, key=args.key, address=args.address)
+        if args.command == "export":
+            from aggregator.export import export_model
+
+            return export_model(args.config, args.out, round_number=args.round)
         from aggregator.demo import DEMO_METHODS, run_demo
 
         return run_demo(

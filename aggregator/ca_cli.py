@@ -154,10 +154,16 @@ def _issue_silo(args: argparse.Namespace) -> int:
         args.dir, args.out, silo_id=args.silo_id, days=args.days, replace=args.replace, csr=csr
     )
     files = [CaPaths.of(args.dir).certificate, issued.certificate, *([issued.key] if issued.key else [])]
-    handover = ", ".join(map(str, files[:-1])) + f" and {files[-1]}"
-    return _issued(
-        issued, f"silo {args.silo_id!r}'s", f"send {handover} to the silo over a channel you trust"
+    _announce(issued, f"a certificate for silo {args.silo_id!r}")
+    print('next, in this order (docs/operator.md, "2b. The roster"):')
+    print("  1. name it in the roster (the aggregator admits, and silos trust, only the members it names):")
+    print(
+        "     python -m aggregator roster draft --consortium <id> --aggregator <aggregator.pem> "
+        f"--silo {args.silo_id}={issued.certificate} --silo <id>=<certificate> ... --out roster.json"
     )
+    print("     (a running consortium: add --previous <roster in force>; a quorum of its silos signs it)")
+    print(f"  2. send {', '.join(map(str, files))} and roster.json to the silo over a channel you trust")
+    return 0
 
 
 def _renew_silo(args: argparse.Namespace) -> int:

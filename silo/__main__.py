@@ -1,13 +1,17 @@
 """`python -m silo run --config silo.toml`: run this silo's agent until the consortium finishes.
 
-`python -m silo roster show|sign --config silo.toml`: show the roster this silo has pinned, or add this silo's
-signature to a roster draft the operator sent (a new version counts once a quorum of silos signed it).
+`python -m silo roster show|sign --config silo.toml`: show the roster this silo has pinned (its own row
+marked, its certificate checked against it), or add this silo's signature to a roster draft the operator
+sent (a new version counts once a quorum of silos signed it).
 
 `python -m silo ckks rotate --config silo.toml`: as the consortium's CKKS key holder, make a new key; the
 running agent seals it to every silo at its next heartbeat, and the next RoundSpec names it.
 
 `python -m silo budget --config silo.toml`: this silo's differential-privacy budget, what it has spent and on
 what (its ledger, which the agent charges before any private work).
+
+`python -m silo export --config silo.toml --out DIR`: the model this silo last stepped to (where only silos
+can read the consortium's state, ckks), as safetensors weights with a model card; it fetches nothing.
 
 `python -m silo certificate-request --config silo.toml --out FILE`: a certificate request for this silo's
 key (made, owner-only, if `[connection] key` does not exist yet), for the CA holder to issue or renew its
@@ -24,11 +28,13 @@ import threading
 from fractions import Fraction
 from pathlib import Path
 
+from cryptography import x509
+
 from fedlt.errors import FedltError
 from privacy.pki.errors import PkiError
 from privacy.pki.identity import read_certificate, silo_id_of
 from privacy.pki.renewal import certificate_request, new_private_key
-from privacy.pki.roster import SILO, Roster, minimum_quorum
+from privacy.pki.roster import SILO, Roster, fingerprint, minimum_quorum
 from privacy.pki.signing import load_private_key
 from silo.config import SiloConfig, load_silo_config
 from silo.trust import check_roster_floor, pinned_roster
@@ -53,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     rotate.add_argument("--config", required=True, help="silo.toml")
     budget = commands.add_parser("budget", help="this silo's privacy budget, spending and ledger")
     budget.add_argument("--config", required=True, help="silo.toml")
+    export = commands.add_parser(
+        "export", help="write the model this silo last stepped to (ckks) as safetensors with a model card"
+    )
+    export.add_argument("--config", required=True, help="silo.toml")
+    export.add_argument("--out", type=Path, required=True, help="a new or empty folder to write it to")
     request = commands.add_parser(
         "certificate-request", help="a request for a renewed certificate of this silo's key (it stays here)"
     )
@@ -68,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
             return show_budget(config)
         if args.command == "ckks":
             return _rotate_ckks_key(config)
+        if args.command == "export":
+            from silo.export import export_stepped  # torch and TenSEAL load only for this command
+
+            return export_stepped(config, args.out)
         if args.command == "certificate-request":
             return _certificate_request(config, args.out, args.silo_id)
         if args.command == "roster":
@@ -90,6 +105,9 @@ def _run(config: SiloConfig, log_level: str) -> int:
 
 
 def _rotate_ckks_key(config: SiloConfig) -> int:
+    """Runs beside the agent, which shares the new key at its next heartbeat, so it takes no state-directory
+    lock (`silo.state_lock`): it only adds a key file and repoints `ckks/current`, each atomically, and
+    rewrites nothing it read, so no record of the agent's can be lost."""
     from silo.ckks_keys import CkksKeyring  # TenSEAL loads only for this command
 
     keyring = CkksKeyring.for_policy(config.path(config.state_dir), config.policy.privacy)
@@ -105,8 +123,42 @@ def _pinned(config: SiloConfig) -> Roster:
 
 
 def _show_roster(config: SiloConfig) -> int:
-    print(_pinned(config).describe())
+    """The pinned roster with this silo's row marked, and whether the certificate this silo presents is the
+    one the roster names for it: the aggregator and every peer refuse any other, so exit 1 if not."""
+    roster, path = _pinned(config), config.path(config.connection.certificate)
+    cert = read_certificate(path)
+    me = silo_id_of(cert)
+    for line in roster.describe().splitlines():
+        print(f"* {line[2:]}  (this silo)" if line.split()[:2] == [SILO, me] else line)
+    problem = _own_certificate_problem(roster, cert, path)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
+    print(f"this silo, {me}: its certificate {path} is the one the roster names")
     return 0
+
+
+def _own_certificate_problem(roster: Roster, cert: x509.Certificate, path: Path) -> str:
+    """Why peers holding `roster` would refuse `cert` (this silo's, from `path`), and what resolves it."""
+    me, mine = silo_id_of(cert), fingerprint(cert)
+    named = roster.member(me)
+    where = f"roster v{roster.version} of {roster.consortium!r}"
+    if named is None:
+        return (
+            f"{where} names no silo {me!r} (the id in {path}): the aggregator and every peer will refuse "
+            f"this silo; ask the operator for a roster naming it (--silo {me}=<its certificate>)"
+        )
+    if named.fingerprint == mine:
+        return ""
+    fix = (
+        "it renews the same key, and counts once a roster naming it is in force (python -m silo roster sign)"
+        if named.cert.public_key() == cert.public_key()
+        else "install the certificate the roster names, or ask the operator for a roster naming this one"
+    )
+    return (
+        f"{where} names another certificate for {me} (sha256 {named.fingerprint[:16]}…) than {path} "
+        f"(sha256 {mine[:16]}…): the aggregator and every peer will refuse it; {fix}"
+    )
 
 
 def _sign_roster(config: SiloConfig, path: Path) -> int:

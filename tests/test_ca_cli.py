@@ -105,3 +105,17 @@ def test_a_file_system_error_is_a_message_too(tmp_path, capsys):
     (tmp_path / "taken").write_text("a file, not a directory")
     assert ca("init", "--dir", tmp_path / "taken", "--name", "X") == 2
     assert "File exists" in capsys.readouterr().err
+
+
+def test_issue_silo_names_the_certificate_and_the_roster_step_next(ca_dir, tmp_path, capsys):
+    """The walkthrough read "issued silo 'st-marys''s" and a next step that skipped the roster, without
+    which the aggregator admits no silo and no silo pins anything."""
+    out = tmp_path / "pki"
+    assert ca("issue-silo", "--dir", ca_dir, "--out", out, "--silo-id", "st-marys") == 0
+    printed = capsys.readouterr().out
+    assert "''s" not in printed
+    assert "issued a certificate for silo 'st-marys', serial" in printed
+    assert "python -m aggregator roster draft --consortium <id> --aggregator <aggregator.pem>" in printed
+    assert f"--silo st-marys={out / 'st-marys.pem'}" in printed
+    assert printed.index("roster draft") < printed.index("over a channel you trust")
+    assert "roster.json" in printed.split("over a channel you trust")[0]

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from fedlt.data.files import (
@@ -412,3 +414,31 @@ def test_load_dataset_errors(tmp_path):
         load_dataset(other)
     with _raises_naming(tmp_path / "gone", "no such file or directory"):
         load_dataset(tmp_path / "gone")
+
+
+def test_a_csv_handed_to_the_npz_loader_is_named_as_text(tmp_path):
+    """The walkthrough's CSV got numpy's advice to load it with allow_pickle (which runs the file's code)."""
+    path = tmp_path / "train.npz"
+    path.write_text("label,p0,p1\n3,0,255\n")
+    with _raises_naming(path, r"not an \.npz archive \(it looks like CSV/text") as raised:
+        load_npz(path)
+    assert "allow_pickle" not in str(raised.value)
+    assert "numpy.savez" in str(raised.value)
+
+
+@settings(max_examples=60, deadline=None)
+@given(content=st.binary(max_size=64))
+def test_no_file_the_npz_loader_refuses_gets_the_allow_pickle_advice(tmp_path_factory, content):
+    path = tmp_path_factory.mktemp("npz") / "d.npz"
+    path.write_bytes(content)
+    with pytest.raises(DataError) as raised:
+        load_npz(path)
+    assert "allow_pickle" not in str(raised.value)
+
+
+def test_an_archive_of_python_objects_is_refused_without_the_allow_pickle_advice(tmp_path):
+    path = tmp_path / "obj.npz"
+    np.savez(path, x=np.array([{"a": 1}], dtype=object), y=np.array([0]))
+    with _raises_naming(path, "Python objects") as raised:
+        load_npz(path)
+    assert "allow_pickle" not in str(raised.value)

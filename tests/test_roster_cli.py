@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from aggregator.__main__ import main as aggregator_main
-from privacy.pki.ca import issue_silo, revoke
+from privacy.pki.ca import issue_silo, renew_silo, revoke
+from privacy.pki.renewal import certificate_request
 from privacy.pki.roster import Roster
+from privacy.pki.signing import load_private_key
 from silo.__main__ import main as silo_main
 from silo.trust import SiloTrust
 from tests.consortium_harness import write_kit
@@ -111,3 +113,56 @@ def test_a_quorum_silos_refuse_is_refused_when_drafted_and_when_signed(tmp_path,
     with pytest.raises(SystemExit):
         _next_draft(tmp_path, capsys, "--quorum-above", "1")
     assert "a fraction from 0 up to (not including) 1" in capsys.readouterr().err
+
+
+def _rows(shown: str) -> dict[str, str]:
+    """`silo roster show`'s member rows by id."""
+    rows = [line.split() for line in shown.splitlines() if "sha256" in line and "(body" not in line]
+    return {words[words.index("sha256") - 1]: " ".join(words) for words in rows}
+
+
+def test_roster_show_marks_this_silos_row_and_finds_its_certificate_there(tmp_path, capsys):
+    configs = write_kit(tmp_path, consortium_id="clinics")
+    assert silo_main(["roster", "show", "--config", str(configs[1])]) == 0
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    assert rows["silo-1"].startswith("* ")
+    assert rows["silo-1"].endswith("(this silo)")
+    assert not any(row.startswith("* ") for silo, row in rows.items() if silo != "silo-1")
+    assert "this silo, silo-1: its certificate" in out
+    assert "is the one the roster names" in out
+
+
+def test_roster_show_refuses_a_certificate_the_roster_does_not_name_for_this_silo(tmp_path, capsys):
+    """A silo whose certificate was reissued after the roster was drafted is refused by the aggregator and
+    every peer: its administrator learns it here, not from a silo that never joins."""
+    configs = write_kit(tmp_path, consortium_id="clinics")
+    pki = tmp_path / "pki"
+    issue_silo(pki / "ca", pki, silo_id="silo-0", replace=True)  # over the files silo-0.toml names
+    assert silo_main(["roster", "show", "--config", str(configs[0])]) == 1
+    shown = capsys.readouterr()
+    assert _rows(shown.out)["silo-0"].startswith("* ")
+    assert "roster v1 of 'clinics' names another certificate for silo-0" in shown.err
+    assert str(pki / "silo-0.pem") in shown.err
+
+
+def test_roster_show_refuses_a_silo_the_roster_does_not_name(tmp_path, capsys):
+    configs = write_kit(tmp_path, consortium_id="clinics")
+    pki = tmp_path / "pki"
+    issue_silo(pki / "ca", pki, silo_id="newcomer")
+    config = configs[0].read_text().replace("pki/silo-0.", "pki/newcomer.")
+    configs[0].write_text(config)
+    assert silo_main(["roster", "show", "--config", str(configs[0])]) == 1
+    shown = capsys.readouterr()
+    assert not any(row.startswith("* ") for row in _rows(shown.out).values())
+    assert "roster v1 of 'clinics' names no silo 'newcomer'" in shown.err
+
+
+def test_roster_show_says_a_renewal_of_the_same_key_counts_once_a_roster_names_it(tmp_path, capsys):
+    configs = write_kit(tmp_path, consortium_id="clinics")
+    pki = tmp_path / "pki"
+    csr = certificate_request(load_private_key(pki / "silo-0.key"), "silo-0")
+    renewed = renew_silo(pki / "ca", tmp_path / "renewed", silo_id="silo-0", csr=csr)
+    (pki / "silo-0.pem").write_bytes(renewed.certificate.read_bytes())
+    assert silo_main(["roster", "show", "--config", str(configs[0])]) == 1
+    assert "it renews the same key, and counts once a roster naming it is in force" in capsys.readouterr().err

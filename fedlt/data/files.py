@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from numpy.lib.npyio import NpzFile
 from PIL import Image, ImageMode
 
 from fedlt.data.arrays import LabeledImages
@@ -63,6 +62,11 @@ _PICKLE_ALLOWED = frozenset(
 )
 
 _GZIP_MAGIC = b"\x1f\x8b"
+_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip's first entry, or an empty zip: np.load's .npz
+_NPY_MAGIC = b"\x93NUMPY"
+_PICKLE_MAGIC = b"\x80"
+_SNIFF_BYTES = 512
+_NPZ_HINT = "write one with numpy.savez(path, x=images, y=labels), images uint8 or floats in [0, 1]"
 _CIFAR_SIDE = 32
 _CIFAR_COLUMNS = 3 * _CIFAR_SIDE * _CIFAR_SIDE
 
@@ -150,11 +154,10 @@ def _numbered_classes(y: np.ndarray, source: Path) -> tuple[str, ...]:
 def load_npz(path: str | Path, *, classes: Sequence[str] | None = None) -> LabeledImages:
     """Load an .npz with arrays `x`, `y` and optionally `classes`; pickle is refused."""
     source = _existing(path, directory=False)
+    _check_npz_magic(source)
     with _reading(source, "cannot read as .npz"):
         archive = np.load(source, allow_pickle=False)
-    if not isinstance(archive, NpzFile):
-        raise DataError(source, "holds a single array, not an .npz archive with arrays 'x' and 'y'")
-    with archive, _reading(source, "cannot read array from .npz"):
+    with archive, _reading(source, "cannot read array from .npz"), _refusing_pickles(source):
         missing = [name for name in ("x", "y") if name not in archive.files]
         if missing:
             found = ", ".join(archive.files) or "none"
@@ -170,6 +173,45 @@ def load_npz(path: str | Path, *, classes: Sequence[str] | None = None) -> Label
         names = _numbered_classes(labels, source)
     images = _to_unit_float(_to_nchw(x, source), source)
     return LabeledImages(images, labels, names, str(source))
+
+
+def _check_npz_magic(source: Path) -> None:
+    """An .npz is a zip archive; numpy reads anything else as a pickle and, refusing it, advises
+    `allow_pickle`, which would run code from the file. Say what the file is instead."""
+    with _reading(source, "cannot read"), source.open("rb") as fh:
+        head = fh.read(_SNIFF_BYTES)
+    if head.startswith(_ZIP_MAGIC):
+        return
+    if head.startswith(_NPY_MAGIC):
+        raise DataError(source, "holds a single array (.npy), not an .npz archive with arrays 'x' and 'y'")
+    if not head:
+        what = "it is empty"
+    elif _looks_like_text(head):
+        what = "it looks like CSV/text"
+    elif head.startswith(_PICKLE_MAGIC):
+        what = "it looks like a Python pickle, which is never loaded: unpickling runs code from the file"
+    else:
+        what = f"an .npz is a zip archive, starting 'PK'; this file starts with bytes {head[:4].hex(' ')}"
+    raise DataError(source, f"not an .npz archive ({what}); {_NPZ_HINT}")
+
+
+def _looks_like_text(head: bytes) -> bool:
+    text = head.decode("utf-8", errors="replace")
+    readable = sum(c != "\ufffd" and (c.isprintable() or c in "\t\r\n") for c in text)
+    return b"\0" not in head and readable >= 0.95 * len(text)
+
+
+@contextmanager
+def _refusing_pickles(source: Path) -> Iterator[None]:
+    """An array of Python objects inside an archive is a pickle too: refused, without numpy's advice."""
+    try:
+        yield
+    except ValueError as exc:
+        if "allow_pickle" not in str(exc):
+            raise
+        raise DataError(
+            source, f"an array holds Python objects (pickled), which are never loaded; {_NPZ_HINT}"
+        ) from None
 
 
 def _stored_class_names(stored: np.ndarray, source: Path) -> tuple[str, ...]:
