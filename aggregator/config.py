@@ -77,16 +77,59 @@ class TimeoutSection:
     )
 
 
+# layers under which silos step the model and sum their held-out counts after each round themselves
+# (`SiloSide.steps_model`): an evaluation block in the contribution would reach only silos
+SILOS_EVALUATE = ("ckks",)
+
+
 @dataclass(frozen=True)
 class EvaluationSection:
-    """An evaluation set the operator holds (never silo data); without it, rounds are not evaluated."""
+    """How committed states are evaluated: on the silos' own held-out data, inside the round's sum
+    (`held_out`), or on an evaluation set the operator holds (`dataset`, never silo data); with neither,
+    rounds are not evaluated."""
 
+    held_out: bool | None = setting(
+        None,
+        doc="silos evaluate each committed state on their held-out data and only the sum of their per-class "
+        "counts reaches the operator; default: on where the aggregator steps the model (secagg, plaintext) "
+        "and no dataset is named",
+    )
     dataset: str = setting("", choices=("", *EMBEDDED), doc="embedded test split to evaluate on")
     test_per_class: int = setting(100, ge=1)
     class_counts: tuple[int, ...] = ()
     background: bool = setting(
         False, doc="evaluate while the next round trains; pays only when the aggregator has its own cores"
     )
+
+    def held_out_for(self, privacy: str) -> bool:
+        """`held_out` as set, or its default for the layer."""
+        if self.held_out is not None:
+            return self.held_out
+        return not self.dataset and privacy not in SILOS_EVALUATE
+
+    def problems(self, privacy: str, classes: int) -> list[str]:
+        """Combinations that cannot work, each with the way out."""
+        found = []
+        if self.class_counts and len(self.class_counts) != classes:
+            found.append(f"evaluation.class_counts: {len(self.class_counts)} counts for {classes} classes")
+        if not self.held_out_for(privacy):
+            return found
+        if privacy in SILOS_EVALUATE:
+            found.append(
+                f"evaluation.held_out: under {privacy} the silos already evaluate each state on their "
+                "[evaluation] data and sum the counts themselves; remove the setting"
+            )
+        if self.dataset:
+            found.append(
+                "evaluation.held_out: the silos' held-out data and evaluation.dataset would be two "
+                "evaluations of each state; set held_out = false or remove the dataset"
+            )
+        if self.class_counts:
+            found.append(
+                "evaluation.class_counts: with held-out evaluation the shot groups come from the silos' "
+                "summed training records (round 1); remove class_counts"
+            )
+        return found
 
 
 @dataclass(frozen=True)
@@ -106,9 +149,21 @@ class ConsortiumConfig:
         # one source of truth for the number of training rounds: the plan silos receive takes it from here
         if self.plan.rounds != self.consortium.rounds:
             object.__setattr__(self, "plan", replace(self.plan, rounds=self.consortium.rounds))
+        # and for held-out evaluation, which silos read from the signed plan (a file's default is resolved
+        # when it is loaded; built in code, a config evaluates on held-out data only if asked)
+        held_out = bool(self.evaluation.held_out)
+        if self.plan.evaluation.held_out != held_out:
+            evaluation = replace(self.plan.evaluation, held_out=held_out)
+            object.__setattr__(self, "plan", replace(self.plan, evaluation=evaluation))
 
     def path(self, value: str) -> Path:
         return resolve(self.base_dir, value)
+
+    @property
+    def silos_evaluate(self) -> bool:
+        """Whether the run's metrics are the silos' summed counts on their own held-out data: held-out
+        evaluation, or a layer under which silos step the model and sum their counts themselves."""
+        return self.plan.evaluation.held_out or self.consortium.privacy in SILOS_EVALUATE
 
     def layer_settings(self) -> object | None:
         """The chosen privacy layer's own section (None for a layer without settings)."""
@@ -172,11 +227,9 @@ def load_consortium_config(path: str | Path) -> ConsortiumConfig:
             f"({sections['consortium'].min_silos}) contributions"
         )
     problems += [f"{key}: unknown section or setting" for key in tree]
-    counts = sections["evaluation"].class_counts
-    if counts and len(counts) != len(plan.model.classes):
-        problems.append(
-            f"evaluation.class_counts: {len(counts)} counts for {len(plan.model.classes)} classes"
-        )
+    evaluation = sections["evaluation"]
+    problems += evaluation.problems(privacy, len(plan.model.classes))
+    sections["evaluation"] = replace(evaluation, held_out=evaluation.held_out_for(privacy))
     if problems:
         raise ConfigError(path, problems)
     return ConsortiumConfig(plan=plan, base_dir=path.parent, **sections)

@@ -11,11 +11,18 @@ layer's aggregator half, census and tail guard included), then the server step a
 lets only silos read the contribution sum (ckks), the silos run the server step themselves and report the
 sealed state, its digest and what the next round needs (`held_state`); the round commits only if every report
 agrees, and their evaluation counts go through one more sum of the layer, whose total a silo reports back.
-Each stage of a sum ends when every silo expected has answered, the rest have disconnected, or its deadline
-passes (the round's first stage waits for training, until the round's deadline; later ones `timeouts.stage`).
+Each stage of a sum ends when every silo expected has answered, the rest have disconnected or refused the
+attempt (`refuse`), or its deadline passes (the round's first stage waits for training, until the round's
+deadline; later ones `timeouts.stage`); refusals that leave the attempt short of its floor end it at once.
 A sum that cannot complete aborts the attempt, and the round is tried again; a round is never committed on a
 partial set below the minimum. Which layer carries the sums is the layer's business: nothing here looks at its
 name.
+
+With held-out evaluation (`fedlt.aggregation.evaluation_block`) every round's contribution also carries the
+silos' per-class counts on their held-out data for the state the round starts from: stripped from the sum
+before the server step and recorded, once the round commits, as that state's metrics. After the last round one
+more round carries the counts alone, for the last state; it commits no state (no attempt in the store, an
+audit record instead) and the run is finished only once it has run.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import TypeVar
 
@@ -37,7 +44,8 @@ from aggregator.held_state import HeldState, StateReport
 from aggregator.picking import RoundPicker
 from aggregator.sessions import Session, Sessions
 from aggregator.store import Store, StoreError, now_ms
-from fedlt.aggregation import Schema, SumLayer, Sums, tail_guard
+from fedlt.aggregation import Schema, SumLayer, Sums, evaluation_block, tail_guard
+from fedlt.aggregation.evaluation_block import HeldOutCounts
 from fedlt.aggregation.halves import (
     AggregatorSide,
     Released,
@@ -85,6 +93,26 @@ class AlreadySubmitted(Refusal):
     """A different contribution was already accepted from this silo for this attempt."""
 
 
+class AttemptRefused(FedltError):
+    """Silos refused the attempt, and those left cannot reach the floor of silos its sum must count."""
+
+
+@dataclass(frozen=True)
+class SiloRefusal:
+    """A silo's refusal of an attempt, in the words it sent; whether it still stands is the engine's
+    `_standing`: for the state it refused to train from, from the session it still has."""
+
+    round_id: str
+    code: str
+    text: str
+    at_ms: int
+    state_digest: str
+    session: Session | None = field(compare=False, repr=False)
+
+    def shown(self) -> dict:
+        return {"round_id": self.round_id, "code": self.code, "text": self.text, "at_unix_ms": self.at_ms}
+
+
 @dataclass
 class Attempt:
     round: int
@@ -100,14 +128,22 @@ class Attempt:
     disclosed: dict[str, bytes] = field(default_factory=dict)  # silo -> its disclosure, kept if committed
     contributors: tuple[str, ...] = ()  # whom the contribution sum counted
     reports: dict[str, StateReport] = field(default_factory=dict)  # where silos step the model
+    evaluation: HeldOutCounts | None = None  # the held-out counts of the starting state, summed with the rest
+    refused: dict[str, SiloRefusal] = field(default_factory=dict)  # silo -> its refusal of this attempt
 
     def invites(self, silo_id: str) -> bool:
         return silo_id in self.participants or silo_id in self.disclosers
 
+    @property
+    def only_evaluates(self) -> bool:
+        """The round after the last, with held-out evaluation: silos sum their counts and train nothing."""
+        return evaluation_block.only_evaluates(self.schema)
+
 
 class RoundEngine:
     """`layer` is the simulator's facade of the configured privacy layer (its name and settings); `side` its
-    aggregator half-maker, with the consortium's keys."""
+    aggregator half-maker, with the consortium's keys; `roster` the silo ids the roster in force names (None:
+    no roster, only the silos registered so far are known)."""
 
     def __init__(
         self,
@@ -120,8 +156,10 @@ class RoundEngine:
         sign: Callable[[bytes], bytes],
         recorder: RunRecorder | None,
         echo: Callable[[str], None] = print,
+        roster: Callable[[], Collection[str]] | None = None,
     ) -> None:
         self.config = config
+        self.roster = roster
         self.store = store
         self.method = method
         self.layer, self.side = layer, side
@@ -132,18 +170,25 @@ class RoundEngine:
         self.sessions = Sessions(self._lock)
         self._last_contributed: dict[str, int] = {}
         self._let_down: set[str] = set()  # invited to train in an aborted attempt of this round, gave nothing
+        self._refusals: dict[str, SiloRefusal] = {}  # each silo's latest refusal (`_standing`: which hold)
         self.attempt: Attempt | None = None
         self.failure: Exception | None = None
         self.stage = Stage.GATHERING
         self.held = self._load_state()
         self._evaluation: EvaluationSum | None = None  # where only silos hold the model
+        # with held-out evaluation: how long recent rounds took (their metrics come a round later), the
+        # evaluation-only rounds begun, and the last state such a round evaluated (counts recorded or not)
+        self._seconds: dict[int, float] = {}
+        self._evaluation_attempts = 0
+        self._final_evaluated = -1
         # silos that never computed the kept census refuse RoundSpecs naming it: take it again over its silos
         self._census_doubted = False
         self.picker = RoundPicker(config.plan.selection, config.consortium.seed, store, method)
         self.evaluator = Evaluator(
             recorder=recorder,
-            # evaluation may run beside the next round, so it has a method instance of its own
-            method=config.plan.build_method() if recorder is not None else None,
+            # evaluation may run beside the next round, so it has a method instance of its own; none where
+            # only counts the silos summed arrive
+            method=None if recorder is None or recorder.test is None else config.plan.build_method(),
             store=store,
             background=config.evaluation.background,
             echo=echo,
@@ -178,6 +223,27 @@ class RoundEngine:
     def total_rounds(self) -> int:
         """Committed rounds plus those the method still needs (training rounds, then any closing phase)."""
         return self.held.round + self.held.remaining
+
+    def _round_due(self) -> bool:
+        """A round the method needs, or with held-out evaluation the round that evaluates the last state
+        (once it has run, or its metrics are recorded: after a restart too)."""
+        if self.held.round < self.total_rounds:
+            return True
+        return (
+            self.config.plan.evaluation.held_out
+            and self.held.round not in (0, self._final_evaluated)
+            and not self.evaluator.has(self.held.round)
+        )
+
+    def _trains(self) -> bool:
+        """Whether the coming round trains (else it wants every silo: a closing or evaluation-only round)."""
+        return self.held.trains and self.held.round < self.total_rounds
+
+    def _round_schema(self) -> Schema:
+        """What the coming round sums: the method's fields, and the evaluation block with held-out
+        evaluation (the silos derive the same from the state and the signed plan)."""
+        held = self.held
+        return self.config.plan.round_schema(held.schema, starting_round=held.round, remaining=held.remaining)
 
     # --- called by the service --------------------------------------------------------------------
 
@@ -285,6 +351,30 @@ class RoundEngine:
         if first:
             self.evaluator.counted(round_number, correct, total, pending.contributors, pending.seconds)
 
+    def refuse(self, silo_id: str, round_id: str, code: str, text: str) -> None:
+        """A silo the attempt in flight invites will not take part: no stage waits for it from now on, the
+        attempt ends at once if the silos left cannot reach its floor (`_short_of_floor`), and later attempts
+        leave the silo out while its refusal stands (`_standing`). The first refusal of an attempt stands."""
+        with self._lock:
+            attempt = self._invited(silo_id, round_id, disclosing=True)
+            if silo_id in attempt.refused:
+                return
+            refusal = SiloRefusal(
+                round_id, code, text, now_ms(), self.held.digest, self.sessions.current(silo_id)
+            )
+            attempt.refused[silo_id] = self._refusals[silo_id] = refusal
+            self._lock.notify_all()
+        self.store.record_refusal(round_id, silo_id, code, text)
+        log.warning(
+            "round %d: %s refuses %s (%s): %s; it is left out of this round until it reconnects, or for %g s",
+            attempt.round,
+            silo_id,
+            round_id,
+            code,
+            text,
+            self.config.timeouts.round,
+        )
+
     def _invited(self, silo_id: str, round_id: str, *, disclosing: bool = False) -> Attempt:
         """The attempt in flight, if it invites `silo_id` (to train, or also only to disclose)."""
         attempt = self.attempt
@@ -299,6 +389,7 @@ class RoundEngine:
         with self._lock:
             attempt = self.attempt
             sums = attempt.sums if attempt else None
+            refused = self._standing()
             return {
                 "committed_rounds": self.held.round,
                 "stage": f"{self.stage}: {sums.purpose} sum, {sums.half.stage}" if sums else str(self.stage),
@@ -312,6 +403,7 @@ class RoundEngine:
                         "silo_id": s,
                         **self.sessions.describe(s, seen),
                         "last_contributed_round": self._last_contributed.get(s, 0),
+                        **({"refusal": refused[s].shown()} if s in refused else {}),
                     }
                     for s, seen in self.store.silos().items()
                 ],
@@ -331,7 +423,7 @@ class RoundEngine:
             self.evaluator.shutdown()
 
     def _run(self, stop: threading.Event) -> None:
-        while self.held.round < self.total_rounds and not stop.is_set():
+        while self._round_due() and not stop.is_set():
             connected = self._gather(stop)
             if connected is None:
                 break
@@ -342,7 +434,7 @@ class RoundEngine:
             picked = (
                 (pinned, [])
                 if pinned
-                else self.picker.pick(self.held.trains, round_number, connected, avoid=self._let_down)
+                else self.picker.pick(self._trains(), round_number, connected, avoid=self._let_down)
             )
             attempt = self._start_attempt(*picked)
             self.store.checkpoint()  # while silos train: off the path between a commit and its RoundSpec
@@ -364,18 +456,14 @@ class RoundEngine:
             # the last round's evaluation, where silos compute it, before they are told the run is over
             until = time.monotonic() + self.config.timeouts.stage
             self._wait(stop, self._evaluations_in, until=until)
-            if self.held.round >= self.total_rounds:
+            if not self._round_due():
                 self.stage = Stage.FINISHED
                 self.sessions.finished(self.sessions.connected(), self.held.round, self.held.digest)
             self.attempt = None
             self._lock.notify_all()
 
     def _gather(self, stop: threading.Event) -> list[str] | None:
-        """Wait for `min_silos` connections, then up to `gather` seconds for every registered silo.
-
-        Before the first round is committed, silos may still be starting and registering, so the whole
-        gather window is waited rather than ending when the silos registered so far are all connected.
-        """
+        """Wait for `min_silos` connections, then up to `gather` seconds for the rest (`_everyone_ready`)."""
         minimum = self.config.consortium.min_silos
         with self._lock:
             self.stage = Stage.GATHERING
@@ -395,7 +483,7 @@ class RoundEngine:
         (or the kept census's, while it is to be taken again); [] if no attempt got that far; None if
         stopping."""
         pins = self.store.pinned_releases(round_number)
-        kept = self.store.census(self._phase(self.held.schema))
+        kept = self.store.census(self._phase(self._round_schema()))
         retaken = list(kept.silos) if kept is not None and self._census_doubted else None
         silos = pins.get("contribution") or (pins.get("census") if kept is None else retaken)
         if not silos:
@@ -422,11 +510,49 @@ class RoundEngine:
         return not (set(expected) - set(answered)) & self.sessions.connected()
 
     def _ready(self) -> list[str]:
-        """Connected silos the layer can take (ckks: those the key holder has sealed the key to)."""
-        return sorted(s for s in self.sessions.connected() if self.side.eligible(s))
+        """Connected silos the layer can take (ckks: those the key holder has sealed the key to), less those
+        whose refusal of the round stands: asked again, they would refuse again at once."""
+        refused = self._standing()
+        return sorted(s for s in self.sessions.connected() if self.side.eligible(s) and s not in refused)
+
+    def _standing(self) -> dict[str, SiloRefusal]:
+        """The refusals that still hold: of the state the next attempt trains from (the plan is the run's
+        own, so the same state is the same ask), by a silo still on the session it refused from (one that
+        reconnects may have a new policy), and younger than `timeouts.round` (a refusal for a passing reason,
+        a CKKS key not yet fetched, is asked again then; a lasting one costs one short attempt a timeout)."""
+        since = now_ms() - int(1000 * self.config.timeouts.round)
+        return {
+            silo: r
+            for silo, r in self._refusals.items()
+            if r.state_digest == self.held.digest
+            and r.at_ms > since
+            and self.sessions.current(silo) is r.session
+        }
+
+    def _short_of_floor(self, attempt: Attempt) -> str:
+        """Why the attempt cannot complete once too few participants are left that did not refuse it ("" while
+        enough are): it could only wait for its deadline and fail. A layer whose own threshold is higher fails
+        its stage as soon as the silos left have answered. The reason names codes, not the silos' words: it
+        goes to every participant in the Abort."""
+        floor = self.config.consortium.min_silos
+        left = [s for s in attempt.participants if s not in attempt.refused]
+        if not attempt.refused or len(left) >= floor:
+            return ""
+        refused = ", ".join(f"{s} ({r.code})" for s, r in sorted(attempt.refused.items()))
+        return (
+            f"refused by {refused}: {len(left)} of {len(attempt.participants)} participants left, "
+            f"fewer than min_silos {floor}"
+        )
 
     def _everyone_ready(self) -> bool:
-        return self.held.round > 0 and set(self.store.silos()) <= set(self._ready())
+        """Every silo the roster names is ready, or, once a round is committed, every registered one. Before
+        the first commit silos may still be starting and registering, so the silos registered so far being
+        all connected ends no wait; later a roster member that never registered is not waited for each round.
+        """
+        ready = set(self._ready())
+        if self.roster is not None and set(self.roster()) <= ready:
+            return True
+        return self.held.round > 0 and set(self.store.silos()) <= ready
 
     def _await_disclosures(self, attempt: Attempt, stop: threading.Event) -> None:
         """Give connected disclosers up to `timeouts.stage` more: the next round is picked from them."""
@@ -434,7 +560,7 @@ class RoundEngine:
         with self._lock:
             self._wait(
                 stop,
-                lambda: self._all_in(attempt.disclosers, attempt.disclosed),
+                lambda: self._all_in(attempt.disclosers, {*attempt.disclosed, *attempt.refused}),
                 until=until,
             )
 
@@ -447,8 +573,8 @@ class RoundEngine:
         message can arrive before the sum that takes it."""
         disclosers = disclosers or []
         round_number = self.held.round + 1
-        attempt_number, round_id = self.store.begin_attempt(round_number, participants, secrets.token_hex(4))
-        schema = self.held.schema
+        schema = self._round_schema()
+        attempt_number, round_id = self._begin(round_number, participants, schema)
         guarded = bool(schema.classes) and self.layer.k_min >= 2
         deadline = now_ms() + int(1000 * self.config.timeouts.round)
         spec = roundspec.build(
@@ -493,13 +619,25 @@ class RoundEngine:
         log.debug("round %d: attempt %s with %s", round_number, round_id, ", ".join(participants))
         return attempt
 
+    def _begin(self, round_number: int, participants: list[str], schema: Schema) -> tuple[int, str]:
+        """The attempt's number and id: a numbered attempt in the store, or, for the evaluation-only round,
+        which commits no state, an audit record alone (its id says what it is: `r<round>.e<number>`)."""
+        nonce = secrets.token_hex(4)
+        if not evaluation_block.only_evaluates(schema):
+            return self.store.begin_attempt(round_number, participants, nonce)
+        self._evaluation_attempts += 1
+        round_id = f"r{round_number}.e{self._evaluation_attempts}.{nonce}"
+        self.store.audit("evaluation_started", {"round_id": round_id, "participants": participants})
+        return self._evaluation_attempts, round_id
+
     def _sums(self, attempt: Attempt, stop: threading.Event) -> Sums | Released | None:
         """The round's sums stage by stage until the contribution sum is released: its `Sums`, or `Released`
-        without a total where only silos can read it; None if stopping."""
+        without a total where only silos can read it (or, in the evaluation-only round, where it holds the
+        evaluation block alone); None if stopping."""
         sums, first, pinned = attempt.sums, True, set()
         while True:
             deadline = attempt.deadline_ms if first else now_ms() + int(1000 * self.config.timeouts.stage)
-            if not self._await_stage(sums, deadline, stop):
+            if not self._await_stage(attempt, deadline, stop):
                 return None
             first = False
             taken = sums.census_taken
@@ -536,24 +674,48 @@ class RoundEngine:
         with self._lock:
             attempt.contributors = out.survivors
             self.stage = Stage.COMMITTING
-        return out if out.total is None else self.layer.seal(attempt.schema, out.total, len(out.survivors))
+        return out if out.total is None else self._stripped(attempt, out)
 
-    def _await_stage(self, sums: AggregatorRound, deadline_ms: int, stop: threading.Event) -> bool:
-        """Wait until everyone expected has answered, the rest are disconnected, or the deadline passes."""
+    def _stripped(self, attempt: Attempt, released: Released) -> Sums | Released:
+        """The method's part of the contribution sum, sealed for its server step; with held-out evaluation the
+        summed counts are kept for the commit first (unknown records where the tail guard zeroed every
+        class: the round's silos were not the census set)."""
+        counted = len(released.survivors)
+        if not self.config.plan.evaluation.held_out:
+            return self.layer.seal(attempt.schema, released.total, counted)
+        schema, vector, counts = evaluation_block.split(attempt.schema, released.total)
+        if counts.records is not None and len(attempt.sums.zeroed) == len(counts.records):
+            counts = replace(counts, records=None)
+        attempt.evaluation = counts
+        return released if schema is None else self.layer.seal(schema, vector, counted)
+
+    def _await_stage(self, attempt: Attempt, deadline_ms: int, stop: threading.Event) -> bool:
+        """Wait until everyone expected has answered, refused or disconnected, or the deadline passes; a
+        refusal that leaves the attempt short of its floor ends it at once (AttemptRefused)."""
+        sums = attempt.sums
 
         def answered() -> bool:
-            return self._all_in(sums.half.expected, sums.half.answered)
+            done = self._all_in(sums.half.expected, {*sums.half.answered, *attempt.refused})
+            return done or bool(self._short_of_floor(attempt))
 
         with self._lock:
             self._wait(stop, answered, until=time.monotonic() + max(0.0, (deadline_ms - now_ms()) / 1000))
-            return not stop.is_set()
+            if stop.is_set():
+                return False
+            short = self._short_of_floor(attempt)
+        if short:
+            raise AttemptRefused(short)
+        return True
 
     def _next_state(
         self, attempt: Attempt, summed: Sums | Released, stop: threading.Event
     ) -> HeldState | None:
         """The server step, here on `Sums`; or, where only silos read the sum, the state every silo the sum
         counted reports (one state, each silo's signature kept with it: silos step only from a state all of
-        them signed, so one that a counted silo did not report is not committed); None if stopping."""
+        them signed, so one that a counted silo did not report is not committed); None if stopping. The
+        evaluation-only round steps nothing: the state stays."""
+        if attempt.only_evaluates:
+            return self.held
         if isinstance(summed, Sums):
             context = ServerContext(attempt.round, self.config.consortium.seed)
             return HeldState.plain(self.method.server_step(self.held.model, summed, context), self.method)
@@ -578,6 +740,9 @@ class RoundEngine:
         return HeldState.reported(attempt.round, attempt.contributors, reports)
 
     def _commit(self, attempt: Attempt, held: HeldState) -> None:
+        if attempt.only_evaluates:
+            self._evaluated(attempt)
+            return
         timer = _Stopwatch()
         contributors = list(attempt.contributors)
         trained = self.held.trains
@@ -606,6 +771,41 @@ class RoundEngine:
             self.evaluator.committed(held.model, contributors, seconds, evaluating)
         else:
             self._sum_evaluations(attempt, contributors, seconds)
+        self._seconds[attempt.round] = seconds
+        self._record_held_out(attempt, contributors)
+
+    def _evaluated(self, attempt: Attempt) -> None:
+        """The end of the evaluation-only round: no state to commit, the last one's metrics to record."""
+        contributors = list(attempt.contributors)
+        self.store.audit(
+            "round_evaluated",
+            {"round": self.held.round, "round_id": attempt.round_id, "contributors": contributors},
+        )
+        with self._lock:
+            self.attempt = None
+            self._let_down.clear()
+        self._final_evaluated = self.held.round
+        self._record_held_out(attempt, contributors)
+
+    def _record_held_out(self, attempt: Attempt, contributors: list[str]) -> None:
+        """The summed held-out counts as the metrics of the state the round started from (round 0: the
+        initial model, with the summed training records the shot groups come from)."""
+        counts = attempt.evaluation
+        if counts is None:
+            return
+        evaluated = attempt.round - 1
+        problems = counts.problems()
+        if problems:
+            log.warning("round %d: its held-out counts are not recorded: %s", evaluated, "; ".join(problems))
+            return
+        self.evaluator.counted(
+            evaluated,
+            counts.correct,
+            counts.total,
+            contributors,
+            self._seconds.pop(evaluated, None),
+            train_counts=counts.records,
+        )
 
     def _sum_evaluations(self, attempt: Attempt, contributors: list[str], seconds: float) -> None:
         """Add the reporting silos' evaluation counts under the layer; send the sum back for them to read."""

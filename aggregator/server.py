@@ -36,6 +36,7 @@ from fedlt.aggregation.halves import PartyKeys
 from fedlt.atomic import atomic_write_text
 from fedlt.config import as_table
 from fedlt.data.embedded import load_embedded, split_balanced_test
+from fedlt.dp import DPSettings
 from fedlt.errors import ConfigError
 from fedlt.keepalive import aggregator_options
 from fedlt.recorder import RunRecorder
@@ -91,6 +92,7 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
         sign=lambda blob: sign(key, blob, context=ROUNDSPEC_CONTEXT),
         recorder=_recorder(config, data_dir, store),
         echo=echo,
+        roster=lambda: roster.current().silo_ids,
     )
     identity = Identity(revocations)
     server = grpc.server(
@@ -144,6 +146,7 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
         if page.token_file is not None:
             echo(f"  its access token is in {page.token_file}: open {page.url}?token=<that token> once")
     echo(f"privacy layer: {layer.describe()}")
+    echo(_dp_line(config.plan.dp))
     _stop_on_signals(stop)
     watch.check()
     threading.Thread(target=watch.run, args=(stop, WATCH_SECONDS), name="certificates", daemon=True).start()
@@ -169,6 +172,20 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
     finished = engine.held.round >= config.consortium.rounds
     echo("all rounds committed" if finished else f"stopped after round {engine.held.round}")
     return 0
+
+
+def _dp_line(dp: DPSettings) -> str:
+    """The plan's [dp] as every silo applies it; each keeps its own ledger and chooses what it reports."""
+    if not dp.enabled:
+        return "differential privacy: off (the plan has no [dp]; an ε a silo reports is its lifetime budget)"
+    sgd = f"{dp.noise_multiplier:g}" if dp.noise_multiplier else "chosen by each silo (the smallest within ε)"
+    same = "the smallest within ε/2, the same at every silo"
+    statistics = f"{dp.statistics_noise:g}" if dp.statistics_noise else same
+    return (
+        f"differential privacy: on, ε {dp.epsilon:g} at δ {dp.delta:g} per silo over the plan; DP-SGD σ "
+        f"{sgd}, clipping at {dp.max_grad_norm:g}; statistics noise multiplier {statistics}; class counts "
+        f"noised once, std {dp.count_noise:g}"
+    )
 
 
 def derive_audit_key(private_key: ec.EllipticCurvePrivateKey) -> AuditKey:
@@ -241,23 +258,39 @@ def _roster_problems(roster: RosterFile, revocations: RevocationList) -> list[st
 
 
 def _recorder(config: ConsortiumConfig, data_dir: Path, store: Store) -> RunRecorder | None:
-    """The operator's own evaluation set, if configured; the history is restored from the store."""
-    evaluation = config.evaluation
+    """Where rounds are evaluated: the silos' summed held-out counts, or the operator's own evaluation set;
+    the history is restored from the store."""
+    evaluation, method = config.evaluation, config.plan.method.name
+    header = {"consortium": as_table(config.consortium), "plan": as_table(config.plan)}
+    history = store.metrics_history()
+    if config.silos_evaluate and not evaluation.dataset:
+        # with held-out evaluation the shot groups' counts are summed in round 1, kept with round 0's metrics
+        kept = next((entry["train_counts"] for entry in history if "train_counts" in entry), None)
+        counts = evaluation.class_counts or kept
+        return RunRecorder(
+            data_dir / "run",
+            title=f"{method} consortium {config.consortium.id!r}, evaluated on the silos' held-out data",
+            test=None,
+            classes=config.plan.model.classes,
+            train_counts=counts,
+            thresholds=config.metrics,
+            header=header,
+            rounds=history,
+        )
     if not evaluation.dataset:
         return None
     seed = derive_seed(config.consortium.seed, "test-split")
     _, test = split_balanced_test(
         load_embedded(evaluation.dataset), per_class=evaluation.test_per_class, seed=seed
     )
-    method = config.plan.method.name
     return RunRecorder(
         data_dir / "run",
         title=f"{method} consortium {config.consortium.id!r}, evaluated on {evaluation.dataset}",
         test=test,
         train_counts=evaluation.class_counts or None,
         thresholds=config.metrics,
-        header={"consortium": as_table(config.consortium), "plan": as_table(config.plan)},
-        rounds=store.metrics_history(),
+        header=header,
+        rounds=history,
     )
 
 
@@ -275,6 +308,7 @@ def _status_page(
         "method": config.plan.method.name,
         "privacy": config.consortium.privacy,
         "total_rounds": engine.total_rounds,
+        "dp_enabled": config.plan.dp.enabled,
     }
     server = config.server
     try:

@@ -46,7 +46,13 @@ from privacy.ckks.ceremony import Announcement
 from privacy.ckks.relay import CkksRelay
 from privacy.ckks.wire import enrollment_to_pb, sealed_from_pb, sealed_to_pb
 from privacy.pki.errors import PkiError
-from privacy.pki.identity import RevocationList, load_certificate, operator_name_of, silo_id_of
+from privacy.pki.identity import (
+    RevocationList,
+    describe,
+    load_certificate,
+    operator_name_of,
+    silo_id_of,
+)
 from privacy.pki.roster import RosterFile
 from privacy.pki.trust import MemberTrust
 from privacy.wire import CONSORTIUM_LAYERS, RECEIVERS, UPLOADS, received, submitted, upload_of
@@ -54,6 +60,8 @@ from privacy.wire import CONSORTIUM_LAYERS, RECEIVERS, UPLOADS, received, submit
 log = logging.getLogger("aggregator.service")
 
 AGENT_VERSION_CHARS = 64
+ROUND_ID_CHARS = 64  # "r<round>.a<attempt>.<nonce>" fits with room to spare
+REFUSAL_TEXT_CHARS = 512  # a refusal's text, one printable line (the silo cuts its own to fit)
 STATE_LIMIT = 2**31  # bytes of a sealed state a silo may report
 # Bytes of a refusal's message in the status trailer, percent-encoded: clients drop trailers over 8 KiB.
 DETAILS_BYTES = 2048
@@ -217,6 +225,30 @@ def _registration_problems(request: pb.RegisterRequest) -> list[str]:
     return problems
 
 
+def _refusal_problems(request: pb.RefuseRequest) -> list[str]:
+    """Every reason to refuse a refusal: it is shown to the operator and kept in the audit log, so only one
+    short printable line, for a named attempt, with a code, is taken."""
+    problems = []
+    if not request.round_id:
+        problems.append("round_id: empty")
+    elif len(request.round_id) > ROUND_ID_CHARS or not request.round_id.isprintable():
+        problems.append(f"round_id: {_shown(request.round_id)} is no attempt's id")
+    if request.code == pb.REFUSAL_CODE_UNSPECIFIED:
+        problems.append("code: unspecified; name the reason's kind (policy, data, ...)")
+    if not request.text.strip():
+        problems.append("text: empty; say why")
+    elif len(request.text) > REFUSAL_TEXT_CHARS:
+        problems.append(f"text: {len(request.text)} characters; at most {REFUSAL_TEXT_CHARS}")
+    elif not request.text.isprintable():
+        problems.append("text: not one printable line")
+    return problems
+
+
+def _code_name(code: int) -> str:
+    """A RefusalCode as the operator reads it: `REFUSAL_CODE_POLICY` is "policy"."""
+    return pb.RefusalCode.Name(code).removeprefix("REFUSAL_CODE_").lower()
+
+
 def _shown(value: str, limit: int = 32) -> str:
     """A caller's string in a refusal, cut short: a refusal does not echo a huge request back."""
     return repr(value if len(value) <= limit else value[:limit] + "…")
@@ -336,6 +368,9 @@ class CertificateGate(grpc.ServerInterceptor):
             try:
                 self.identity.certificate(context)
                 request = _decoded_parts(request) if handler.request_streaming else _decoded(request)
+            except (Unauthenticated, Revoked, PkiError) as exc:
+                _log_refused(context, handler_call_details.method, exc)
+                _refuse(context, exc, handler_call_details.method)
             except Exception as exc:
                 _refuse(context, exc, handler_call_details.method)
             if not handler.request_streaming:
@@ -352,6 +387,17 @@ class CertificateGate(grpc.ServerInterceptor):
             request_deserializer=_lenient(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
+
+
+def _log_refused(context: grpc.ServicerContext, what: str, exc: Exception) -> None:
+    """The operator's line for a caller refused for who it is, naming its address and certificate (gRPC's
+    own lines for a failed TLS handshake name neither)."""
+    pems = context.auth_context().get("x509_pem_cert")
+    try:
+        presented = describe(load_certificate(pems[0])) if pems else "no client certificate"
+    except PkiError:
+        presented = "a certificate that does not parse"
+    log.warning("refused %s from %s, which presented %s: %s", what, context.peer(), presented, exc)
 
 
 class Undecodable:
@@ -441,7 +487,11 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
             "disclosures": list(request.accepted_disclosures),
         }
         pem = context.auth_context()["x509_pem_cert"][0]
-        self.members.silo(pem, silo)  # a certificate the CA issued but the roster does not name is no member
+        try:
+            self.members.silo(pem, silo)  # one the CA issued but the roster does not name is no member
+        except PkiError as exc:
+            _log_refused(context, "a registration", exc)
+            raise
         self.store.register_silo(silo, hashlib.sha256(pem).hexdigest(), request.agent_version, policy)
         if request.HasField("ckks_enrollment"):  # checked by the key holder, which seals only to roster silos
             enrollment = request.ckks_enrollment
@@ -496,7 +546,7 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
         self.engine.heartbeat(
             silo, pb.SiloActivity.Name(request.activity).removeprefix("SILO_ACTIVITY_").lower(), remaining
         )
-        self.store.touch_silo(silo)
+        self.store.touch_silo(silo, remaining)
         reply = pb.HeartbeatResponse(server_time_unix_ms=now_ms())
         # a running silo learns of a newer roster or CRL here, not only when it next registers
         if request.roster_sha256:
@@ -619,6 +669,17 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
         if first is None or not first.HasField("header"):
             raise Malformed(f"a {rpc} stream starts with a header")
         return first.header, parts
+
+    @_abort_on_refusal
+    def Refuse(self, request: pb.RefuseRequest, context: grpc.ServicerContext) -> pb.RefuseResponse:
+        """A silo will not take part in the attempt in flight, which invites it; the engine takes it from
+        then on as gone from the attempt, and shows and audits the reason."""
+        silo = self.identity.silo(context)
+        problems = _refusal_problems(request)
+        if problems:
+            raise Malformed("a refusal the aggregator cannot take: " + "; ".join(problems))
+        self.engine.refuse(silo, request.round_id, _code_name(request.code), request.text)
+        return pb.RefuseResponse(round_id=request.round_id)
 
     @_abort_on_refusal
     def Disclose(self, request: pb.DiscloseRequest, context: grpc.ServicerContext) -> Any:

@@ -31,7 +31,8 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS silos (
     silo_id TEXT PRIMARY KEY, cert_sha256 TEXT NOT NULL, first_seen_ms INTEGER NOT NULL,
-    last_seen_ms INTEGER NOT NULL, agent_version TEXT NOT NULL, policy TEXT NOT NULL
+    last_seen_ms INTEGER NOT NULL, agent_version TEXT NOT NULL, policy TEXT NOT NULL,
+    privacy_remaining REAL
 );
 CREATE TABLE IF NOT EXISTS attempts (
     round INTEGER NOT NULL, attempt INTEGER NOT NULL, round_id TEXT NOT NULL UNIQUE,
@@ -148,6 +149,7 @@ class Store:
         self._db.execute(f"PRAGMA wal_autocheckpoint={AUTOCHECKPOINT_PAGES}")
         self._db.executescript(SCHEMA)
         self._move_old_metrics()
+        self._add_reported_epsilon()
         self._lock = threading.RLock()
         self._audit_key = audit_key
         self._retention = retention or Retention()
@@ -164,6 +166,12 @@ class Store:
             self._db.execute(
                 "INSERT OR IGNORE INTO metrics SELECT round, metrics FROM states WHERE metrics IS NOT NULL"
             )
+
+    def _add_reported_epsilon(self) -> None:
+        """Databases made before the ε each silo last reported was kept (for an export of a stopped
+        aggregator) get its column once."""
+        if "privacy_remaining" not in [row[1] for row in self._db.execute("PRAGMA table_info(silos)")]:
+            self._db.execute("ALTER TABLE silos ADD COLUMN privacy_remaining REAL")
 
     def checkpoint(self) -> None:
         """Copy the write-ahead log into the database file (durability does not depend on it: a committed
@@ -227,7 +235,8 @@ class Store:
         with self._transaction() as db:
             known = db.execute("SELECT cert_sha256 FROM silos WHERE silo_id = ?", (silo_id,)).fetchone()
             db.execute(
-                "INSERT INTO silos VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(silo_id) DO UPDATE SET "
+                "INSERT INTO silos (silo_id, cert_sha256, first_seen_ms, last_seen_ms, agent_version, "
+                "policy) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(silo_id) DO UPDATE SET "
                 "cert_sha256 = excluded.cert_sha256, last_seen_ms = excluded.last_seen_ms, "
                 "agent_version = excluded.agent_version, policy = excluded.policy",
                 (silo_id, cert_sha256, at, at, agent_version, json.dumps(policy, sort_keys=True)),
@@ -236,9 +245,13 @@ class Store:
                 event = "silo_enrolled" if known is None else "silo_certificate_changed"
                 self._audit(db, event, {"silo": silo_id, "cert_sha256": cert_sha256})
 
-    def touch_silo(self, silo_id: str) -> None:
+    def touch_silo(self, silo_id: str, privacy_remaining: float | None = None) -> None:
+        """A heartbeat: when it was, and the ε left the silo reported in it (None: it reports none)."""
         with self._lock:
-            self._db.execute("UPDATE silos SET last_seen_ms = ? WHERE silo_id = ?", (now_ms(), silo_id))
+            self._db.execute(
+                "UPDATE silos SET last_seen_ms = ?, privacy_remaining = ? WHERE silo_id = ?",
+                (now_ms(), privacy_remaining, silo_id),
+            )
 
     def policy(self, silo_id: str) -> dict:
         """What the silo said its policy accepts when it last registered."""
@@ -310,6 +323,13 @@ class Store:
         with self._transaction() as db:
             self._audit(
                 db, "contribution_accepted", {"round_id": round_id, "silo": silo_id, "sha256": sha256}
+            )
+
+    def record_refusal(self, round_id: str, silo_id: str, code: str, text: str) -> None:
+        """A silo's refusal of an attempt, in the words it sent (which name no fact of its data)."""
+        with self._transaction() as db:
+            self._audit(
+                db, "round_refused", {"round_id": round_id, "silo": silo_id, "code": code, "text": text}
             )
 
     def last_picked(self) -> dict[str, int]:

@@ -12,6 +12,7 @@ import hashlib
 import tomllib
 from dataclasses import dataclass, field
 
+from fedlt.aggregation import Schema, evaluation_block
 from fedlt.config import as_toml, parse_section, setting
 from fedlt.dp import DPSettings
 from fedlt.errors import ConfigError
@@ -28,6 +29,14 @@ class ModelSection:
 
 
 @dataclass(frozen=True)
+class EvaluationPlan:
+    """Whether silos add held-out evaluation counts to every round's sum (`aggregation.evaluation_block`),
+    signed with the plan so that each silo knows to; a consortium sets it from its `[evaluation]` section."""
+
+    held_out: bool = setting(False, doc="silos evaluate each state on their held-out data, inside the sum")
+
+
+@dataclass(frozen=True)
 class RoundPlan:
     """`rounds` is the planned number of training rounds; a consortium sets it from `[consortium] rounds`."""
 
@@ -37,6 +46,7 @@ class RoundPlan:
     method: MethodChoice = field(default_factory=MethodChoice)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     dp: DPSettings = field(default_factory=DPSettings)
+    evaluation: EvaluationPlan = field(default_factory=EvaluationPlan)
 
     def problems(self) -> list[str]:
         """What the field-by-field checks cannot see."""
@@ -44,6 +54,12 @@ class RoundPlan:
         shape = self.model.image_shape
         if len(shape) != 3 or min(shape, default=0) < 1:
             problems.append(f"model.image_shape: expected [channels, height, width], got {list(shape)}")
+        classes = self.model.classes
+        repeated = sorted({name for name in classes if classes.count(name) > 1})
+        if repeated or not classes:
+            problems.append(
+                f"model.classes: names {repeated} more than once" if repeated else "model.classes: empty"
+            )
         return problems
 
     def build_method(self) -> Method:
@@ -51,6 +67,16 @@ class RoundPlan:
         spec = ModelSpec(self.model.name, (channels, height, width), len(self.model.classes))
         return method_class(self.method.name)(
             options=self.method.options, train=self.train, model=spec, rounds=self.rounds, dp=self.dp
+        )
+
+    def round_schema(self, schema: Schema, *, starting_round: int, remaining: int) -> Schema:
+        """What a round from a state sums, as both ends derive it (the aggregator signs it, each silo checks
+        it): the method's `schema` for the state and, with held-out evaluation, the evaluation block; a
+        state with no `remaining` rounds gets the evaluation-only round."""
+        if not self.evaluation.held_out:
+            return schema
+        return evaluation_block.round_schema(
+            None if remaining == 0 else schema, len(self.model.classes), first=starting_round == 0
         )
 
     def to_toml(self) -> str:

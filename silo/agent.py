@@ -36,13 +36,14 @@ from collections.abc import Callable, Iterator
 import grpc
 import numpy as np
 import torch
+from google.protobuf.message import DecodeError
 
-from fedlt.aggregation import make_layer, tail_guard
+from fedlt.aggregation import Schema, evaluation_block, make_layer, tail_guard
 from fedlt.aggregation.gate import Floors, ReleaseGate
 from fedlt.aggregation.halves import PartyKeys, SiloHalf
 from fedlt.atomic import atomic_write, atomic_write_text
 from fedlt.data.arrays import LabeledImages
-from fedlt.errors import ContributionError, FedltError
+from fedlt.errors import ContributionError, DataError, FedltError
 from fedlt.keepalive import silo_options
 from fedlt.methods import GlobalState, Method, SiloContext
 from fedlt.methods.state import unpack_state
@@ -64,10 +65,18 @@ from privacy.wire import DRILL_NAMES, UPLOADS, fetched, step_from_pb
 from silo.budget import ledger_path, open_ledger
 from silo.ckks_keys import CkksKeyring
 from silo.config import LAYERS_IMPLEMENTED, SiloConfig
+from silo.export import keep_stepped
 from silo.participation import Participation
 from silo.releases import ReleaseLedger, check_ledgers
-from silo.stepping import opened_state, report_evaluation, step_and_report
-from silo.tls_probe import server_certificate
+from silo.state_lock import StateLock
+from silo.stepping import (
+    expected_schema,
+    opened_state,
+    report_evaluation,
+    round_contribution,
+    step_and_report,
+)
+from silo.tls_probe import UNTRUSTED, ConnectionProblem, UntrustedAggregator, server_certificate
 from silo.trust import Credentials, OwnCertificate, SiloTrust, expiry_watch, switch_due
 
 log = logging.getLogger("silo")
@@ -84,12 +93,30 @@ DRILL = "FEDLT_DRILL_STOP_AFTER"
 UPLOAD_TYPES = frozenset(kind for kind, _ in UPLOADS.values())
 
 
+# What the aggregator is told of a refusal whose message names this silo's own facts (its data, its privacy
+# budget): the kind alone. The message stays in the silo's log.
+TOLD = {
+    pb.REFUSAL_CODE_DATA: "this silo's data does not fit the plan; the silo's log says how",
+    pb.REFUSAL_CODE_BUDGET: "the round would spend more of this silo's privacy budget than it has left",
+}
+TOLD_CHARS = 512  # the aggregator takes one printable line of at most this many characters
+
+
 class RefusedRound(FedltError):
-    """A RoundSpec this silo will not act on (bad signature, policy, mismatched state)."""
+    """A RoundSpec this silo will not act on (bad signature, policy, plan, data, mismatched state), of the
+    kind `code` names (a RefusalCode). `told` is what the aggregator hears: by default the message, which
+    speaks of the policy and the plan; for a kind whose message names this silo's own facts (`TOLD`), the
+    kind's sentence only. A raiser whose message names local facts under another kind passes its own."""
+
+    def __init__(self, message: str, *, code: int = pb.REFUSAL_CODE_POLICY, told: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.told = told if told is not None else TOLD.get(code, message)
 
 
 class Fatal(FedltError):
-    """A condition retrying cannot fix: refused certificate, wrong consortium."""
+    """A condition retrying cannot fix: refused certificate, wrong consortium, an aggregator this silo's kit
+    does not trust; `python -m silo run` exits 2 with its message."""
 
 
 class SiloAgent:
@@ -98,10 +125,14 @@ class SiloAgent:
         self.stop = stop or threading.Event()
         self.state_dir = config.path(config.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        # one agent per state directory, for this process's life: a second would lose the first's records
+        self.state_lock = StateLock.take(self.state_dir)
         check_ledgers(self.state_dir, ledger_path(config))  # before anything here is written
         if config.compute.threads:
             torch.set_num_threads(config.compute.threads)
-        self.data: LabeledImages = config.load_data()
+        # this silo's data as its files label it; `self.data` is it in the label space of the plan at hand
+        self.local: LabeledImages = config.load_data()
+        self.data = self.local
         conn = config.connection
         try:
             self.ca_pem = config.path(conn.ca).read_bytes()
@@ -145,7 +176,9 @@ class SiloAgent:
         self.ledger.note_privacy_ledger()
         self._expiry_warnings()
         self.ckks = CkksKeyring.for_policy(self.state_dir, config.policy.privacy)
-        self.held_out = config.load_evaluation() if self.ckks else None
+        # held-out data, evaluated inside a sum under whichever layer; in the plan's label space like `data`
+        self.local_held_out = config.load_evaluation()
+        self.held_out = self.local_held_out
         keys = PartyKeys(
             sign=self._sign,
             peers=ConsortiumPeers(self.trust.members),
@@ -204,8 +237,10 @@ class SiloAgent:
     # --- the long-running loop ----------------------------------------------------------------
 
     def run(self) -> int:
-        """Keep a session up until the consortium is finished, with jittered exponential backoff."""
+        """Keep a session up until the consortium is finished, with jittered exponential backoff; what no
+        retry can mend (this silo refused, an aggregator its kit does not trust) raises Fatal."""
         backoff = 1.0
+        address = self.config.connection.aggregator
         while not self.stop.is_set():
             try:
                 if self._session():
@@ -221,14 +256,14 @@ class SiloAgent:
                 if self._switch_to is not None or (refused and self._switch(refused=True)):
                     continue
                 if refused:
-                    raise Fatal(f"the aggregator refuses this silo: {exc.details()}") from None
-                log.warning(
-                    "connection problem (%s: %s); retrying in %.0f s", code.name, exc.details(), backoff
-                )
-            except OSError as exc:
+                    raise Fatal(f"the aggregator at {address} refuses this silo: {exc.details()}") from None
+                problem = f"a call to the aggregator at {address} failed ({code.name}: {exc.details()})"
+                log.warning("connection problem: %s; retrying in %.0f s", problem, backoff)
+            except OSError as exc:  # the probe's ConnectionProblem says where and what it likely means
                 if self.stop.is_set():
                     break
-                log.warning("connection problem (%s); retrying in %.0f s", exc, backoff)
+                problem = exc if isinstance(exc, ConnectionProblem) else f"cannot reach {address}: {exc}"
+                log.warning("connection problem: %s; retrying in %.0f s", problem, backoff)
             self.stop.wait(backoff * random.uniform(0.8, 1.2))
             backoff = min(backoff * 2, self.config.connection.max_backoff_seconds)
         log.info("stopped on request; progress is kept in %s", self.state_dir)
@@ -243,13 +278,16 @@ class SiloAgent:
             options.append(("grpc.ssl_target_name_override", conn.server_name))
         session_over = threading.Event()
         helpers: list[threading.Thread] = []
-        tls_pem = server_certificate(
-            conn.aggregator,
-            server_name=conn.server_name,
-            ca_pem=self.ca_pem,
-            certificate=self.config.path(conn.certificate),
-            key=self.config.path(conn.key),
-        )
+        try:
+            tls_pem = server_certificate(
+                conn.aggregator,
+                server_name=conn.server_name,
+                ca_pem=self.ca_pem,
+                certificate=self.config.path(conn.certificate),
+                key=self.config.path(conn.key),
+            )
+        except UntrustedAggregator as exc:  # this silo's kit or address is wrong: a retry sees the same
+            raise Fatal(str(exc)) from None
         try:
             with grpc.secure_channel(conn.aggregator, self.credentials, options=options) as channel:
                 stub = consortium_pb2_grpc.ConsortiumServiceStub(channel)
@@ -339,7 +377,8 @@ class SiloAgent:
                 raise PkiError("it signs RoundSpecs with another certificate than it serves TLS with")
         except PkiError as exc:
             raise Fatal(
-                f"the aggregator at {self.config.connection.aggregator} is not this consortium's: {exc}"
+                f"{UNTRUSTED}: the aggregator at {self.config.connection.aggregator} is not this "
+                f"consortium's: {exc}"
             ) from None
         self.aggregator_pem, self.silo_id = reply.aggregator_certificate, reply.silo_id
         log.info("registered as %s with consortium %r", reply.silo_id, reply.consortium_id)
@@ -424,8 +463,11 @@ class SiloAgent:
         self._ckks_key(stub, signed)
         try:
             spec, plan = self._check_spec(signed)
-        except (RefusedRound, PkiError) as exc:
-            log.error("refusing a round: %s", exc)
+        except RefusedRound as exc:
+            self._refuse(stub, _round_id_of(signed), exc)
+            return
+        except PkiError as exc:  # the signer is not the roster's aggregator, or the signature is not its
+            self._refuse(stub, _round_id_of(signed), RefusedRound(str(exc), code=pb.REFUSAL_CODE_SIGNATURE))
             return
         if self._taking_part is not None and self._taking_part.spec.round_id == spec.round_id:
             log.info("%s: still taking part in its sums after a reconnect", spec.round_id)
@@ -465,6 +507,25 @@ class SiloAgent:
 
         self._sum_call(spec.round_id, start)
 
+    def _refuse(self, stub, round_id: str, refusal: RefusedRound) -> None:
+        """Tell the aggregator that this silo will not take part in `round_id`, so that no stage waits for it
+        and the operator sees why: in the words of `refusal.told`, the whole message in this log only. A
+        refusal the aggregator does not take (another attempt in flight, the network) is logged, no more."""
+        log.error("refusing a round: %s", refusal)
+        if not round_id:
+            return  # a RoundSpec that names no attempt: nothing to tell
+        told = _one_line(refusal.told.removeprefix(f"{round_id}: "))  # the aggregator shows the id beside it
+        request = pb.RefuseRequest(round_id=round_id, code=refusal.code, text=told)
+        try:
+            stub.Refuse(request, timeout=CALL_TIMEOUT)
+        except grpc.RpcError as exc:
+            log.warning(
+                "%s: the aggregator did not take this refusal (%s: %s)",
+                round_id,
+                exc.code().name,
+                exc.details(),
+            )
+
     def _sum_step(self, stub, step: pb.SumStep) -> None:
         if step.sum == pb.SECURE_SUM_EVALUATION:
             self._sum_call(step.round_id, lambda: self._evaluation_step(stub, step))
@@ -496,6 +557,7 @@ class SiloAgent:
             held_out=self.held_out,
             gate=self.gate,
             timeout=CALL_TIMEOUT,
+            keep=lambda header, sealed: keep_stepped(self.state_dir, spec, taking_part.me, header, sealed),
         )
         self._stepping, self._evaluating = None, (spec.round_id, spec.round, evaluation)
         log.info("round %d: stepped the model to state %s, reported it sealed", spec.round, digest)
@@ -572,10 +634,14 @@ class SiloAgent:
             plan = RoundPlan.from_toml(spec.method_config, f"RoundSpec {spec.round_id}")
         except FedltError as exc:
             raise RefusedRound(
-                f"{spec.round_id}: its method_config is not a plan this silo can run: {exc}"
+                f"{spec.round_id}: its method_config is not a plan this silo can run: {exc}",
+                code=pb.REFUSAL_CODE_PLAN,
             ) from None
         if plan.method.name != spec.method:
-            raise RefusedRound(f"{spec.round_id}: plan runs {plan.method.name!r}, spec says {spec.method!r}")
+            raise RefusedRound(
+                f"{spec.round_id}: plan runs {plan.method.name!r}, spec says {spec.method!r}",
+                code=pb.REFUSAL_CODE_PLAN,
+            )
         refused = self.config.dp.problems(plan.dp)
         if self.sides[spec.privacy].hides_inputs:
             sums = roundspec.sums_of(signed, spec)
@@ -587,15 +653,18 @@ class SiloAgent:
             )
         if refused:
             raise RefusedRound(f"{spec.round_id}: " + "; ".join(refused))
-        if (
-            tuple(plan.model.image_shape) != self.data.image_shape
-            or len(plan.model.classes) != self.data.num_classes
-        ):
+        if tuple(plan.model.image_shape) != self.local.image_shape:
             raise RefusedRound(
-                f"{spec.round_id}: the model takes {plan.model.image_shape} images of "
-                f"{len(plan.model.classes)} classes; local data is {self.data.image_shape}, "
-                f"{self.data.num_classes} classes"
+                f"{spec.round_id}: the model takes {plan.model.image_shape} images; local data is "
+                f"{self.local.image_shape}",
+                code=pb.REFUSAL_CODE_DATA,
             )
+        try:
+            self.data = self.local.in_label_space(plan.model.classes)
+            if self.local_held_out is not None:
+                self.held_out = self.local_held_out.in_label_space(plan.model.classes)
+        except DataError as exc:
+            raise RefusedRound(f"{spec.round_id}: local data {exc}", code=pb.REFUSAL_CODE_DATA) from None
         return spec, plan
 
     def _sum_problems(self, signed: round_pb2.SignedRoundSpec, spec: round_pb2.RoundSpec) -> list[str]:
@@ -625,6 +694,11 @@ class SiloAgent:
         fetch_started = time.perf_counter()
         data = _fetch_state(stub, spec)
         if data is None:
+            state_refused = RefusedRound(
+                f"{spec.round_id}: the state streamed does not fit its signed size; not training",
+                code=pb.REFUSAL_CODE_STATE,
+            )
+            self._refuse(stub, spec.round_id, state_refused)
             return None
         method = self._method_for(plan, spec.config_sha256)
         steps_model = self.sides[spec.privacy].steps_model
@@ -643,17 +717,13 @@ class SiloAgent:
             else:
                 state = unpack_state(data, spec.round - 1)
         except FedltError as exc:
-            log.error("%s: %s; not training", spec.round_id, exc)
-            return None
-        if state.digest() != spec.state_digest:
-            log.error("%s: the state received does not match the signed digest; not training", spec.round_id)
-            return None
-        if method.schema(state) != schema_from_pb(spec.schema):
-            log.error("%s: the signed schema differs from the method's own; not training", spec.round_id)
-            return None
-        unfit = _unfit_model(method, state)
-        if unfit:
-            log.error("%s: the state's model %s; not training", spec.round_id, unfit)
+            problem = str(exc) or type(exc).__name__
+        else:
+            expected = expected_schema(plan, method, state, steps_model=steps_model)
+            problem = _state_problem(method, state, spec, expected)
+        if problem:
+            refusal = RefusedRound(f"{spec.round_id}: {problem}; not training", code=pb.REFUSAL_CODE_STATE)
+            self._refuse(stub, spec.round_id, refusal)
             return None
         log.debug(
             "round %d: state fetched and checked in %.3f s", spec.round, time.perf_counter() - fetch_started
@@ -671,7 +741,8 @@ class SiloAgent:
         state: GlobalState,
         method: Method,
     ) -> bytes | None:
-        """Disclose if asked (the policy allowed it); train if a participant."""
+        """Disclose if asked (the policy allowed it); train if a participant, and evaluate the starting state
+        on the held-out slice where the plan asks."""
         if DISCLOSURE in spec.disclosures and self.silo_id in spec.disclosers:
             self._disclose(stub, spec, plan, method, state)
         if not trains:
@@ -680,19 +751,30 @@ class SiloAgent:
         self.activity = pb.SILO_ACTIVITY_TRAINING
         started = time.perf_counter()
         private = self._privacy_for(plan, spec.config_sha256)
+        schema = schema_from_pb(spec.schema)  # as `_checked_state` checked it
         try:
-            contribution = method.local_round(
-                state, self.data, SiloContext(spec.round, self.silo_id, spec.seed, private)
+            contribution = round_contribution(
+                schema,
+                method,
+                state,
+                self.data,
+                self.held_out,
+                SiloContext(spec.round, self.silo_id, spec.seed, private),
             )
         except (BudgetExceeded, ContributionError) as exc:  # ContributionError: weights that train to inf
-            log.error("%s: not training: %s", spec.round_id, exc)
             self.activity = pb.SILO_ACTIVITY_IDLE
+            self._refuse(stub, spec.round_id, _not_training(spec, exc))
             return None
         trained = time.perf_counter() - started
+        self._announce_sigma(plan, spec.config_sha256)
         payload = np.ascontiguousarray(contribution.flat().numpy(), dtype="<f8").tobytes()
         atomic_write(self.state_dir / "pending.bin", lambda fh: fh.write(payload))
         atomic_write_text(self.state_dir / "pending.json", json.dumps(_pending_key(spec, state)))
-        log.info("round %d: trained on %d samples in %.2f s", spec.round, len(self.data), trained)
+        if evaluation_block.only_evaluates(schema):
+            held_out = len(self.held_out) if self.held_out is not None else 0
+            log.info("round %d: evaluated the last state on %d held-out samples", spec.round, held_out)
+        else:
+            log.info("round %d: trained on %d samples in %.2f s", spec.round, len(self.data), trained)
         return payload
 
     def _disclose(self, stub, spec: round_pb2.RoundSpec, plan: RoundPlan, method: Method, state) -> None:
@@ -733,14 +815,38 @@ class SiloAgent:
         return path.read_bytes()
 
     def _privacy_for(self, plan: RoundPlan, config_sha256: str) -> SiloPrivacy | None:
-        """Under a plan with [dp]: this silo's DP for it, charged to the one ledger in its state folder."""
+        """Under a plan with [dp]: this silo's DP for it, charged to the one ledger in its state folder; what
+        it will do is logged once per plan, when first built (the administrator's only word that DP is on)."""
         if not plan.dp.enabled:
             return None
         if self._privacy is None or self._privacy[0] != config_sha256:
             method = self._method_for(plan, config_sha256)
             privacy = SiloPrivacy(plan.dp, method=method, ledger=self.privacy_ledger, run=config_sha256)
             self._privacy = (config_sha256, privacy)
+            known = self._sgd_sigmas(config_sha256)  # trained under this plan before a restart
+            sigma = known[0] if known else (plan.dp.noise_multiplier or None)
+            log.info("plan %s…: %s", config_sha256[:16], _dp_summary(privacy, sigma))
         return self._privacy[1]
+
+    def _sgd_sigmas(self, config_sha256: str) -> list[float]:
+        """DP-SGD's σ at each training under this plan so far, as the ledger recorded it when admitted."""
+        return [
+            e["params"]["noise_multiplier"]
+            for e in self.privacy_ledger.entries
+            if e["mechanism"] == "dp-sgd" and e.get("run") == config_sha256
+        ]
+
+    def _announce_sigma(self, plan: RoundPlan, config_sha256: str) -> None:
+        """After this plan's first DP-SGD training: the σ this silo chose for it (unknown until it knew its
+        steps and sampling rate), once; later rounds and restarts find it in the ledger."""
+        sigmas = self._sgd_sigmas(config_sha256) if plan.dp.enabled and not plan.dp.noise_multiplier else []
+        if len(sigmas) == 1:
+            log.info(
+                "plan %s…: DP-SGD σ %.4g, the smallest that keeps the plan within ε %g",
+                config_sha256[:16],
+                sigmas[0],
+                plan.dp.epsilon,
+            )
 
     def _method_for(self, plan: RoundPlan, config_sha256: str) -> Method:
         """The same plan from round to round reuses one method (and its working model)."""
@@ -772,10 +878,59 @@ class SiloAgent:
         atomic_write_text(self.state_dir / "progress.json", json.dumps({**self._progress(), **facts}))
 
 
+def _dp_summary(privacy: SiloPrivacy, sigma: float | None) -> str:
+    """DP as this silo applies a plan: the plan's (ε, δ), DP-SGD's σ (None: chosen at the first training,
+    from the steps and sampling rate it then knows), the statistics' noise and the budget left."""
+    dp, ledger = privacy.settings, privacy.ledger
+    sgd = "chosen at its first training" if sigma is None else f"{sigma:.4g}"
+    return (
+        f"differential privacy on: ε {dp.epsilon:g} at δ {dp.delta:g} for the plan; DP-SGD σ {sgd}, "
+        f"clipping at {privacy.max_grad_norm:g}; statistics noise multiplier {privacy.statistics_noise:.4g}; "
+        f"ε left in this silo's budget {ledger.remaining():.4g} of {ledger.budget.epsilon:g}"
+    )
+
+
 def _pending_key(spec: round_pb2.RoundSpec, state: GlobalState) -> dict[str, str]:
     """What a pending contribution was trained for: the state's content and the signed schema."""
     schema = hashlib.sha256(spec.schema.SerializeToString(deterministic=True)).hexdigest()
     return {"trained_from": state.content_digest(), "schema": schema}
+
+
+def _round_id_of(signed: round_pb2.SignedRoundSpec) -> str:
+    """The attempt a refused RoundSpec names, read whatever its signature: only to tell the aggregator which
+    attempt is refused, which it takes for the attempt in flight alone. "" if it does not parse."""
+    try:
+        return round_pb2.RoundSpec.FromString(signed.spec).round_id
+    except DecodeError:
+        return ""
+
+
+def _one_line(text: str) -> str:
+    """`text` as the aggregator takes a refusal's: one printable line of at most TOLD_CHARS characters."""
+    line = " ".join("".join(c if c.isprintable() else " " for c in text).split()) or "refused"
+    return line if len(line) <= TOLD_CHARS else line[: TOLD_CHARS - 1] + "…"
+
+
+def _not_training(spec: round_pb2.RoundSpec, exc: BudgetExceeded | ContributionError) -> RefusedRound:
+    """The refusal of a round whose training cannot be done: the budget's figures, or the values training
+    gave, stay in the silo's log."""
+    message = f"{spec.round_id}: not training: {exc}"
+    if isinstance(exc, BudgetExceeded):
+        return RefusedRound(message, code=pb.REFUSAL_CODE_BUDGET)
+    return RefusedRound(
+        message, code=pb.REFUSAL_CODE_OTHER, told="local training under this plan gave no finite update"
+    )
+
+
+def _state_problem(method: Method, state: GlobalState, spec: round_pb2.RoundSpec, expected: Schema) -> str:
+    """Why the streamed state is not the round's ("" if it is): the signed digest, the signed schema (the
+    one this silo `expected`), and a model the plan's network can hold."""
+    if state.digest() != spec.state_digest:
+        return "the state received does not match the signed digest"
+    if expected != schema_from_pb(spec.schema):
+        return "the signed schema differs from the method's own"
+    unfit = _unfit_model(method, state)
+    return f"the state's model {unfit}" if unfit else ""
 
 
 def _unfit_model(method: Method, state: GlobalState) -> str:

@@ -146,8 +146,9 @@ def _fraction(text: str) -> Fraction | None:
 
 @dataclass(frozen=True)
 class EvaluationSection:
-    """Held-out data this silo evaluates the model on where only silos hold it (ckks); only counts leave, and
-    only inside a sum. Every `parts`-th sample from `part`, so silos sharing one test set split it."""
+    """Held-out data this silo evaluates each state on, in the plan's label space like [data]; only counts
+    leave, and only inside a sum. Every `parts`-th sample from `part`, so silos sharing one test set split
+    it."""
 
     path: str = setting("", doc="held-out files, as in [data]; empty: the embedded recipe's test split")
     format: str = setting("", choices=("", "npz", "folder", "cifar10", "idx"))

@@ -13,18 +13,22 @@ unsigned, and is checked against the seed.
 The evaluation counts a silo adds are masked (`privacy.ckks.masks`) with masks bound to the state this silo
 stepped to and to the exact silo set: they cancel only in the sum over every silo of the set, and only if all
 of them stepped to the same state; any other ciphertext decrypts to no counts, which the silo does not report.
+
+Where the aggregator steps the model (secagg, plaintext) the same counts, of the state a round starts from,
+ride in the round's contribution instead when the plan asks for held-out evaluation (`round_contribution`,
+`fedlt.aggregation.evaluation_block`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import numpy as np
 import torch
 
-from fedlt.aggregation import SumLayer
+from fedlt.aggregation import Contribution, Schema, SumLayer, evaluation_block
 from fedlt.aggregation.gate import ReleaseGate, Subject
 from fedlt.aggregation.halves import (
     EVALUATION_BOUND,
@@ -34,9 +38,11 @@ from fedlt.aggregation.halves import (
     evaluation_schema,
 )
 from fedlt.data.arrays import LabeledImages
-from fedlt.methods import GlobalState, Method, ServerContext
+from fedlt.methods import GlobalState, Method, ServerContext, SiloContext
+from fedlt.methods.base import reported_counts
 from fedlt.methods.state import pack_state, unpack_state
 from fedlt.metrics import predict
+from fedlt.plan import RoundPlan
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import round_pb2
 from fedlt.wire import chunks, schema_to_pb
@@ -107,6 +113,37 @@ def evaluation_counts(method: Method, state: GlobalState, held_out: LabeledImage
     return torch.from_numpy(np.concatenate([correct, total]).astype(np.float64))
 
 
+def expected_schema(plan: RoundPlan, method: Method, state: GlobalState, *, steps_model: bool) -> Schema:
+    """The schema this silo expects of a round from `state`, whatever the RoundSpec signs: the method's, with
+    the evaluation block where the plan asks for held-out evaluation; where silos step the model they sum
+    their counts apart, so a RoundSpec asking for the block there is refused."""
+    schema = method.schema(state)
+    if steps_model:
+        return schema
+    return plan.round_schema(schema, starting_round=state.round, remaining=method.remaining_rounds(state))
+
+
+def round_contribution(
+    schema: Schema,
+    method: Method,
+    state: GlobalState,
+    data: LabeledImages,
+    held_out: LabeledImages | None,
+    ctx: SiloContext,
+) -> Contribution:
+    """This silo's contribution to a round of `schema` (as `expected_schema` checked it): the method's local
+    round and, where the schema carries the evaluation block, the starting state's counts on the held-out
+    slice and, in the first round, the record counts as this silo may report them (under DP noised once per
+    run, in its budget plan already); the evaluation-only round trains nothing."""
+    names = {f.name for f in schema.fields}
+    if not names & evaluation_block.BLOCK:
+        return method.local_round(state, data, ctx)
+    counts = evaluation_counts(method, state, held_out)  # before training moves the working model
+    trained = None if evaluation_block.only_evaluates(schema) else method.local_round(state, data, ctx)
+    records = reported_counts(data.class_counts(), ctx) if evaluation_block.RECORDS in names else None
+    return evaluation_block.contribution(schema, trained, counts, records)
+
+
 def step_and_report(
     stub,
     taking_part: Participation,
@@ -118,11 +155,13 @@ def step_and_report(
     held_out: LabeledImages | None,
     gate: ReleaseGate,
     timeout: float,
+    keep: Callable[[pb.StateReportHeader, bytes], None] | None = None,
 ) -> tuple[SiloHalf, str]:
     """Run the server step on the decrypted sum, report the sealed next state signed with the silo's
     certificate key (`side.sign`); returns the half of the evaluation sum the aggregator will send back (for
     `report_evaluation`) and the new state's digest. The evaluation counts pass the silo's release gate like
-    any other release, keyed by the state they evaluate."""
+    any other release, keyed by the state they evaluate. `keep` is handed the report (its header and the
+    sealed state) once the aggregator accepted it (`silo.export.keep_stepped`)."""
     spec, sums = taking_part.spec, taking_part.sums
     survivors = tuple(sorted(sums.half.counted))
     total = SumLayer.seal(sums.sums.schema, sums.result, len(survivors))
@@ -179,6 +218,8 @@ def step_and_report(
         pb.ReportStateRequest(chunk=c) for _, c in chunks(sealed)
     ]
     stub.ReportState(iter(parts), timeout=timeout)
+    if keep is not None:
+        keep(header, sealed)
     return evaluation, digest
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 
-from aggregator.config import ConsortiumConfig, ConsortiumSection
+from aggregator.config import ConsortiumConfig, ConsortiumSection, TimeoutSection
 from aggregator.rounds import AlreadySubmitted, NotParticipant, RoundEngine, Stage, WrongRound
 from aggregator.store import Store
 from fedlt.aggregation.halves import PartyKeys, SumAborted
@@ -42,6 +43,7 @@ def engine(tmp_path):
         sign=lambda blob: b"signature",
         recorder=None,
         echo=lines.append,
+        roster=lambda: ("a", "b"),
     )
     engine.lines = lines
     yield engine
@@ -222,3 +224,62 @@ def test_a_disclosure_counts_only_once_its_round_commits(engine):
     assert engine._let_down == set()
     received = [r.detail["round_id"] for r in engine.store.audit_log() if r.event == "disclosure_received"]
     assert received == [attempt.round_id, retry.round_id]
+
+
+def _gathering_engine(tmp_path, *, roster: tuple[str, ...], gather: float) -> RoundEngine:
+    """Silos a and b registered (as after their first start), a roster naming `roster`, nothing committed."""
+    config = ConsortiumConfig(
+        consortium=ConsortiumSection(rounds=1, min_silos=2, privacy="plaintext"),
+        plan=PLAN,
+        timeouts=TimeoutSection(gather=gather),
+    )
+    store = Store(tmp_path / "db.sqlite", audit_key=AUDIT_KEY)
+    for silo in ("a", "b"):
+        store.register_silo(silo, "c", "v", {})
+    return RoundEngine(
+        config=config,
+        store=store,
+        method=PLAN.build_method(),
+        layer=PlaintextSum(),
+        side=PlaintextSum().aggregator_side(PartyKeys()),
+        sign=lambda blob: b"signature",
+        recorder=None,
+        echo=lambda line: None,
+        roster=lambda: roster,
+    )
+
+
+def _first_attempt(engine: RoundEngine, limit: float) -> tuple[float, list[str]]:
+    """Run the driver with a and b connected until round 1's RoundSpec goes out (or `limit` passes): the
+    seconds it took and whom it invited."""
+    stop = threading.Event()
+    for silo in ("a", "b"):
+        engine.connect(silo)
+    started = time.monotonic()
+    driver = threading.Thread(target=engine.run, args=(stop,))
+    driver.start()
+    try:
+        while engine.attempt is None and time.monotonic() - started < limit:
+            stop.wait(0.05)
+        attempt = engine.attempt
+        return time.monotonic() - started, attempt.participants if attempt else []
+    finally:
+        stop.set()
+        driver.join()
+        engine.store.close()
+
+
+def test_round_one_starts_once_every_roster_silo_is_connected(tmp_path):
+    """The walkthrough's round 1 waited the whole `timeouts.gather` with every member connected."""
+    engine = _gathering_engine(tmp_path, roster=("a", "b"), gather=600.0)
+    seconds, invited = _first_attempt(engine, limit=120.0)
+    assert invited == ["a", "b"]
+    assert seconds < 120.0
+
+
+def test_round_one_waits_the_gather_window_for_a_roster_silo_not_yet_connected(tmp_path):
+    """Silo c, which the roster names, may still be starting: round 1 gives it the gather window."""
+    engine = _gathering_engine(tmp_path, roster=("a", "b", "c"), gather=2.0)
+    seconds, invited = _first_attempt(engine, limit=120.0)
+    assert invited == ["a", "b"]
+    assert seconds >= 2.0

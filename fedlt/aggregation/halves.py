@@ -73,23 +73,44 @@ def census_schema(classes: int, record_floor: int = 1) -> Schema:
     return Schema((present, records))
 
 
-def evaluation_schema(classes: int) -> Schema:
-    """Where only silos hold the model (ckks), they sum their evaluation counts: correct, total, per class."""
-    return Schema(
-        (
-            Field(
-                "correct",
-                (classes,),
-                EVALUATION_BOUND,
-                "test samples of the class predicted right",
-                frac_bits=0,
-            ),
-            Field("total", (classes,), EVALUATION_BOUND, "test samples of the class", frac_bits=0),
-        )
-    )
-
-
+EVALUATION_PHASE = "evaluation"
 EVALUATION_BOUND = float(2**30)  # a silo's test counts of one class, plus its share of zero-sum masks
+
+
+def evaluation_fields(classes: int, *, records: bool = False) -> tuple[Field, ...]:
+    """A held-out evaluation as per-class counts, summed over silos: test samples predicted right and test
+    samples, neither per class for the tail guard nor noised (held-out records are not training records,
+    and a count of them says nothing of the records the model learnt from). With `records`, also each silo's
+    training records per class as it may report them (exact, or under DP noised once per run, so no further
+    noise): per class, so the tail guard zeroes the classes fewer than k_min silos hold, as it would any
+    per-class count."""
+    fields = (
+        Field(
+            "evaluation.correct",
+            (classes,),
+            EVALUATION_BOUND,
+            "test samples of the class predicted right",
+            frac_bits=0,
+        ),
+        Field("evaluation.total", (classes,), EVALUATION_BOUND, "test samples of the class", frac_bits=0),
+    )
+    if not records:
+        return fields
+    reported = Field(
+        "evaluation.records",
+        (classes,),
+        EVALUATION_BOUND,
+        "training records of the class, as the silo reports them",
+        frac_bits=0,
+        per_class=True,
+    )
+    return (*fields, reported)
+
+
+def evaluation_schema(classes: int) -> Schema:
+    """The evaluation counts alone: the sum silos add where only they hold the model (ckks), and the round
+    after the last one where the aggregator steps it (`evaluation_block`)."""
+    return Schema(evaluation_fields(classes), phase=EVALUATION_PHASE)
 
 
 @dataclass(frozen=True)
