@@ -25,14 +25,12 @@ from privacy.secagg.protocol import MaskedInput
 from tests.consortium_harness import AUDIT_KEY, PLAN
 
 
-@pytest.fixture
-def engine(tmp_path):
-    config = ConsortiumConfig(
-        consortium=ConsortiumSection(rounds=2, min_silos=2, privacy="plaintext"), plan=PLAN
-    )
+def plaintext_engine(tmp_path, config: ConsortiumConfig, roster: tuple[str, ...]) -> RoundEngine:
+    """A plaintext engine over a new store in which silos a and b registered (as after their first start);
+    what it echoes is kept in `engine.lines`."""
     store = Store(tmp_path / "db.sqlite", audit_key=AUDIT_KEY)
-    store.register_silo("a", "c", "v", {})
-    store.register_silo("b", "c", "v", {})
+    for silo in ("a", "b"):
+        store.register_silo(silo, "c", "v", {})
     lines: list[str] = []
     engine = RoundEngine(
         config=config,
@@ -43,11 +41,20 @@ def engine(tmp_path):
         sign=lambda blob: b"signature",
         recorder=None,
         echo=lines.append,
-        roster=lambda: ("a", "b"),
+        roster=lambda: roster,
     )
     engine.lines = lines
+    return engine
+
+
+@pytest.fixture
+def engine(tmp_path):
+    config = ConsortiumConfig(
+        consortium=ConsortiumSection(rounds=2, min_silos=2, privacy="plaintext"), plan=PLAN
+    )
+    engine = plaintext_engine(tmp_path, config, ("a", "b"))
     yield engine
-    store.close()
+    engine.store.close()
 
 
 def payload(engine: RoundEngine, n: float) -> tuple[bytes, str]:
@@ -227,26 +234,13 @@ def test_a_disclosure_counts_only_once_its_round_commits(engine):
 
 
 def _gathering_engine(tmp_path, *, roster: tuple[str, ...], gather: float) -> RoundEngine:
-    """Silos a and b registered (as after their first start), a roster naming `roster`, nothing committed."""
+    """Silos a and b registered, a roster naming `roster`, nothing committed."""
     config = ConsortiumConfig(
         consortium=ConsortiumSection(rounds=1, min_silos=2, privacy="plaintext"),
         plan=PLAN,
         timeouts=TimeoutSection(gather=gather),
     )
-    store = Store(tmp_path / "db.sqlite", audit_key=AUDIT_KEY)
-    for silo in ("a", "b"):
-        store.register_silo(silo, "c", "v", {})
-    return RoundEngine(
-        config=config,
-        store=store,
-        method=PLAN.build_method(),
-        layer=PlaintextSum(),
-        side=PlaintextSum().aggregator_side(PartyKeys()),
-        sign=lambda blob: b"signature",
-        recorder=None,
-        echo=lambda line: None,
-        roster=lambda: roster,
-    )
+    return plaintext_engine(tmp_path, config, roster)
 
 
 def _first_attempt(engine: RoundEngine, limit: float) -> tuple[float, list[str]]:
