@@ -794,6 +794,9 @@ class RoundEngine:
         if counts is None:
             return
         evaluated = attempt.round - 1
+        if not counts.evaluated:
+            log.info("round %d: not evaluated: its silos were not every silo of the roster", evaluated)
+            return
         problems = counts.problems()
         if problems:
             log.warning("round %d: its held-out counts are not recorded: %s", evaluated, "; ".join(problems))

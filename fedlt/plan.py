@@ -60,6 +60,9 @@ class RoundPlan:
             problems.append(
                 f"model.classes: names {repeated} more than once" if repeated else "model.classes: empty"
             )
+        unprintable = [name for name in classes if not name.isprintable() or not name.strip()]
+        if unprintable:
+            problems.append(f"model.classes: {unprintable} are not printable names (model cards show them)")
         return problems
 
     def build_method(self) -> Method:

@@ -38,6 +38,7 @@ def schema_to_pb(schema: Schema) -> round_pb2.Schema:
             sensitivity=f.sensitivity,
             float64=f.float64,
             inverts=f.inverts,
+            whole_roster=f.whole_roster,
         )
         for f in schema.fields
     ]
@@ -55,6 +56,7 @@ def schema_from_pb(schema: round_pb2.Schema) -> Schema:
             sensitivity=f.sensitivity,
             float64=f.float64,
             inverts=f.inverts,
+            whole_roster=f.whole_roster,
         )
         for f in schema.fields
     )

@@ -502,6 +502,7 @@ class SiloAgent:
                 on_sent=lambda purpose, message: self._sent(spec, purpose, message),
                 noise=self._privacy_for(plan, spec.config_sha256),
                 records=np.bincount(self.data.y, minlength=self.data.num_classes),
+                class_names=plan.model.classes,
             )
             self._taking_part.start()
 
@@ -645,12 +646,11 @@ class SiloAgent:
         refused = self.config.dp.problems(plan.dp)
         if self.sides[spec.privacy].hides_inputs:
             sums = roundspec.sums_of(signed, spec)
+            accepted = self.config.policy.min_class_records
             refused += tail_guard.inverting_problems(
-                sums.schema,
-                sums.record_floor,
-                dp=plan.dp.enabled,
-                accepted=self.config.policy.min_class_records,
+                sums.schema, sums.record_floor, dp=plan.dp.enabled, accepted=accepted
             )
+            refused += tail_guard.floor_problems(sums.record_floor, dp=plan.dp.enabled, accepted=accepted)
         if refused:
             raise RefusedRound(f"{spec.round_id}: " + "; ".join(refused))
         if tuple(plan.model.image_shape) != self.local.image_shape:

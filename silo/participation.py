@@ -12,7 +12,7 @@ in as `SumStep`s.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 import numpy as np
@@ -49,10 +49,12 @@ class Participation:
         on_sent: Callable[[str, object], None],
         noise: ReleaseNoise | None = None,
         records: np.ndarray | None = None,
+        class_names: Sequence[str] | None = None,
     ) -> None:
         """`trained_from` is the content digest of the state the contribution was computed from (checked
         against the signed digest by the caller): the ledger's key for it. `records`: this silo's record
-        count per class, for the census's record floor."""
+        count per class, for the census's record floor; `class_names` the plan's, by which the census is
+        keyed."""
         self.spec, self.me, self._ledger = spec, me, ledger
         self._stub, self._timeout, self._on_sent = stub, timeout, on_sent
         self._unsent: list[tuple[str, object]] = []  # of the last `_send`, until each is delivered
@@ -67,6 +69,7 @@ class Participation:
             records=records,
             on_census=lambda census: ledger.record_census(self._census_key, census),
             noise=noise,
+            class_names=class_names,
         )
         self._census_key = self.sums.census_subject.key(gate.consortium)
         if sums.census is not None and me in sums.census.silos:

@@ -127,3 +127,21 @@ def test_a_plan_naming_a_class_twice_is_refused(kit):
     signed = signed_spec(root, method_config=plan, config_sha256=hashlib.sha256(plan.encode()).hexdigest())
     with pytest.raises(RefusedRound, match=r"model.classes: names \['1'\] more than once"):
         agent_of(kit)._check_spec(signed)
+
+
+def test_whether_a_silo_refuses_says_nothing_of_which_classes_it_holds(tmp_path):
+    """Found in review: a plan leaving out one class at a time asked each silo "do you hold this class?", as
+    the refusal went by the samples held. It goes by the classes the files name, held or not."""
+    names = np.array(DIGITS)
+    outcomes = []
+    for k, labels in enumerate(([0, 1, 8], [0, 1, 2])):  # the first holds an 8, the second none
+        path = tmp_path / f"silo-{k}.npz"
+        np.savez(path, x=np.zeros((3, 8, 8), dtype=np.uint8), y=np.array(labels), classes=names)
+        data = load_npz(path)
+        for left_out in DIGITS:
+            try:
+                data.in_label_space(tuple(c for c in DIGITS if c != left_out))
+                outcomes.append((k, left_out, "took part"))
+            except DataError:
+                outcomes.append((k, left_out, "refused"))
+    assert {(left_out, outcome) for _, left_out, outcome in outcomes} == {(c, "refused") for c in DIGITS}

@@ -5,11 +5,12 @@ on its own held-out slice, and appends the per-class counts to its contribution:
 `halves.evaluation_fields` after the method's, summed by the layer with everything else. Nothing leaves a silo
 outside that sum, and nothing new can be asked for twice: the counts are a function of the state the silo
 trains from, which keys the contribution in its release gate, so the aggregator gets one evaluation per
-state, over the contribution's silo set. The aggregator strips the block (`split`) before the method's server
-step and records the counts as the metrics of the starting state. What stays open, as for every field that
-does not change with the state (FedAvg's sample count `n`): an aggregator that sends each sum a state of its
-own making (secagg lets it choose the model) over another silo set can subtract sums of `total`, a silo's
-held-out class sizes; only under ckks, where silos sign every state, can it not.
+state. And since secagg lets the aggregator choose the model, so that states of its making that predict alike
+are new keys, the counts leave only in sums that list every silo of the roster (`Field.whole_roster`): sums
+over sets that differ by one silo would give that silo's counts, and a crafted model makes `correct` any
+counting query on its held-out images. What stays open: such queries on the pooled held-out data of every
+silo, one per state. The aggregator strips the block (`split`) before the method's server step and records
+the counts as the metrics of the starting state.
 
 The first round (from the initial state) also carries each silo's training records per class (per class:
 the census and the tail guard treat them as any per-class count), which give the shot groups. After the last
@@ -40,6 +41,12 @@ class HeldOutCounts:
     correct: tuple[int, ...]
     total: tuple[int, ...]
     records: tuple[int, ...] | None = None
+
+    @property
+    def evaluated(self) -> bool:
+        """Whether the sum counted any held-out sample: silos keep their counts home in a sum that does not
+        list every silo of their roster (`Field.whole_roster`)."""
+        return sum(self.total) > 0
 
     def problems(self) -> list[str]:
         """Why no set of honest silos could have summed these counts (a malicious silo can bias a sum)."""

@@ -116,6 +116,10 @@ class ReleaseGate:
         self.consortium, self.floors = consortium, floors
         self._members, self._ledger = members, ledger
 
+    def members(self) -> Collection[str]:
+        """The silo ids of the roster in force."""
+        return self._members()
+
     def admit(self, spec: SumSpec, side: SiloSide) -> None:
         """Before this silo does any work on `spec`: refuse what no completed sum could make safe."""
         problems = self.problems(spec, side)

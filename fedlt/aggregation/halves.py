@@ -80,7 +80,8 @@ EVALUATION_BOUND = float(2**30)  # a silo's test counts of one class, plus its s
 def evaluation_fields(classes: int, *, records: bool = False) -> tuple[Field, ...]:
     """A held-out evaluation as per-class counts, summed over silos: test samples predicted right and test
     samples, neither per class for the tail guard nor noised (held-out records are not training records,
-    and a count of them says nothing of the records the model learnt from). With `records`, also each silo's
+    and a count of them says nothing of the records the model learnt from), released only in sums over every
+    silo of the roster (`Field.whole_roster`). With `records`, also each silo's
     training records per class as it may report them (exact, or under DP noised once per run, so no further
     noise): per class, so the tail guard zeroes the classes fewer than k_min silos hold, as it would any
     per-class count."""
@@ -91,8 +92,16 @@ def evaluation_fields(classes: int, *, records: bool = False) -> tuple[Field, ..
             EVALUATION_BOUND,
             "test samples of the class predicted right",
             frac_bits=0,
+            whole_roster=True,
         ),
-        Field("evaluation.total", (classes,), EVALUATION_BOUND, "test samples of the class", frac_bits=0),
+        Field(
+            "evaluation.total",
+            (classes,),
+            EVALUATION_BOUND,
+            "test samples of the class",
+            frac_bits=0,
+            whole_roster=True,
+        ),
     )
     if not records:
         return fields

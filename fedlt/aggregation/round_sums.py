@@ -19,6 +19,7 @@ Messages travel as (purpose, message) pairs: `purpose` names the sum, "census" o
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -101,7 +102,8 @@ class SiloRound:
     """One silo's sums of one round, every half made and every release decided through `gate`.
     `trained_from` is what the contribution was computed from (the starting state's content), the ledger's
     key for it; `records` this silo's record count per class, for the census's record floor (None: the
-    fewest its presence allows); `on_census` keeps a census this silo took part in."""
+    fewest its presence allows); `on_census` keeps a census this silo took part in; `class_names` the plan's
+    names of the classes (None: the simulator's one plan), by which the census is keyed."""
 
     def __init__(
         self,
@@ -115,8 +117,10 @@ class SiloRound:
         records: np.ndarray | None = None,
         on_census: Callable[[Census], None] = lambda _: None,
         noise: ReleaseNoise | None = None,
+        class_names: Sequence[str] | None = None,
     ) -> None:
         self.side, self.sums, self.me = side, sums, me
+        self.class_names = class_names
         self.contribution, self.records = contribution, records
         self.noise = noise
         self.gate, self.trained_from = gate, trained_from
@@ -157,8 +161,14 @@ class SiloRound:
 
     @property
     def census_subject(self) -> Subject:
-        """What this silo's census input is, for its ledger: the vector it sends."""
-        return Subject("census", self.census_input().astype("<u8").tobytes())
+        """What this silo's census gives away, for its ledger: the names of the classes it holds, so that it
+        gives them to one set of silos whatever a plan does to the census vector (another class order, a class
+        nobody holds, another record floor: each once made a new key, and with it a census, and the per-class
+        rows released over it, over another set; found in review). Without names, the vector sent."""
+        if self.class_names is None:
+            return Subject("census", self.census_input().astype("<u8").tobytes())
+        held = sorted(self.class_names[c] for c in np.flatnonzero(self.presence()))
+        return Subject("census", json.dumps(held).encode())
 
     def census_input(self) -> np.ndarray:
         """Presence flags and, with a record floor, capped record counts; under DP every class at the floor,
@@ -175,7 +185,8 @@ class SiloRound:
         sum over the whole census set, and the gate has the last word."""
         if self.purpose == "contribution" and self.whole and set(survivors) != self.whole:
             raise SumAborted(
-                "per-class rows are summed only over the whole census set, and some of it left: "
+                "per-class rows (summed only over the whole census set) or held-out counts (only over every "
+                f"silo of the roster) went in, and some of those silos left: "
                 f"{', '.join(sorted(self.whole - set(survivors)))}"
             )
         if self.purpose == "census":  # under DP every flag is 1: a census that says nothing of the records
@@ -191,7 +202,7 @@ class SiloRound:
         return [(spec.purpose, m) for m in self.half.start(vector)]
 
     def _begin_contribution(self, silos: Sequence[str]) -> Outgoing:
-        vector = self.contribution
+        vector = self._whole_roster_only(silos, self.contribution)
         if self.sums.guarded:
             census = self.census
             if census is None or self.me not in census.silos:
@@ -215,6 +226,23 @@ class SiloRound:
             counted = len(spec.silos) if self.whole else self.gate.min_counted(spec, self.side)
             vector = self.noise.noised(spec, vector, counted=counted)
         return self._begin(spec, vector)
+
+    def _whole_roster_only(self, silos: Sequence[str], vector: torch.Tensor) -> torch.Tensor:
+        """`vector` with its `whole_roster` fields (held-out counts) zeroed unless the sum lists every silo of
+        this silo's roster; if they go out, the contribution is released only for exactly those silos."""
+        fields = [f for f in self.sums.schema.fields if f.whole_roster]
+        if not fields:
+            return vector
+        if set(silos) == set(self.gate.members()):
+            self.whole = frozenset(silos)
+            return vector
+        log.info("%s: held-out counts stay home: not every silo of the roster is in it", self.sums.round_id)
+        schema = self.sums.schema
+        out = vector.clone()
+        for f, part in zip(schema.fields, torch.split(out, [f.size for f in schema.fields]), strict=True):
+            if f.whole_roster:
+                part.zero_()
+        return out
 
     def presence(self) -> np.ndarray:
         """The classes this silo's contribution says something about."""

@@ -32,6 +32,9 @@ class Field:
     `inverts`: a per-class statistic that a few records' worth gives those records away (second moments,
     per-class gradients, random-feature sums): the tail guard's record floor zeroes it for classes with too
     few records (`tail_guard`), where counts and plain sums still go out.
+    `whole_roster`: released only in sums over every silo of the silo's roster, zeroed in any other (held-out
+    counts): a model can query it afresh from each state the aggregator picks, so two sums over sets that
+    differ by one silo would give that silo's answers exactly (`round_sums.SiloRound`).
     """
 
     name: str
@@ -43,6 +46,7 @@ class Field:
     sensitivity: float = 0.0
     float64: bool = False
     inverts: bool = False
+    whole_roster: bool = False
 
     @property
     def row_size(self) -> int:

@@ -97,6 +97,7 @@ class SumLayer(ABC):
         noise: Mapping[str, ReleaseNoise] | None = None,
         trained_from: str = "",
         records: Mapping[str, np.ndarray] | None = None,
+        class_names: Sequence[str] | None = None,
     ) -> Sums:
         """Sum the contributions of one round, or raise; never return a partial sum.
 
@@ -106,7 +107,8 @@ class SumLayer(ABC):
         consortium, with the floor of two silos (every silo's data is in this process anyway) and a ledger
         kept for the run; `trained_from` names the state the contributions come from (its content digest),
         the ledger's key, or, empty, a state no other call repeats. `records` holds each silo's record count
-        per class, for the census's record floor (without it a silo claims the fewest its rows allow).
+        per class, for the census's record floor (without it a silo claims the fewest its rows allow);
+        `class_names`, the plan's, key each silo's census as an agent keys it (without them, by its vector).
         """
         self.check_round(schema, contributions)
         names = list(silos) or [f"silo-{i:04d}" for i in range(len(contributions))]
@@ -136,6 +138,7 @@ class SumLayer(ABC):
                 trained_from=subject,
                 records=records.get(u),
                 noise=noise.get(u),
+                class_names=class_names,
             )
             for u, v in vectors.items()
         }

@@ -141,6 +141,19 @@ def inverting_problems(schema: Schema, record_floor: int, *, dp: bool, accepted:
     return []
 
 
+def floor_problems(record_floor: int, *, dp: bool, accepted: int) -> list[str]:
+    """Why a silo refuses a round's record floor: its census caps record counts at the floor, and sums of
+    capped counts over one silo set at several floors give the counts away (Σ min(nᵢ, r) as r grows bends
+    at every nᵢ; found in review), so a silo caps at one floor only, its policy's. Under DP every silo claims
+    every class at the floor, which says nothing."""
+    if dp or record_floor <= 1 or record_floor == accepted:
+        return []
+    return [
+        f"its record floor {record_floor} is not this silo's policy.min_class_records {accepted}: a silo "
+        "sends capped record counts at one floor only"
+    ]
+
+
 def presence(schema: Schema, flat: torch.Tensor) -> np.ndarray:
     """1 for each class this contribution says something about, else 0 (uint64, ready to be summed)."""
     present = torch.zeros(schema.classes, dtype=torch.bool)

@@ -52,20 +52,22 @@ class LabeledImages:
         Files name their classes themselves (folder names, an npz `classes` array, "0".."9" for bare integer
         labels), in an order of their own: `1`, `10`, `2` sort as text, a hospital's folders as its staff
         named them. Matching by position would silently give every sample another class's label, so only names
-        count. Classes of the plan a silo lacks are fine (the long tail); a local class the plan does not name
-        is an error that lists both, since training on it under some other label would corrupt the model."""
+        count. Classes of the plan a silo lacks are fine (the long tail); a class its files name that the plan
+        does not is an error that lists both (training on it under some other label would corrupt the model),
+        whether or not the silo holds samples of it."""
         if self.classes == tuple(classes):
             return self
         duplicated = sorted({name for name in classes if classes.count(name) > 1})
         if duplicated:
             raise DataError(self.source, f"the plan names classes {duplicated} more than once")
         position = {name: index for index, name in enumerate(classes)}
-        held = np.unique(self.y)
-        unknown = [self.classes[label] for label in held if self.classes[label] not in position]
+        # every class the files name, held or not: which classes a silo holds samples of is its own business,
+        # and a plan leaving one out must not learn it from whether the silo refuses
+        unknown = [name for name in self.classes if name not in position]
         if unknown:
             raise DataError(
                 self.source,
-                f"holds samples of classes {unknown} that the plan does not name; the plan's classes are "
+                f"names classes {unknown} that the plan does not name; the plan's classes are "
                 f"{list(classes)} (labels are matched by name: rename the folders or the npz 'classes' "
                 "array, or ask the operator to add the class to [model] classes; files without names have "
                 "their integer labels named '0', '1', ...)",

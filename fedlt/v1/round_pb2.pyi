@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class FieldSpec(_message.Message):
-    __slots__ = ("name", "shape", "bound", "frac_bits", "per_class", "sensitivity", "float64", "inverts")
+    __slots__ = ("name", "shape", "bound", "frac_bits", "per_class", "sensitivity", "float64", "inverts", "whole_roster")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     BOUND_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class FieldSpec(_message.Message):
     SENSITIVITY_FIELD_NUMBER: _ClassVar[int]
     FLOAT64_FIELD_NUMBER: _ClassVar[int]
     INVERTS_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_ROSTER_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     bound: float
@@ -24,7 +25,8 @@ class FieldSpec(_message.Message):
     sensitivity: float
     float64: bool
     inverts: bool
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., bound: _Optional[float] = ..., frac_bits: _Optional[int] = ..., per_class: _Optional[bool] = ..., sensitivity: _Optional[float] = ..., float64: _Optional[bool] = ..., inverts: _Optional[bool] = ...) -> None: ...
+    whole_roster: bool
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., bound: _Optional[float] = ..., frac_bits: _Optional[int] = ..., per_class: _Optional[bool] = ..., sensitivity: _Optional[float] = ..., float64: _Optional[bool] = ..., inverts: _Optional[bool] = ..., whole_roster: _Optional[bool] = ...) -> None: ...
 
 class Schema(_message.Message):
     __slots__ = ("phase", "fields")
