@@ -129,8 +129,8 @@ def _read(
     if not data:
         raise ExportError(
             f"the weights of round {wanted} were not kept ([retention] of {config_path} keeps the last "
-            f"{config.retention.last} rounds' and every {config.retention.every or 'no'} round's); rounds "
-            f"whose weights are kept: {', '.join(map(str, _kept_rounds(db)))}"
+            f"{config.retention.last} rounds'{_every(config.retention.every)}); rounds whose weights are "
+            f"kept: {', '.join(map(str, _kept_rounds(db)))}"
         )
     metrics = db.execute("SELECT metrics FROM metrics WHERE round = ?", (wanted,)).fetchone()
     return StoredRound(
@@ -196,16 +196,22 @@ def _evaluation(config: ConsortiumConfig, stored: StoredRound) -> dict[str, Any]
         where = f"the operator's evaluation set ({split})"
     else:
         where = "the silos' held-out data (their per-class counts, summed)"
+    known = evaluation.class_counts or stored.metrics.get("many") is not None
     shot_groups: dict[str, str] | str = (
         config.metrics.rules()
-        if evaluation.class_counts
-        else "unknown: the training counts per class were not given ([evaluation] class_counts)"
+        if known
+        else "unknown: the training counts per class were not given ([evaluation] class_counts) nor summed "
+        "by the silos (held-out evaluation sums them in round 1)"
     )
     return {
         **accuracy_by_class(stored.metrics, config.plan.model.classes),
         "on": where,
         "shot_groups": shot_groups,
     }
+
+
+def _every(rounds: int) -> str:
+    return f" and every {rounds}th round's" if rounds else ""
 
 
 def _silos(stored: StoredRound) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from fedlt.aggregation.halves import PartyKeys
 from fedlt.atomic import atomic_write_text
 from fedlt.config import as_table
 from fedlt.data.embedded import load_embedded, split_balanced_test
+from fedlt.dir_lock import AGGREGATOR_LOCK, DirectoryLock
 from fedlt.dp import DPSettings
 from fedlt.errors import ConfigError
 from fedlt.keepalive import aggregator_options
@@ -69,6 +70,8 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
     data_dir = config.path(config.server.data_dir)
     key = load_private_key(config.path(config.server.key))
     own = _check_own_certificate(config, tls, key)
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    lock = DirectoryLock.take(data_dir, name=AGGREGATOR_LOCK)  # one aggregator per data directory
     store = Store(data_dir / DATABASE, audit_key=derive_audit_key(key), retention=config.retention)
     method = config.plan.build_method()
     revocations = RevocationList.load(config.path(config.server.ca), config.path(config.server.crl))
@@ -164,6 +167,7 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
             page.stop()
         server.stop(grace=3).wait()
         store.close()
+        lock.release()
     if engine.recorder is not None and engine.recorder.rounds:
         echo(f"\nfinal test accuracy after round {engine.held.round}:\n{engine.recorder.finish()}")
     if engine.failure is not None:

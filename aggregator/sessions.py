@@ -7,6 +7,7 @@ Protobuf form, so the engine deals in rounds and sums, not in messages.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Iterable
@@ -16,6 +17,8 @@ from aggregator.store import now_ms
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import round_pb2
 from privacy.wire import step_to_pb
+
+log = logging.getLogger("aggregator")
 
 
 @dataclass
@@ -30,10 +33,16 @@ class Session:
     privacy_remaining: float | None = None  # only if the silo reports it
 
 
+# A silo that replaces a session still open this often within a minute is likely two agents under one
+# certificate, each taking the silo's place from the other (a reconnect replaces one now and then).
+TAKEOVERS, TAKEOVER_WINDOW_MS = 3, 60_000
+
+
 class Sessions:
     def __init__(self, lock: threading.Condition) -> None:
         self._lock = lock
         self._open: dict[str, Session] = {}
+        self._takeovers: dict[str, list[int]] = {}
 
     def open(self, silo_id: str) -> Session:
         """A new session for `silo_id`, ending the one it replaces (call with the lock held)."""
@@ -41,9 +50,25 @@ class Sessions:
         if old is not None:
             old.closed = True
             old.directives.put(None)
+            self._took_over(silo_id)
         session = self._open[silo_id] = Session(silo_id)
         self._lock.notify_all()
         return session
+
+    def _took_over(self, silo_id: str) -> None:
+        """Say so when a silo keeps replacing its own open session: two agents of one silo (each with its own
+        state directory, so neither stops the other) would stall every round, and nothing else tells."""
+        now = now_ms()
+        recent = [t for t in self._takeovers.get(silo_id, []) if now - t < TAKEOVER_WINDOW_MS] + [now]
+        self._takeovers[silo_id] = recent
+        if len(recent) == TAKEOVERS:
+            log.warning(
+                "%s connected %d times within a minute while its session was open: are two agents running "
+                "with its certificate? Each takes the silo's place from the other and no round completes; "
+                "stop all but one (one agent, one state directory per silo)",
+                silo_id,
+                TAKEOVERS,
+            )
 
     def close(self, session: Session) -> None:
         with self._lock:

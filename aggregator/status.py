@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -38,7 +39,15 @@ def show_status(
                 operator_pb2.StatusRequest(), timeout=10
             )
         except grpc.RpcError as exc:
-            print(f"error: {address}: {exc.code().name}: {exc.details()}")
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                print(
+                    f"error: no aggregator answers at {address}: is it running? (it stops after the last "
+                    "round unless [consortium] exit_when_done = false; the store's history stays in its "
+                    "data_dir)",
+                    file=sys.stderr,
+                )
+            else:
+                print(f"error: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
     print(render(status, dp=config.plan.dp.enabled))
     return 0

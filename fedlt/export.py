@@ -189,7 +189,7 @@ def _plan_of(card: Mapping[str, Any], directory: Path) -> RoundPlan:
 def render_card(card: Mapping[str, Any]) -> str:
     """The card for a person: what the model is, how well it does, who vouches for it, how to load it."""
     model, state, weights = card["model"], card["state"], card["weights"]
-    shape = "x".join(str(s) for s in model["image_shape"])
+    shape = ", ".join(str(s) for s in model["image_shape"])
     rounds = card["rounds"]
     committed = "not known" if rounds["committed"] is None else rounds["committed"]
     rows = [
@@ -198,7 +198,11 @@ def render_card(card: Mapping[str, Any]) -> str:
         ("method", card["method"]),
         ("privacy layer", card["privacy"]),
         ("differential privacy", _dp_line(card["dp"])),
-        ("model", f"{model['name']}, input {shape}, {len(model['classes'])} classes"),
+        (
+            "model",
+            f"{model['name']}, input float32 images in [0, 1] (8-bit pixels / 255), shape (N, {shape}), "
+            f"{len(model['classes'])} classes; the output's index k is the plan's k-th class",
+        ),
         (
             "round exported",
             f"{state['round']}; rounds committed: {committed} (the plan's training rounds: "

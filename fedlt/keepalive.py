@@ -31,4 +31,10 @@ def silo_options(seconds: float) -> list[tuple[str, int]]:
 def aggregator_options(seconds: float) -> list[tuple[str, int]]:
     """The server's options: ping silos likewise, and accept their pings down to every `MIN_SECONDS` / 2
     (gRPC's default refuses pings more often than every five minutes and closes the connection)."""
-    return [*_pings(seconds), ("grpc.http2.min_ping_interval_without_data_ms", int(500 * MIN_SECONDS))]
+    return [
+        *_pings(seconds),
+        ("grpc.http2.min_ping_interval_without_data_ms", int(500 * MIN_SECONDS)),
+        # gRPC sets SO_REUSEPORT by default: a second aggregator could bind the same port, and the two would
+        # share the silos' connections, each stalling for the silos the other holds
+        ("grpc.so_reuseport", 0),
+    ]

@@ -106,7 +106,7 @@ def _run(config: SiloConfig, log_level: str) -> int:
 
 def _rotate_ckks_key(config: SiloConfig) -> int:
     """Runs beside the agent, which shares the new key at its next heartbeat, so it takes no state-directory
-    lock (`silo.state_lock`): it only adds a key file and repoints `ckks/current`, each atomically, and
+    lock (`fedlt.dir_lock`): it only adds a key file and repoints `ckks/current`, each atomically, and
     rewrites nothing it read, so no record of the agent's can be lost."""
     from silo.ckks_keys import CkksKeyring  # TenSEAL loads only for this command
 

@@ -43,6 +43,7 @@ from fedlt.aggregation.gate import Floors, ReleaseGate
 from fedlt.aggregation.halves import PartyKeys, SiloHalf
 from fedlt.atomic import atomic_write, atomic_write_text
 from fedlt.data.arrays import LabeledImages
+from fedlt.dir_lock import DirectoryLock
 from fedlt.errors import ContributionError, DataError, FedltError
 from fedlt.keepalive import silo_options
 from fedlt.methods import GlobalState, Method, SiloContext
@@ -68,7 +69,6 @@ from silo.config import LAYERS_IMPLEMENTED, SiloConfig
 from silo.export import keep_stepped
 from silo.participation import Participation
 from silo.releases import ReleaseLedger, check_ledgers
-from silo.state_lock import StateLock
 from silo.stepping import (
     expected_schema,
     opened_state,
@@ -126,7 +126,7 @@ class SiloAgent:
         self.state_dir = config.path(config.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         # one agent per state directory, for this process's life: a second would lose the first's records
-        self.state_lock = StateLock.take(self.state_dir)
+        self.state_lock = DirectoryLock.take(self.state_dir)
         check_ledgers(self.state_dir, ledger_path(config))  # before anything here is written
         if config.compute.threads:
             torch.set_num_threads(config.compute.threads)
@@ -513,6 +513,8 @@ class SiloAgent:
         and the operator sees why: in the words of `refusal.told`, the whole message in this log only. A
         refusal the aggregator does not take (another attempt in flight, the network) is logged, no more."""
         log.error("refusing a round: %s", refusal)
+        if refusal.code in (pb.REFUSAL_CODE_POLICY, pb.REFUSAL_CODE_DATA):
+            log.error("this agent reads silo.toml and its data when it starts: restart it after a change")
         if not round_id:
             return  # a RoundSpec that names no attempt: nothing to tell
         told = _one_line(refusal.told.removeprefix(f"{round_id}: "))  # the aggregator shows the id beside it

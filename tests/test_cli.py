@@ -83,3 +83,34 @@ def test_status_asks_for_an_address_when_the_aggregator_listens_on_every_interfa
     )
     assert code == 2
     assert "--address" in err
+
+
+def test_status_of_an_aggregator_that_is_not_running_says_so(tmp_path, capsys):
+    """Found walking through the operator guide: after a study the aggregator stops, and status printed
+    gRPC's UNAVAILABLE line; it says that no aggregator answers, and why that may be."""
+    import socket
+
+    from tests.consortium_harness import write_kit
+
+    write_kit(tmp_path, silos=2)
+    with socket.socket() as closed:  # a port nothing listens on once closed
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    pki = tmp_path / "pki"
+    code, err = run(
+        aggregator_main,
+        [
+            "status",
+            "--config",
+            str(tmp_path / "consortium.toml"),
+            "--cert",
+            str(pki / "operator.pem"),
+            "--key",
+            str(pki / "operator.key"),
+            "--address",
+            f"127.0.0.1:{port}",
+        ],
+        capsys,
+    )
+    assert code == 1
+    assert f"no aggregator answers at 127.0.0.1:{port}: is it running?" in err

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,6 +40,7 @@ from aggregator.service import (
     REFUSAL_TEXT_CHARS,
     _refusal_problems,
 )
+from aggregator.sessions import TAKEOVERS, Sessions
 from aggregator.status import render
 from aggregator.store import Store
 from fedlt.aggregation.halves import PartyKeys
@@ -396,3 +398,17 @@ def _aborted(made: Consortium) -> tuple[str, int, int, str] | None:
         ).fetchone()
     finally:
         store.close()
+
+
+def test_a_silo_that_keeps_taking_over_its_own_session_is_named(caplog):
+    """Found walking through the operator guide: two agents of one silo, each with its own state directory,
+    took the silo's place from each other every few seconds and no round completed, without a word."""
+    lock = threading.Condition()
+    sessions = Sessions(lock)
+    with caplog.at_level(logging.WARNING, logger="aggregator"), lock:
+        sessions.open("st-marys")
+        sessions.open("st-marys")  # a reconnect now and then says nothing
+        assert "two agents" not in caplog.text
+        for _ in range(TAKEOVERS):
+            sessions.open("st-marys")
+    assert caplog.text.count("are two agents running with its certificate") == 1

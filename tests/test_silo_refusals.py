@@ -176,7 +176,7 @@ def test_an_agent_whose_release_ledger_was_lost_refuses_to_start(kit):
     privacy = ledger_path(agent.config)
     backup = ledger.read_bytes()  # made at first start, as the privacy ledger is
     assert privacy.exists()
-    del agent  # it stops, letting go of its state directory (`silo.state_lock`) for the restarts below
+    del agent  # it stops, letting go of its state directory (`fedlt.dir_lock`) for the restarts below
     ledger.unlink()
     with pytest.raises(LedgerMissing, match=r"Restore releases\.json from a backup"):
         SiloAgent(load_silo_config(configs[0]))

@@ -27,7 +27,7 @@ RECIPE = DataConfig(dataset="digits", imbalance=20.0, alpha=0.5, min_silo_size=2
 
 def write_sample_silos(out: Path, *, silos: int, seed: int = 0) -> list[Path]:
     """Each silo's `train` and `held-out` files under `out/<silo-index>/`; the first silo's training data is
-    an image folder, every other's an .npz whose `classes` array lists the names in reverse."""
+    an image folder, every other's an .npz whose `classes` array lists the names in an order of its own."""
     if out.exists() and any(out.iterdir()):
         raise FedltError(f"{out} is not empty; sample files go into a new folder")
     federation = build_federation(replace(RECIPE, silos=silos), seed=seed)
@@ -38,8 +38,8 @@ def write_sample_silos(out: Path, *, silos: int, seed: int = 0) -> list[Path]:
         if index == 0:
             write_image_folder(folder / "train", named(shard))
         else:
-            write_npz(folder / "train.npz", named(shard))
-        write_npz(folder / "held-out.npz", test.subset(np.arange(index, len(test), silos)))
+            write_npz(folder / "train.npz", named(shard), shift=index)
+        write_npz(folder / "held-out.npz", test.subset(np.arange(index, len(test), silos)), shift=index)
         folders.append(folder)
     return folders
 
@@ -56,9 +56,11 @@ def write_image_folder(root: Path, data: LabeledImages) -> None:
         Image.fromarray(np.rint(image[0] * 255).astype(np.uint8)).save(folder / f"{k:05d}.png")
 
 
-def write_npz(path: Path, data: LabeledImages) -> None:
-    """The classes listed in reverse, as another system might order them: loaders must go by name."""
-    order = data.classes[::-1]
+def write_npz(path: Path, data: LabeledImages, *, shift: int) -> None:
+    """The classes listed in reverse and rotated by `shift`, as another system might order them: loaders must
+    go by name."""
+    reverse = data.classes[::-1]
+    order = reverse[shift:] + reverse[:shift]
     position = {name: i for i, name in enumerate(order)}
     labels = np.array([position[data.classes[label]] for label in data.y], dtype=np.int64)
     path.parent.mkdir(parents=True, exist_ok=True)

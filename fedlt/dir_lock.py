@@ -1,12 +1,14 @@
-"""One agent per state directory, for as long as its process lives.
+"""One process per directory, for as long as it lives: a silo agent's state directory, an aggregator's data
+directory.
 
 A state directory holds one silo's ledgers, progress, pending upload, pinned roster and keys. Two agents
 sharing one each keep their own copy of that state, and the last to write wins: privacy-ledger entries and
-release-ledger pins disappear, and with them the silo's DP budget and its one release per state. So the agent
-takes an exclusive `flock` on `agent.lock` in its state directory before it reads anything there, and keeps
-the descriptor open until its process ends. The kernel drops the lock with the process however it ends, so
-a SIGKILLed agent leaves no stale lock behind (the file stays; the lock does not). The file records who holds
-it (pid, host, since when) only so that a second agent can say whom it met.
+release-ledger pins disappear, and with them the silo's DP budget and its one release per state. A data
+directory holds an aggregator's store: two aggregators on one would split the silos between them and stall
+every round. So the process takes an exclusive `flock` on a lock file in its directory before it reads
+anything there, and keeps the descriptor open until it ends. The kernel drops the lock with the process
+however it ends, so a SIGKILLed one leaves no stale lock behind (the file stays; the lock does not). The file
+records who holds it (pid, host, since when) only so that a second process can say whom it met.
 
 The ledgers also lock their own files for each write (`privacy.dp.ledger.ledger_lock`), for writers that do
 not run an agent.
@@ -25,33 +27,29 @@ from pathlib import Path
 
 from fedlt.errors import FedltError
 
-LOCK = "agent.lock"
+AGENT_LOCK = "agent.lock"  # a silo agent's, in its state directory
+AGGREGATOR_LOCK = "aggregator.lock"  # an aggregator's, in its data directory
 
 
-class StateDirectoryBusy(FedltError):
-    """Another agent holds this state directory: a second agent on it would lose the first's records."""
+class DirectoryBusy(FedltError):
+    """Another process holds this directory: a second one on it would lose or split the first's records."""
 
 
-class StateLock:
-    """The held lock of one state directory; `take` it, keep it for the agent's life."""
+class DirectoryLock:
+    """The held lock of one directory; `take` it, keep it for the process's life."""
 
     def __init__(self, path: Path, fd: int) -> None:
         self.path = path
         self._close = weakref.finalize(self, os.close, fd)  # on release, collection or interpreter exit
 
     @classmethod
-    def take(cls, state_dir: Path) -> StateLock:
-        """The lock of `state_dir`, or StateDirectoryBusy naming its holder; never waits."""
-        path = state_dir / LOCK
+    def take(cls, directory: Path, *, name: str = AGENT_LOCK) -> DirectoryLock:
+        """The lock `name` of `directory`, or DirectoryBusy naming its holder; never waits."""
+        path = directory / name
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if not _lock(fd):
-                raise StateDirectoryBusy(
-                    f"the state directory {state_dir} is in use by another silo agent ({_holder(fd)}): one "
-                    "state directory serves one agent at a time, or the records of what this silo released "
-                    "and spent would be lost. Stop that agent or wait for it to finish; a separate state_dir "
-                    "would give this silo a separate privacy budget and release ledger"
-                )
+                raise DirectoryBusy(_BUSY[name].format(directory=directory, holder=_holder(fd)))
         except BaseException:
             os.close(fd)
             raise
@@ -61,8 +59,19 @@ class StateLock:
         return cls(path, fd)
 
     def release(self) -> None:
-        """Let another agent take the directory (an agent object that ends before its process does)."""
+        """Let another process take the directory (an object that ends before its process does)."""
         self._close()
+
+
+_BUSY = {
+    AGENT_LOCK: "the state directory {directory} is in use by another silo agent ({holder}): one state "
+    "directory serves one agent at a time, or the records of what this silo released and spent would be "
+    "lost. Stop that agent or wait for it to finish; a separate state_dir would give this silo a separate "
+    "privacy budget and release ledger",
+    AGGREGATOR_LOCK: "the data directory {directory} is in use by another aggregator ({holder}): one data "
+    "directory serves one aggregator, or the two would split the silos between them and no round would "
+    "complete. Stop that aggregator first",
+}
 
 
 def _lock(fd: int) -> bool:

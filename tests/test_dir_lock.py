@@ -16,13 +16,17 @@ import socket
 import subprocess
 import sys
 import tempfile
+from concurrent import futures
 from dataclasses import replace
 from pathlib import Path
 
+import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fedlt.dir_lock import AGGREGATOR_LOCK, DirectoryBusy, DirectoryLock
+from fedlt.keepalive import aggregator_options
 from privacy.dp.accountant import epsilon, gaussian_rdp
 from privacy.dp.ledger import Budget, BudgetExceeded, LedgerError, PrivacyLedger
 from privacy.pki.errors import PkiError
@@ -32,7 +36,6 @@ from silo.agent import SiloAgent
 from silo.budget import PRIVACY_LEDGER
 from silo.config import load_silo_config
 from silo.releases import LEDGER, LedgerMissing, ReleaseLedger, RepeatedRelease
-from silo.state_lock import StateDirectoryBusy, StateLock
 from tests.consortium_harness import write_kit
 
 BUDGET = Budget(1.5, 1e-5)
@@ -248,11 +251,11 @@ def test_a_damaged_release_ledger_is_a_clear_error(tmp_path):
 HOLD = """
 import sys
 from pathlib import Path
-from silo.state_lock import StateLock
+from fedlt.dir_lock import DirectoryLock
 
 state_dir = Path(sys.argv[1])
 state_dir.mkdir(parents=True, exist_ok=True)
-lock = StateLock.take(state_dir)
+lock = DirectoryLock.take(state_dir)
 print("held", flush=True)
 sys.stdin.read()
 """
@@ -281,14 +284,14 @@ def holder():
 
 
 def test_a_second_lock_of_a_state_directory_names_the_holder_and_waits_for_nothing(tmp_path):
-    lock = StateLock.take(tmp_path)
-    with pytest.raises(StateDirectoryBusy) as busy:
-        StateLock.take(tmp_path)
+    lock = DirectoryLock.take(tmp_path)
+    with pytest.raises(DirectoryBusy) as busy:
+        DirectoryLock.take(tmp_path)
     message = str(busy.value)
     assert f"the state directory {tmp_path} is in use by another silo agent" in message
     assert f"pid {os.getpid()} on {socket.gethostname()}" in message
     lock.release()
-    StateLock.take(tmp_path).release()
+    DirectoryLock.take(tmp_path).release()
 
 
 def test_a_second_agent_on_a_state_directory_stops_before_touching_it(tmp_path):
@@ -297,7 +300,7 @@ def test_a_second_agent_on_a_state_directory_stops_before_touching_it(tmp_path):
     (config,) = write_kit(tmp_path)[:1]
     first = SiloAgent(load_silo_config(config))
     before = _files(first.state_dir)
-    with pytest.raises(StateDirectoryBusy, match=f"pid {os.getpid()} on "):
+    with pytest.raises(DirectoryBusy, match=f"pid {os.getpid()} on "):
         SiloAgent(load_silo_config(config))
     assert _files(first.state_dir) == before
     first.state_lock.release()
@@ -317,7 +320,7 @@ def test_an_agent_whose_start_failed_leaves_the_directory_free(tmp_path):
         SiloAgent(load_silo_config(config))
     kit.write_bytes(good)
     agent = SiloAgent(load_silo_config(config))
-    with pytest.raises(StateDirectoryBusy):
+    with pytest.raises(DirectoryBusy):
         SiloAgent(load_silo_config(config))
     agent.state_lock.release()
 
@@ -350,13 +353,13 @@ def test_a_killed_agents_lock_is_released_by_its_death(tmp_path, holder):
     """A SIGKILLed holder leaves no stale lock: the kernel drops it with the process, and the directory can
     be taken at once (the lock file stays, naming the dead holder, and is simply taken over)."""
     held = holder(tmp_path)
-    with pytest.raises(StateDirectoryBusy, match=f"pid {held.pid} on "):
-        StateLock.take(tmp_path)
+    with pytest.raises(DirectoryBusy, match=f"pid {held.pid} on "):
+        DirectoryLock.take(tmp_path)
     held.send_signal(signal.SIGKILL)
     held.wait()
-    lock = StateLock.take(tmp_path)
-    with pytest.raises(StateDirectoryBusy, match=f"pid {os.getpid()} on "):
-        StateLock.take(tmp_path)
+    lock = DirectoryLock.take(tmp_path)
+    with pytest.raises(DirectoryBusy, match=f"pid {os.getpid()} on "):
+        DirectoryLock.take(tmp_path)
     lock.release()
 
 
@@ -367,10 +370,45 @@ def test_silo_budget_reads_the_ledger_while_the_agent_holds_the_directory(tmp_pa
     silo = load_silo_config(config)
     state_dir = silo.path(silo.state_dir)
     state_dir.mkdir(parents=True)
-    lock = StateLock.take(state_dir)
+    lock = DirectoryLock.take(state_dir)
     PrivacyLedger(Budget(silo.dp.epsilon, silo.dp.delta), state_dir / PRIVACY_LEDGER).charge(
         "gaussian", SMALL, what="record count"
     )
     assert silo_main(["budget", "--config", str(config)]) == 0
     assert "1 entries" in capsys.readouterr().out
     lock.release()
+
+
+def test_a_second_aggregator_on_a_data_directory_stops_saying_so(tmp_path):
+    """Found walking through the operator guide: a second `aggregator serve` on one data directory started
+    and shared the silos with the first, and no round completed, with no word in any log."""
+    write_kit(tmp_path)
+    data_dir = tmp_path / "aggregator-data"
+    data_dir.mkdir()
+    held = DirectoryLock.take(data_dir, name=AGGREGATOR_LOCK)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "aggregator", "serve", "--config", str(tmp_path / "consortium.toml")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        held.release()
+    assert done.returncode == 2, done.stderr
+    assert f"the data directory {data_dir} is in use by another aggregator (pid {os.getpid()}" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_second_aggregator_cannot_bind_the_first_ones_port():
+    """gRPC sets SO_REUSEPORT unless told not to: two aggregators then listened on one port and each held
+    some of the silos' connections."""
+    first = grpc.server(futures.ThreadPoolExecutor(max_workers=1), options=aggregator_options(30.0))
+    port = first.add_insecure_port("127.0.0.1:0")
+    first.start()
+    try:
+        second = grpc.server(futures.ThreadPoolExecutor(max_workers=1), options=aggregator_options(30.0))
+        with pytest.raises(RuntimeError):  # grpcio raises where the bind fails
+            assert second.add_insecure_port(f"127.0.0.1:{port}") == 0
+    finally:
+        first.stop(0)
