@@ -326,7 +326,7 @@ class SiloAgent:
                     self._taking_part is not None
                     and self._taking_part.spec.round_id == directive.abort.round_id
                 ):
-                    self._taking_part = None
+                    self._idle()
             elif kind == "finished":
                 done = directive.finished
                 log.info(
@@ -485,6 +485,7 @@ class SiloAgent:
         payload = payload or self._work(stub, spec, plan, trains, state, method)
         if payload is None:
             return
+        self.activity = pb.SILO_ACTIVITY_UPLOADING  # until its sums end (`_idle`)
         contribution = torch.from_numpy(np.frombuffer(payload, dtype="<f8").copy())
 
         def start() -> None:
@@ -512,6 +513,7 @@ class SiloAgent:
         """Tell the aggregator that this silo will not take part in `round_id`, so that no stage waits for it
         and the operator sees why: in the words of `refusal.told`, the whole message in this log only. A
         refusal the aggregator does not take (another attempt in flight, the network) is logged, no more."""
+        self.activity = pb.SILO_ACTIVITY_IDLE
         log.error("refusing a round: %s", refusal)
         if refusal.code in (pb.REFUSAL_CODE_POLICY, pb.REFUSAL_CODE_DATA):
             log.error("this agent reads silo.toml and its data when it starts: restart it after a change")
@@ -539,7 +541,7 @@ class SiloAgent:
             return
         self._sum_call(step.round_id, lambda: taking_part.step(step))
         if taking_part.done:
-            self._taking_part = None
+            self._idle()
             if self.sides[taking_part.spec.privacy].steps_model:
                 self._sum_call(step.round_id, lambda: self._step_model(stub, taking_part))
 
@@ -595,12 +597,17 @@ class SiloAgent:
             action()
         except FedltError as exc:
             log.error("%s: leaving the round's sums: %s", round_id, exc)
-            self._taking_part = None
+            self._idle()
         except grpc.RpcError as exc:
             if exc.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
                 raise
             log.warning("%s: the aggregator refused a message: %s", round_id, exc.details())
-            self._taking_part = None
+            self._idle()
+
+    def _idle(self) -> None:
+        """This silo's part in a round's sums is over (done, aborted or left): what status shows says so."""
+        self._taking_part = None
+        self.activity = pb.SILO_ACTIVITY_IDLE
 
     def _check_spec(self, signed: round_pb2.SignedRoundSpec) -> tuple[round_pb2.RoundSpec, RoundPlan]:
         signer = self.trust.members.aggregator(self.aggregator_pem)  # still valid, not revoked, on the roster

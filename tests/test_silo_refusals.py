@@ -401,3 +401,15 @@ def test_data_that_does_not_fit_the_plan_is_refused_without_telling_the_aggregat
     (told,) = stub.refusals
     assert told.code == pb.REFUSAL_CODE_DATA
     assert "(1, 8, 8)" not in told.text
+
+
+def test_the_activity_status_shows_is_idle_once_a_silo_refuses_or_leaves_a_round(kit):
+    """Found walking through the operator guide: silos that had left or refused a round still showed
+    `training` while the aggregator gathered the next one."""
+    agent = agent_of(kit)
+    agent.activity = pb.SILO_ACTIVITY_TRAINING
+    agent._refuse(RefusingStub(), "r1.a1.x", RefusedRound("r1.a1.x: not allowed"))
+    assert agent.activity == pb.SILO_ACTIVITY_IDLE
+    agent.activity = pb.SILO_ACTIVITY_UPLOADING
+    agent._sum_call("r1.a1.x", lambda: (_ for _ in ()).throw(RefusedRound("a step this silo refuses")))
+    assert agent.activity == pb.SILO_ACTIVITY_IDLE
