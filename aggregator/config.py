@@ -8,6 +8,7 @@ from pathlib import Path
 
 from aggregator.status_page import CONNECTIONS, TOKEN_FILE
 from aggregator.store import Retention
+from fedlt.aggregation import layer_class
 from fedlt.aggregation.tail_guard import ONLY_UNDER_DP
 from fedlt.config import as_toml, parse_section, read_toml, resolve, setting
 from fedlt.data.embedded import EMBEDDED
@@ -77,11 +78,6 @@ class TimeoutSection:
     )
 
 
-# layers under which silos step the model and sum their held-out counts after each round themselves
-# (`SiloSide.steps_model`): an evaluation block in the contribution would reach only silos
-SILOS_EVALUATE = ("ckks",)
-
-
 @dataclass(frozen=True)
 class EvaluationSection:
     """How committed states are evaluated: on the silos' own held-out data, inside the round's sum
@@ -105,7 +101,7 @@ class EvaluationSection:
         """`held_out` as set, or its default for the layer."""
         if self.held_out is not None:
             return self.held_out
-        return not self.dataset and privacy not in SILOS_EVALUATE
+        return not self.dataset and not layer_class(privacy).silos_step
 
     def problems(self, privacy: str, classes: int) -> list[str]:
         """Combinations that cannot work, each with the way out."""
@@ -114,7 +110,7 @@ class EvaluationSection:
             found.append(f"evaluation.class_counts: {len(self.class_counts)} counts for {classes} classes")
         if not self.held_out_for(privacy):
             return found
-        if privacy in SILOS_EVALUATE:
+        if layer_class(privacy).silos_step:
             found.append(
                 f"evaluation.held_out: under {privacy} the silos already evaluate each state on their "
                 "[evaluation] data and sum the counts themselves; remove the setting"
@@ -163,7 +159,7 @@ class ConsortiumConfig:
     def silos_evaluate(self) -> bool:
         """Whether the run's metrics are the silos' summed counts on their own held-out data: held-out
         evaluation, or a layer under which silos step the model and sum their counts themselves."""
-        return self.plan.evaluation.held_out or self.consortium.privacy in SILOS_EVALUATE
+        return self.plan.evaluation.held_out or layer_class(self.consortium.privacy).silos_step
 
     def layer_settings(self) -> object | None:
         """The chosen privacy layer's own section (None for a layer without settings)."""

@@ -19,13 +19,18 @@ LAYERS: dict[str, str] = {
 }
 
 
-def make_layer(name: str, settings: object | None = None) -> SumLayer:
-    """The layer `name` from the table, with its own settings section (its defaults when None)."""
+def layer_class(name: str) -> type[SumLayer]:
+    """The class of the layer `name` from the table, for what it declares before any settings."""
     if name not in LAYERS:
         raise ConfigError("privacy", [f"unknown privacy layer {name!r}; allowed: {', '.join(LAYERS)}"])
     module, _, attr = LAYERS[name].partition(":")
-    cls = getattr(importlib.import_module(module), attr)
+    return getattr(importlib.import_module(module), attr)
+
+
+def make_layer(name: str, settings: object | None = None) -> SumLayer:
+    """The layer `name` from the table, with its own settings section (its defaults when None)."""
+    cls = layer_class(name)
     return cls() if settings is None else cls(settings)
 
 
-__all__ = ["LAYERS", "Contribution", "Field", "Schema", "SumLayer", "Sums", "make_layer"]
+__all__ = ["LAYERS", "Contribution", "Field", "Schema", "SumLayer", "Sums", "layer_class", "make_layer"]

@@ -63,6 +63,9 @@ class SumLayer(ABC):
     """
 
     name: ClassVar[str]
+    # only silos can read this layer's sums: they run the server step and sum their evaluation counts
+    # themselves (their side's `steps_model`), so no evaluation block rides in the contribution
+    silos_step: ClassVar[bool] = False
     k_min: int = 0  # the tail guard: per-class rows of classes fewer silos hold are zeroed; below 2, off
     settings: object = None  # the layer's own parameters, which every sum of a round carries
 

@@ -23,6 +23,7 @@ from privacy.secagg.peers import KeyPeers
 
 class CkksSum(SumLayer):
     name = "ckks"
+    silos_step = True
 
     def __init__(self, settings: CkksSettings | None = None) -> None:
         super().__init__()
