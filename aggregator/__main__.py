@@ -15,8 +15,9 @@ from pathlib import Path
 
 from aggregator.ca_cli import add_ca_parser, run_command
 from aggregator.roster_cli import add_roster_parser
+from fedlt.aggregation import layer_names, record
+from fedlt.aggregation.registry import DEFAULT_LAYER
 from fedlt.errors import FedltError
-from privacy.wire import CONSORTIUM_LAYERS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,9 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument(
         "--privacy",
-        default="secagg",
-        choices=CONSORTIUM_LAYERS,
-        help="ckks: the aggregator adds ciphertexts and never sees the model (silo-0 makes the key)",
+        default=DEFAULT_LAYER,
+        choices=layer_names(),
+        help="the privacy layer: "
+        + "; ".join(f"{name}: {record(name).layer().describe()}" for name in layer_names()),
     )
     args = parser.parse_args(argv)
     # force: Opacus configures the root logger when imported (opacus/utils/module_utils.py)

@@ -3,25 +3,26 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from aggregator.status_page import CONNECTIONS, TOKEN_FILE
 from aggregator.store import Retention
-from fedlt.aggregation import layer_class
-from fedlt.aggregation.tail_guard import ONLY_UNDER_DP
+from fedlt.aggregation import layer_names, layers, record
+from fedlt.aggregation.registry import DEFAULT_LAYER
+from fedlt.aggregation.tail_guard import guard_of
 from fedlt.config import as_toml, parse_section, read_toml, resolve, setting
 from fedlt.data.embedded import EMBEDDED
 from fedlt.errors import ConfigError
 from fedlt.keepalive import MIN_SECONDS
 from fedlt.metrics import ShotThresholds
 from fedlt.plan import RoundPlan
-from privacy.ckks.settings import CkksSettings
-from privacy.secagg.settings import SecAggSettings
-from privacy.wire import CONSORTIUM_LAYERS
 
-# each privacy layer's own section of consortium.toml, by layer name (a field of ConsortiumConfig each)
-LAYER_SECTIONS: dict[str, type] = {"secagg": SecAggSettings, "ckks": CkksSettings}
+
+def layer_sections() -> dict[str, type]:
+    """Each installed privacy layer's own section of consortium.toml, by layer name (`[<layer>]`)."""
+    return {name: layer.settings for name, layer in layers().items() if layer.settings is not None}
 
 
 @dataclass(frozen=True)
@@ -29,9 +30,7 @@ class ConsortiumSection:
     id: str = setting("fedlt-consortium", doc="name silos check in every RoundSpec")
     rounds: int = setting(20, ge=1)
     seed: int = setting(0, ge=0)
-    privacy: str = setting(
-        "secagg", choices=CONSORTIUM_LAYERS, doc="plaintext is for research and tests only"
-    )
+    privacy: str = setting(DEFAULT_LAYER, choices=layer_names, doc="plaintext is for research and tests only")
     min_silos: int = setting(
         3, ge=1, doc="a round needs this many contributions, else it is retried (silos refuse sums of two)"
     )
@@ -101,7 +100,7 @@ class EvaluationSection:
         """`held_out` as set, or its default for the layer."""
         if self.held_out is not None:
             return self.held_out
-        return not self.dataset and not layer_class(privacy).silos_step
+        return not self.dataset and not record(privacy).silos_step
 
     def problems(self, privacy: str, classes: int) -> list[str]:
         """Combinations that cannot work, each with the way out."""
@@ -110,7 +109,7 @@ class EvaluationSection:
             found.append(f"evaluation.class_counts: {len(self.class_counts)} counts for {classes} classes")
         if not self.held_out_for(privacy):
             return found
-        if layer_class(privacy).silos_step:
+        if record(privacy).silos_step:
             found.append(
                 f"evaluation.held_out: under {privacy} the silos already evaluate each state on their "
                 "[evaluation] data and sum the counts themselves; remove the setting"
@@ -134,8 +133,10 @@ class ConsortiumConfig:
     server: ServerSection = field(default_factory=ServerSection)
     timeouts: TimeoutSection = field(default_factory=TimeoutSection)
     plan: RoundPlan = field(default_factory=RoundPlan)
-    secagg: SecAggSettings = field(default_factory=SecAggSettings)
-    ckks: CkksSettings = field(default_factory=CkksSettings)
+    # each installed layer's section, by layer name (the defaults of those a file leaves out)
+    layers: Mapping[str, object] = field(
+        default_factory=lambda: {n: s() for n, s in layer_sections().items()}
+    )
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)
     metrics: ShotThresholds = field(default_factory=ShotThresholds)
     retention: Retention = field(default_factory=Retention)
@@ -159,18 +160,23 @@ class ConsortiumConfig:
     def silos_evaluate(self) -> bool:
         """Whether the run's metrics are the silos' summed counts on their own held-out data: held-out
         evaluation, or a layer under which silos step the model and sum their counts themselves."""
-        return self.plan.evaluation.held_out or layer_class(self.consortium.privacy).silos_step
+        return self.plan.evaluation.held_out or record(self.consortium.privacy).silos_step
 
     def layer_settings(self) -> object | None:
         """The chosen privacy layer's own section (None for a layer without settings)."""
-        return getattr(self, self.consortium.privacy) if self.consortium.privacy in LAYER_SECTIONS else None
+        settings = record(self.consortium.privacy).settings
+        if settings is None:
+            return None
+        return self.layers.get(self.consortium.privacy) or settings()
 
     def fingerprint(self) -> str:
-        """The settings a data directory is bound to; `rounds` may grow, listening details may change."""
+        """The settings a data directory is bound to; `rounds` may grow, listening details may change. Of
+        the layers, only the chosen one's section counts: installing another layer changes no run."""
         same_run = replace(self.consortium, rounds=1, exit_when_done=True)
         plan = replace(self.plan, rounds=1)
-        layers = "".join(as_toml(getattr(self, name)) for name in LAYER_SECTIONS)
-        text = as_toml(same_run) + plan.to_toml() + layers + as_toml(self.evaluation)
+        chosen = self.layer_settings()
+        layer = "" if chosen is None else as_toml(chosen)
+        text = as_toml(same_run) + plan.to_toml() + layer + as_toml(self.evaluation)
         return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -179,7 +185,7 @@ def _inverting_problems(plan: RoundPlan, layer: str, settings: object) -> list[s
     would refuse its rounds (`tail_guard.inverting_problems`), so say so now, with the two ways out."""
     fields, _ = plan.build_method().statistics_plan()
     inverting = [f.name for f in fields if f.per_class and f.inverts]
-    if not inverting or plan.dp.enabled or getattr(settings, "min_records", ONLY_UNDER_DP):
+    if not inverting or plan.dp.enabled or guard_of(settings).min_records:
         return []
     return [
         f"method.name: {plan.method.name} releases per-class {', '.join(inverting)} of records, which give "
@@ -195,13 +201,14 @@ def load_consortium_config(path: str | Path) -> ConsortiumConfig:
     tree = read_toml(path)
     plan_tree = {k: tree.pop(k) for k in ("model", "train", "method", "selection", "dp") if k in tree}
     problems: list[str] = []
+    sections_of_layers = layer_sections()
     sections = {
         name: parse_section(cls, tree.pop(name, {}), name, problems)
         for name, cls in (
             ("consortium", ConsortiumSection),
             ("server", ServerSection),
             ("timeouts", TimeoutSection),
-            *LAYER_SECTIONS.items(),
+            *sections_of_layers.items(),
             ("evaluation", EvaluationSection),
             ("metrics", ShotThresholds),
             ("retention", Retention),
@@ -211,7 +218,7 @@ def load_consortium_config(path: str | Path) -> ConsortiumConfig:
     problems += plan.problems()
     per_round = plan.selection.per_round
     privacy = sections["consortium"].privacy
-    for name in LAYER_SECTIONS:
+    for name in sections_of_layers:
         problems += sections[name].problems()
         if name == privacy:
             problems += sections[name].consortium_problems(sections["consortium"].min_silos, per_round)
@@ -228,4 +235,5 @@ def load_consortium_config(path: str | Path) -> ConsortiumConfig:
     sections["evaluation"] = replace(evaluation, held_out=evaluation.held_out_for(privacy))
     if problems:
         raise ConfigError(path, problems)
-    return ConsortiumConfig(plan=plan, base_dir=path.parent, **sections)
+    chosen = {name: sections.pop(name) for name in sections_of_layers}
+    return ConsortiumConfig(plan=plan, base_dir=path.parent, layers=chosen, **sections)

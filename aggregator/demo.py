@@ -21,6 +21,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from aggregator.config import ConsortiumSection, EvaluationSection, ServerSection, TimeoutSection
+from fedlt.aggregation import record
+from fedlt.aggregation.registry import DEFAULT_LAYER
 from fedlt.config import as_table, render_toml
 from fedlt.data.federation import DataConfig, build_federation
 from fedlt.errors import FedltError
@@ -30,7 +32,6 @@ from fedlt.plan import ModelSection, RoundPlan
 from fedlt.recorder import METRICS
 from fedlt.reports import comparison_table, plot_comparison
 from fedlt.selection import DISCLOSURE
-from privacy.ckks.settings import CkksSettings
 from privacy.pki.ca import init_ca, issue_operator, issue_server, issue_silo
 from privacy.pki.roster import draft
 
@@ -166,8 +167,10 @@ def stop_all(processes: list[subprocess.Popen], grace: float = 10.0) -> None:
 
 
 def demo_layer_settings(privacy: str) -> object | None:
-    """The demo's section for a layer that needs one: ckks names its key holder, the first silo."""
-    return CkksSettings(key_holder="silo-0") if privacy == "ckks" else None
+    """The demo's section for a layer that needs one: a layer with a key service names its key holder (the
+    first silo)."""
+    layer = record(privacy)
+    return None if layer.key_service is None else replace(layer.settings(), key_holder="silo-0")
 
 
 def run_demo(
@@ -175,7 +178,7 @@ def run_demo(
     *,
     silos: int,
     rounds: int,
-    privacy: str = "secagg",
+    privacy: str = DEFAULT_LAYER,
     methods: Sequence[str] = DEMO_METHODS,
 ) -> int:
     """One consortium run per method, each in `directory/<method>/`, then their accuracies side by side."""

@@ -2,12 +2,12 @@
 
 Under most layers the aggregator steps the model itself and holds the `GlobalState`. Under a layer whose sums
 only silos can read (ckks), silos step the model, seal the new state and report its digest, the next round's
-schema and how many rounds remain, each with its signature over the digest (`privacy.ckks.attestation`); the
-aggregator keeps exactly that, signatures included (`attested`: the next RoundSpec carries them, and silos
-step from the state only if every silo its sum counted signed it), and streams the sealed bytes to the next
-round's silos. The first state is the method's seeded initial state, public anyway, so it is held in the
-clear. What the store keeps of a sealed state is a framed record: a JSON header of those facts, then the
-sealed bytes, so a restarted aggregator still has the signatures.
+schema and how many rounds remain, each with its signature over the digest
+(`privacy.stepping.attestation`); the aggregator keeps exactly that, signatures included (`attested`: the
+next RoundSpec carries them, and silos step from the state only if every silo its sum counted signed it), and
+streams the sealed bytes to the next round's silos. The first state is the method's seeded initial state,
+public anyway, so it is held in the clear. What the store keeps of a sealed state is a framed record: a JSON
+header of those facts, then the sealed bytes, so a restarted aggregator still has the signatures.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from fedlt.methods import GlobalState, Method
 from fedlt.methods.state import pack_state, unpack_state
 from fedlt.v1 import round_pb2
 from fedlt.wire import schema_from_pb, schema_to_pb
-from privacy.ckks.attestation import Attestation, Attested
+from privacy.stepping.attestation import Attestation, Attested
 
 SEALED = b"FSEALED1"
 

@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from aggregator.config import ConsortiumConfig
+from aggregator.key_service import KeyServiceRelay
 from aggregator.rounds import RoundEngine
 from aggregator.service import CertificateGate, ConsortiumServicer, Identity, OperatorServicer
 from aggregator.status_page import (
@@ -31,7 +32,7 @@ from aggregator.status_page import (
     split_listen,
 )
 from aggregator.store import AuditKey, Store
-from fedlt.aggregation import make_layer
+from fedlt.aggregation import make_layer, record
 from fedlt.aggregation.halves import PartyKeys
 from fedlt.atomic import atomic_write_text
 from fedlt.config import as_table
@@ -43,14 +44,13 @@ from fedlt.keepalive import aggregator_options
 from fedlt.recorder import RunRecorder
 from fedlt.seeding import derive_seed
 from fedlt.v1 import consortium_pb2, consortium_pb2_grpc, operator_pb2, operator_pb2_grpc
-from privacy.ckks.relay import CkksRelay
+from privacy.peers import ConsortiumPeers
 from privacy.pki.errors import PkiError
 from privacy.pki.identity import RevocationList, check_issued_by, check_valid_now, load_certificate
 from privacy.pki.renewal import ExpiryWatch, Watched, aggregator_renewal, ca_watch, roster_watch
 from privacy.pki.roster import RosterFile
 from privacy.pki.signing import ROUNDSPEC_CONTEXT, load_private_key, sign
 from privacy.pki.trust import MemberTrust
-from privacy.secagg.peers import ConsortiumPeers
 
 log = logging.getLogger("aggregator")
 
@@ -84,8 +84,8 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
         logger=log,
     )
     layer = make_layer(config.consortium.privacy, config.layer_settings())
-    # the CKKS key ceremony's relay: used only when the layer asks for it (its key holder names no one else)
-    relay = CkksRelay(getattr(config.layer_settings(), "key_holder", ""))
+    # the key service's relay, only where the layer asks for one (its record's `key_service`)
+    relay = KeyServiceRelay.for_layer(record(config.consortium.privacy), config.layer_settings())
     engine = RoundEngine(
         config=config,
         store=store,

@@ -24,6 +24,7 @@ import grpc
 from google.protobuf.message import Message
 
 from aggregator.held_state import StateReport
+from aggregator.key_service import KeyServiceRelay, NoKeyService
 from aggregator.picking import BadDisclosure
 from aggregator.rounds import (
     AlreadySubmitted,
@@ -41,10 +42,8 @@ from fedlt.selection import DISCLOSURE
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc, operator_pb2, operator_pb2_grpc
 from fedlt.wire import PURPOSE_OF_SUM, chunks, schema_from_pb
-from privacy.ckks.attestation import Attestation, NotAttested, check_report
-from privacy.ckks.ceremony import Announcement
-from privacy.ckks.relay import CkksRelay
-from privacy.ckks.wire import enrollment_to_pb, sealed_from_pb, sealed_to_pb
+from privacy.keyservice.ceremony import Announcement
+from privacy.keyservice.wire import enrollment_to_pb, sealed_from_pb, sealed_to_pb
 from privacy.pki.errors import PkiError
 from privacy.pki.identity import (
     RevocationList,
@@ -55,7 +54,17 @@ from privacy.pki.identity import (
 )
 from privacy.pki.roster import RosterFile
 from privacy.pki.trust import MemberTrust
-from privacy.wire import CONSORTIUM_LAYERS, RECEIVERS, UPLOADS, received, submitted, upload_of
+from privacy.stepping.attestation import Attestation, NotAttested, check_report
+from privacy.wire import (
+    WireError,
+    consortium_layers,
+    payload_kinds,
+    received,
+    receivers,
+    submitted,
+    upload_of,
+    upload_type,
+)
 
 log = logging.getLogger("aggregator.service")
 
@@ -68,7 +77,7 @@ DETAILS_BYTES = 2048
 # What a silo's policy may name, from the tables that define each kind; the messages list these keys.
 POLICY_CHOICES: dict[str, tuple[str, ...]] = {
     "accepted_methods": tuple(METHODS),
-    "accepted_privacy": CONSORTIUM_LAYERS,
+    "accepted_privacy": consortium_layers(),
     "accepted_disclosures": (DISCLOSURE,),
 }
 
@@ -120,6 +129,7 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     SumAborted: grpc.StatusCode.FAILED_PRECONDITION,
     ContributionError: grpc.StatusCode.INVALID_ARGUMENT,
     BadDisclosure: grpc.StatusCode.INVALID_ARGUMENT,
+    NoKeyService: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 
@@ -178,8 +188,8 @@ def _known_enums(message: M) -> M:
     """Refuse enum numbers the schema does not define, in any field at any depth.
 
     proto3 enums are open: an unknown number parses and stays a plain int, and a handler that names it
-    (`SiloActivity.Name(99)`) would fail with an internal error instead of refusing the caller. No request
-    has a map field; one that gains an enum-valued map needs its own branch in `_unknown_enums`.
+    (`SiloActivity.Name(99)`) would fail with an internal error instead of refusing the caller. A map field
+    (a layer's generic message) is checked by its values.
     """
     problems = list(_unknown_enums(message, message.DESCRIPTOR.name))
     if problems:
@@ -191,6 +201,8 @@ def _unknown_enums(message: Message, where: str) -> Iterator[str]:
     for field, value in message.ListFields():
         path = f"{where}.{field.name}"
         values = value if field.is_repeated else [value]
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            field, values = field.message_type.fields_by_name["value"], list(value.values())
         if field.enum_type is not None:
             known = field.enum_type.values_by_number
             yield from (
@@ -461,7 +473,7 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
         *,
         members: MemberTrust,
         roster: RosterFile,
-        relay: CkksRelay,
+        relay: KeyServiceRelay | None,
         submit_seconds: float,
     ) -> None:
         self.engine = engine
@@ -493,17 +505,19 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
             _log_refused(context, "a registration", exc)
             raise
         self.store.register_silo(silo, hashlib.sha256(pem).hexdigest(), request.agent_version, policy)
-        if request.HasField("ckks_enrollment"):  # checked by the key holder, which seals only to roster silos
-            enrollment = request.ckks_enrollment
-            self.relay.enroll(Announcement(silo, enrollment.public_key, enrollment.signature, pem))
-        return pb.RegisterResponse(
+        reply = pb.RegisterResponse(
             silo_id=silo,
             consortium_id=self.engine.config.consortium.id,
             aggregator_certificate=self.aggregator_pem,
             roster=self.roster.raw(),
             crl=self.identity.revocations.current()[0],
-            ckks_key_holder=self.relay.key_holder,
         )
+        if self.relay is not None:  # a silo enrolls for any layer its policy lists: kept only if one is run
+            if request.HasField("key_enrollment"):  # checked by the key holder, which seals to roster silos
+                enrollment = request.key_enrollment
+                self.relay.enroll(Announcement(silo, enrollment.public_key, enrollment.signature, pem))
+            reply.key_holder, reply.key_layer = self.relay.key_holder, self.relay.layer
+        return reply
 
     @_abort_on_refusal
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> Iterator[pb.JoinResponse]:
@@ -566,14 +580,15 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
 
     @_abort_on_refusal
     def Submit(self, request_iterator: Iterator[pb.SubmitRequest], context: grpc.ServicerContext) -> Any:
-        """An upload of the round's open sum: its kind names the message it carries (`privacy.wire.UPLOADS`,
-        with what the header adds: `submitted`), and the sum's layer half says whether it is due and how many
-        bytes it has."""
+        """An upload of the round's open sum: its header names the message it carries
+        (`privacy.wire.upload_type`, with what the header adds: `submitted`), and the sum's layer half says
+        whether it is due and how many bytes it has."""
         silo = self.identity.silo(context)
         header, parts = self._header(request_iterator, context, "Submit")
-        if header.kind not in UPLOADS:
-            raise Malformed(f"SubmitHeader.kind: {pb.ContributionKind.Name(header.kind)} carries no upload")
-        kind = UPLOADS[header.kind][0]
+        try:
+            kind = upload_type(header)
+        except WireError as exc:
+            raise Malformed(f"SubmitHeader: {exc}") from None
         purpose = _purpose(header.sum)
         limit = self.engine.upload_bytes(silo, header.round_id, purpose, kind)
         if header.total_bytes > limit:
@@ -583,30 +598,41 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
         self.engine.upload(silo, header.round_id, purpose, submitted(header, payload), digest)
         return pb.SubmitResponse(round_id=header.round_id, sha256=digest, accepted_unix_ms=now_ms())
 
+    def _key_service(self) -> KeyServiceRelay:
+        if self.relay is None:
+            layer = self.engine.config.consortium.privacy
+            raise NoKeyService(f"this consortium's privacy layer ({layer}) has no key service")
+        return self.relay
+
     @_abort_on_refusal
     def ListEnrollments(self, request: pb.ListEnrollmentsRequest, context: grpc.ServicerContext) -> Any:
         self.identity.silo(context)
-        return pb.ListEnrollmentsResponse(enrollments=map(enrollment_to_pb, self.relay.enrollments()))
+        enrollments = self._key_service().enrollments()
+        return pb.ListEnrollmentsResponse(enrollments=map(enrollment_to_pb, enrollments))
 
     @_abort_on_refusal
-    def ShareCkksContext(self, request: pb.ShareCkksContextRequest, context: grpc.ServicerContext) -> Any:
+    def ShareKey(self, request: pb.ShareKeyRequest, context: grpc.ServicerContext) -> Any:
         silo = self.identity.silo(context)
+        relay = self._key_service()
         pem = context.auth_context()["x509_pem_cert"][0]
         sealed = [sealed_from_pb(s) for s in request.sealed]
-        self.relay.share(silo, pem, request.context_id, request.public_context, sealed)
-        log.info("%s shared CKKS key %s, sealed to %d silos", silo, request.context_id[:16], len(sealed))
-        return pb.ShareCkksContextResponse(context_id=request.context_id)
+        relay.share(silo, pem, request.context_id, request.public_key, sealed)
+        log.info(
+            "%s shared %s key %s, sealed to %d silos", silo, relay.layer, request.context_id[:16], len(sealed)
+        )
+        return pb.ShareKeyResponse(context_id=request.context_id)
 
     @_abort_on_refusal
-    def FetchCkksContext(self, request: pb.FetchCkksContextRequest, context: grpc.ServicerContext) -> Any:
-        sealed, holder_pem = self.relay.fetch(self.identity.silo(context), request.context_id)
-        return pb.FetchCkksContextResponse(sealed=sealed_to_pb(sealed), holder_certificate=holder_pem)
+    def FetchKey(self, request: pb.FetchKeyRequest, context: grpc.ServicerContext) -> Any:
+        silo = self.identity.silo(context)
+        sealed, holder_pem = self._key_service().fetch(silo, request.context_id)
+        return pb.FetchKeyResponse(sealed=sealed_to_pb(sealed), holder_certificate=holder_pem)
 
     @_abort_on_refusal
-    def FetchEncryptedSum(self, request: pb.FetchEncryptedSumRequest, context: grpc.ServicerContext) -> Any:
+    def FetchSum(self, request: pb.FetchSumRequest, context: grpc.ServicerContext) -> Any:
         silo = self.identity.silo(context)
         data = self.engine.download(silo, request.round_id, _purpose(request.sum))
-        return (pb.FetchEncryptedSumResponse(offset=offset, data=part) for offset, part in chunks(data))
+        return (pb.FetchSumResponse(offset=offset, data=part) for offset, part in chunks(data))
 
     @_abort_on_refusal
     def ReportState(
@@ -618,7 +644,7 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
         silo = self.identity.silo(context)
         pem = context.auth_context()["x509_pem_cert"][0]
         header, parts = self._header(request_iterator, context, "ReportState")
-        if header.evaluation_kind not in UPLOADS:
+        if header.evaluation_kind not in payload_kinds():
             raise Malformed("StateReportHeader.evaluation_kind carries no upload")
         if header.total_bytes > STATE_LIMIT:
             raise BadContribution(f"a state of {header.total_bytes} bytes; at most {STATE_LIMIT} are kept")
@@ -714,7 +740,7 @@ def _purpose(secure_sum: int) -> str:
 
 
 def _stage_message(name: str, response: type) -> Callable:
-    """A layer's stage RPC (`privacy.wire.RECEIVERS`): read the request in the caller's name, hand it over."""
+    """A layer's stage RPC (`privacy.wire.receivers`): read the request in the caller's name, hand it over."""
 
     @_abort_on_refusal
     def handler(self: ConsortiumServicer, request: Any, context: grpc.ServicerContext) -> Any:
@@ -729,7 +755,7 @@ def _stage_message(name: str, response: type) -> Callable:
     return handler
 
 
-for _rpc in RECEIVERS:
+for _rpc in receivers():
     setattr(ConsortiumServicer, _rpc, _stage_message(_rpc, getattr(pb, f"{_rpc}Response")))
 
 

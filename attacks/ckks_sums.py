@@ -26,7 +26,7 @@ from fedlt.errors import FedltError
 from privacy.ckks.halves import CkksAggregatorHalf, EncryptedSum
 from privacy.ckks.keys import Ciphertext, PublicContext, SecretContext
 from privacy.ckks.layer import CkksSum
-from privacy.ckks.masks import zero_sum_mask
+from privacy.stepping.masks import zero_sum_mask
 
 SILOS, VICTIM, CLASSES = ("a", "b", "c"), "a", 6
 SCHEMA = Schema((Field("bias", (CLASSES,), 10.0), Field("n", (), 100.0, frac_bits=0)))

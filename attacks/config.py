@@ -12,13 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fedlt.aggregation import LAYERS
+from fedlt.aggregation import layer_names
 from fedlt.config import parse_section, read_toml, setting
 from fedlt.data.federation import DataConfig
 from fedlt.errors import ConfigError
 
 ATTACKS = ("analytic", "moments", "decoder", "gradinv", "presence", "membership", "protocol")
-PRIVACY = tuple(LAYERS)
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,7 @@ class Training:
 @dataclass(frozen=True)
 class Mode:
     name: str = setting("", doc="the row's name in the report")
-    privacy: str = setting("plaintext", choices=PRIVACY)
+    privacy: str = setting("plaintext", choices=layer_names)
     k_min: int = setting(2, ge=0, doc="secagg tail guard: per-class rows of fewer holders are zeroed; <2 off")
     min_records: int = setting(
         0,

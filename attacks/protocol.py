@@ -52,16 +52,18 @@ from fedlt.aggregation.tail_guard import Census
 from fedlt.errors import FedltError
 from fedlt.v1 import round_pb2
 from fedlt.wire import schema_to_pb
-from privacy import roundspec
+from privacy import crypto, roundspec
+from privacy.peers import KeyPeers
 from privacy.pki.signing import sign
-from privacy.secagg import crypto, shamir
+from privacy.prg import apply_masks
+from privacy.ring import Ring
+from privacy.secagg import shamir
 from privacy.secagg.layer import SecAggSum
 from privacy.secagg.local import run_session
-from privacy.secagg.peers import KeyPeers
 from privacy.secagg.policy import PolicyRefusal, SessionPolicy
-from privacy.secagg.prg import apply_masks
 from privacy.secagg.protocol import (
     CONSISTENCY_CONTEXT,
+    ENVELOPE_PURPOSE,
     KEYS_CONTEXT,
     AdvertisedKeys,
     Envelope,
@@ -71,7 +73,6 @@ from privacy.secagg.protocol import (
     SessionSpec,
     pair_seed,
 )
-from privacy.secagg.ring import Ring
 from silo.participation import Participation
 from silo.releases import LEDGER, ReleaseLedger
 
@@ -814,7 +815,7 @@ def _key_list_findings(seed: int) -> list[Finding]:
                 key = crypto.agree(
                     c,
                     advertised[sender].c_public,
-                    purpose=crypto.ENVELOPE_PURPOSE,
+                    purpose=ENVELOPE_PURPOSE,
                     session=spec.session,
                     pair=pair,
                 )

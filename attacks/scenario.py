@@ -22,9 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from aggregator.config import LAYER_SECTIONS
 from attacks.config import AuditConfig, Mode
-from fedlt.aggregation import make_layer, tail_guard
+from fedlt.aggregation import make_layer, record, tail_guard
 from fedlt.aggregation.sums import Contribution, Sums
 from fedlt.config import as_table
 from fedlt.data.arrays import LabeledImages
@@ -221,6 +220,6 @@ def attacked_state(method: Method, trained: GlobalState) -> GlobalState:
 
 
 def _layer_settings(mode: Mode):
-    """The layer's own settings section with the mode's tail guard (the consortium's table of sections)."""
-    section = LAYER_SECTIONS.get(mode.privacy)
+    """The layer's own settings section with the mode's tail guard (its record in the registry)."""
+    section = record(mode.privacy).settings
     return None if section is None else section(k_min=mode.k_min, min_records=mode.min_records)

@@ -50,7 +50,7 @@ from tenseal import sealapi
 
 from fedlt.aggregation import Schema, make_layer
 from fedlt.aggregation.halves import SumSpec
-from privacy.ckks.halves import CkksAggregatorHalf, CkksSiloHalf, EncryptedSum, Signed, SumSignatures, on_grid
+from privacy.ckks.halves import CkksAggregatorHalf, CkksSiloHalf, EncryptedSum, SumSignatures, on_grid
 from privacy.ckks.keys import (
     COEFF_MOD_BIT_SIZES,
     MAX_SCALE_BITS,
@@ -61,8 +61,8 @@ from privacy.ckks.keys import (
     SecretContext,
     scale_bits,
 )
+from privacy.peers import KeyPeers, Signed
 from privacy.pki.signing import sign
-from privacy.secagg.peers import KeyPeers
 
 LAYERS = ("plaintext", "secagg", "ckks")
 CHAINS = ((60, 60), (60, 40, 40, 60), (40, 40))  # the layer's; TenSEAL's tutorials'; a smaller data prime

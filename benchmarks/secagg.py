@@ -91,19 +91,19 @@ from fedlt.models import MODELS
 from fedlt.plan import ModelSection, RoundPlan
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.wire import submit_stream
+from privacy import prg
+from privacy.peers import ConsortiumPeers, Signer
 from privacy.pki.ca import init_ca, issue_server, issue_silo
 from privacy.pki.roster import Roster, draft
 from privacy.pki.signing import load_private_key, sign
 from privacy.pki.trust import MemberTrust, RevokedSerials
-from privacy.secagg import prg
+from privacy.ring import Ring
 from privacy.secagg.codec import FixedPointCodec
 from privacy.secagg.halves import SecAggAggregatorSide, SecAggSiloSide
 from privacy.secagg.local import STAGES
-from privacy.secagg.peers import ConsortiumPeers
-from privacy.secagg.protocol import Inbox, KeyList, Signer
-from privacy.secagg.ring import Ring
+from privacy.secagg.protocol import Inbox, KeyList
 from privacy.secagg.settings import SecAggSettings
-from privacy.wire import RECEIVERS, received, send, step_from_pb, step_to_pb, submitted
+from privacy.wire import received, receivers, send, step_from_pb, step_to_pb, submitted
 from tests.consortium_harness import RECIPE as DIGITS
 from tests.consortium_harness import SILO_THREADS, Consortium
 
@@ -276,7 +276,7 @@ class Relay:
         self.silo, self.aggregator, self.credential, self.sizes = silo, aggregator, credential, sizes
 
     def __getattr__(self, rpc: str):
-        if rpc not in RECEIVERS:
+        if rpc not in receivers():
             raise AttributeError(rpc)
 
         def call(request, **_: object) -> None:

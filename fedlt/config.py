@@ -13,7 +13,7 @@ import json
 import tomllib
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,15 +28,16 @@ def setting(
     ge: float | None = None,
     gt: float | None = None,
     le: float | None = None,
-    choices: Sequence[str] | None = None,
+    choices: Sequence[str] | Callable[[], Sequence[str]] | None = None,
     doc: str = "",
 ) -> Any:
-    """A dataclass field with the limits `parse_section` enforces."""
+    """A dataclass field with the limits `parse_section` enforces; `choices` may be a function, asked at
+    each check (the privacy layers installed: `fedlt.aggregation.layer_names`)."""
     limits = {
         "ge": ge,
         "gt": gt,
         "le": le,
-        "choices": tuple(choices) if choices else None,
+        "choices": choices if callable(choices) else tuple(choices or ()) or None,
         "doc": doc,
     }
     return dataclasses.field(default=default, metadata=limits)
@@ -143,6 +144,7 @@ def _check_tuple(expected: Any, value: Any, where: str, problems: list[str]):
 
 def _limit_problem(value: Any, limits: Mapping[str, Any]) -> str | None:
     choices = limits.get("choices")
+    choices = choices() if callable(choices) else choices
     if choices and value not in choices:
         return f"must be one of {', '.join(map(repr, choices))}, got {value!r}"
     if limits.get("ge") is not None and value < limits["ge"]:

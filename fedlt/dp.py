@@ -1,18 +1,20 @@
 """The `[dp]` section every party reads alike (the simulator's config and the consortium's signed plan), and
-the one door to `privacy.dp`, which implements it.
+the one door to the implementation of it, which is injected, as privacy layers are.
 
-`fedlt` never imports `privacy` at module level (imports point one way); `silo_privacy` resolves it only when
-a run asks for differential privacy, as the privacy-layer table does for layers.
+`fedlt` names no `privacy` module (imports point one way): `silo_privacy` finds the implementation through
+the `fedlt.dp` entry point (pyproject.toml) only when a run asks for differential privacy.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
 from fedlt.config import setting
+
+DP_GROUP = "fedlt.dp"
 
 
 @dataclass(frozen=True)
@@ -57,5 +59,5 @@ class DPSettings:
 def silo_privacy(settings: DPSettings, *, method: Any, ledger: Path | None, budget: Any = None) -> Any:
     """A silo's `privacy.dp.SiloPrivacy` for `method`'s plan under `settings`; its ledger lives at `ledger`
     (in memory if None) with `budget` (a `privacy.dp.Budget`; the settings' ε and δ if None)."""
-    module = importlib.import_module("privacy.dp.silo_privacy")
-    return module.SiloPrivacy.open(settings, method=method, ledger=ledger, budget=budget)
+    (implementation,) = entry_points(group=DP_GROUP, name="silo_privacy")
+    return implementation.load().open(settings, method=method, ledger=ledger, budget=budget)

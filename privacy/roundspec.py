@@ -10,52 +10,31 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
 
 from google.protobuf.message import DecodeError
 
-from fedlt.aggregation import Schema
+from fedlt.aggregation import Schema, layers, record
 from fedlt.aggregation.round_sums import RoundSums
-from fedlt.aggregation.tail_guard import ONLY_UNDER_DP, Census
+from fedlt.aggregation.tail_guard import Census, guard_of
 from fedlt.errors import FedltError
 from fedlt.v1 import round_pb2
 from fedlt.wire import census_from_pb, census_to_pb, schema_from_pb, schema_to_pb
-from privacy.ckks.attestation import Attested
-from privacy.ckks.settings import CkksParameters
+from fedlt.wire.codec import BadLayerMessage, entries_of, from_entries
 from privacy.pki.signing import ROUNDSPEC_CONTEXT, verify
-from privacy.secagg.settings import SecAggSettings
+from privacy.stepping.attestation import Attested
 
 
 class RoundSpecError(FedltError):
     """Signed bytes that are not a RoundSpec."""
 
 
-@dataclass(frozen=True)
-class Parameters:
-    """How one layer's settings go into a RoundSpec and come back out of it."""
-
-    write: Callable[[object], dict[str, object]]
-    read: Callable[[round_pb2.RoundSpec], object]
-
-
-PARAMETERS: dict[str, Parameters] = {
-    "plaintext": Parameters(write=lambda _: {}, read=lambda _: None),
-    "secagg": Parameters(
-        write=lambda settings: {"secagg": round_pb2.SecAggParameters(**asdict(settings))},
-        read=lambda spec: SecAggSettings(
-            threshold=spec.secagg.threshold,
-            neighbours=spec.secagg.neighbours,
-            k_min=spec.secagg.k_min,
-            min_records=spec.secagg.min_records,
-        ),
-    ),
-    "ckks": Parameters(
-        write=lambda settings: {"ckks": round_pb2.CkksParameters(**asdict(settings))},
-        read=lambda spec: CkksParameters(
-            spec.ckks.k_min, spec.ckks.context_id, spec.ckks.key_holder, spec.ckks.min_records
-        ),
-    ),
-}
+def _write(privacy: str, settings: object) -> dict[str, object]:
+    """The layer's parameters as RoundSpec fields: its own (`RoundParameters`), or its settings dataclass
+    carried by name through the generic codec; none for a layer without settings."""
+    layer = record(privacy)
+    if layer.parameters is not None:
+        return layer.parameters.write(settings)
+    return {} if settings is None else {"layer_parameters": entries_of(settings)}
 
 
 def build(
@@ -99,7 +78,7 @@ def build(
         deadline_unix_ms=deadline_unix_ms,
         census=None if census is None else census_to_pb(census),
         attestations=None if attested is None else attested.to_pb(),
-        **PARAMETERS[privacy].write(settings),
+        **_write(privacy, settings),
     )
 
 
@@ -118,9 +97,18 @@ def open_signed(signed: round_pb2.SignedRoundSpec, signer_cert) -> round_pb2.Rou
 
 
 def settings_of(spec: round_pb2.RoundSpec) -> object:
-    """The layer's parameters as signed (None for a layer without any, or one not implemented here)."""
-    parameters = PARAMETERS.get(spec.privacy)
-    return None if parameters is None else parameters.read(spec)
+    """The layer's parameters as signed (None for a layer without any, or one not installed here)."""
+    layer = layers().get(spec.privacy)
+    if layer is None:
+        return None
+    if layer.parameters is not None:
+        return layer.parameters.read(spec)
+    if layer.settings is None:
+        return None
+    try:
+        return from_entries(spec.layer_parameters, layer.settings)
+    except BadLayerMessage as exc:
+        raise RoundSpecError(f"the {spec.privacy} parameters: {exc}") from None
 
 
 def sums_of(signed: round_pb2.SignedRoundSpec, spec: round_pb2.RoundSpec) -> RoundSums:
@@ -130,8 +118,8 @@ def sums_of(signed: round_pb2.SignedRoundSpec, spec: round_pb2.RoundSpec) -> Rou
         round_id=spec.round_id,
         participants=tuple(sorted(spec.participants)),
         schema=schema_from_pb(spec.schema),
-        k_min=getattr(settings, "k_min", 0),
-        record_floor=getattr(settings, "min_records", ONLY_UNDER_DP),
+        k_min=guard_of(settings).k_min,
+        record_floor=guard_of(settings).min_records,
         census=census_from_pb(spec),
         binding=hashlib.sha256(signed.spec).digest(),
         settings=settings,

@@ -4,14 +4,15 @@
 marked, its certificate checked against it), or add this silo's signature to a roster draft the operator
 sent (a new version counts once a quorum of silos signed it).
 
-`python -m silo ckks rotate --config silo.toml`: as the consortium's CKKS key holder, make a new key; the
-running agent seals it to every silo at its next heartbeat, and the next RoundSpec names it.
+`python -m silo keys rotate --config silo.toml [--layer NAME]`: as the consortium's key holder (a layer with
+a key service, e.g. ckks; `--layer` picks one where the policy lists several), make a new key; the running
+agent seals it to every silo at its next heartbeat, and the next RoundSpec names it.
 
 `python -m silo budget --config silo.toml`: this silo's differential-privacy budget, what it has spent and on
 what (its ledger, which the agent charges before any private work).
 
 `python -m silo export --config silo.toml --out DIR`: the model this silo last stepped to (where only silos
-can read the consortium's state, ckks), as safetensors weights with a model card; it fetches nothing.
+can read the consortium's state, e.g. ckks), as safetensors weights with a model card; it fetches nothing.
 
 `python -m silo certificate-request --config silo.toml --out FILE`: a certificate request for this silo's
 key (made, owner-only, if `[connection] key` does not exist yet), for the CA holder to issue or renew its
@@ -53,14 +54,17 @@ def main(argv: list[str] | None = None) -> int:
     sign = roster_commands.add_parser("sign", help="add this silo's signature to a roster draft, in place")
     sign.add_argument("--config", required=True, help="silo.toml")
     sign.add_argument("draft", type=Path, help="the roster draft (python -m aggregator roster draft)")
-    ckks = commands.add_parser("ckks", help="the CKKS key this silo holds as the consortium's key holder")
-    ckks_commands = ckks.add_subparsers(dest="ckks_command", required=True)
-    rotate = ckks_commands.add_parser("rotate", help="make a new consortium key (key holder only)")
+    keys = commands.add_parser("keys", help="the key this silo holds as the consortium's key holder")
+    keys_commands = keys.add_subparsers(dest="keys_command", required=True)
+    rotate = keys_commands.add_parser("rotate", help="make a new consortium key (key holder only)")
     rotate.add_argument("--config", required=True, help="silo.toml")
+    rotate.add_argument(
+        "--layer", help="the privacy layer whose key to rotate (needed where policy.privacy lists several)"
+    )
     budget = commands.add_parser("budget", help="this silo's privacy budget, spending and ledger")
     budget.add_argument("--config", required=True, help="silo.toml")
     export = commands.add_parser(
-        "export", help="write the model this silo last stepped to (ckks) as safetensors with a model card"
+        "export", help="write the model this silo last stepped to (where silos step it), with a model card"
     )
     export.add_argument("--config", required=True, help="silo.toml")
     export.add_argument("--out", type=Path, required=True, help="a new or empty folder to write it to")
@@ -77,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             from silo.budget import show_budget  # NumPy and Opacus' accountant load only for this command
 
             return show_budget(config)
-        if args.command == "ckks":
-            return _rotate_ckks_key(config)
+        if args.command == "keys":
+            return _rotate_key(config, args.layer)
         if args.command == "export":
             from silo.export import export_stepped  # torch and TenSEAL load only for this command
 
@@ -104,17 +108,33 @@ def _run(config: SiloConfig, log_level: str) -> int:
     return SiloAgent(config, stop=stop).run()
 
 
-def _rotate_ckks_key(config: SiloConfig) -> int:
+def _rotate_key(config: SiloConfig, layer: str | None) -> int:
     """Runs beside the agent, which shares the new key at its next heartbeat, so it takes no state-directory
-    lock (`fedlt.dir_lock`): it only adds a key file and repoints `ckks/current`, each atomically, and
+    lock (`fedlt.dir_lock`): it only adds a key file and repoints `<layer>/current`, each atomically, and
     rewrites nothing it read, so no record of the agent's can be lost."""
-    from silo.ckks_keys import CkksKeyring  # TenSEAL loads only for this command
+    from silo.key_service import keyrings  # the layers (TenSEAL for ckks) load only for this command
 
-    keyring = CkksKeyring.for_policy(config.path(config.state_dir), config.policy.privacy)
-    if keyring is None:
-        raise FedltError("policy.privacy does not list ckks: this silo holds no CKKS key to rotate")
+    found = keyrings(config.path(config.state_dir), config.policy.privacy)
+    if not found:
+        raise FedltError(
+            f"policy.privacy ({', '.join(config.policy.privacy)}) lists no layer with a key service: this "
+            "silo holds no consortium key to rotate"
+        )
+    if layer is None and len(found) > 1:
+        raise FedltError(
+            f"policy.privacy lists several layers with a key service ({', '.join(found)}): name the one "
+            "whose key to rotate with --layer"
+        )
+    if layer is not None and layer not in found:
+        raise FedltError(
+            f"--layer {layer!r}: policy.privacy lists no such layer with a key service; it lists "
+            f"{', '.join(found)}"
+        )
+    keyring = found[layer] if layer is not None else next(iter(found.values()))
     secret = keyring.rotate()
-    print(f"new CKKS key {secret.context_id[:16]}; the running agent shares it at its next heartbeat")
+    print(
+        f"new {keyring.layer} key {secret.context_id[:16]}; the running agent shares it at its next heartbeat"
+    )
     return 0
 
 

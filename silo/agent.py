@@ -16,8 +16,8 @@ ledger keyed by the state trained from), whose ledgers fail closed at start (`si
 finished contribution is written to disk before upload, keyed by the state it was trained from, so an agent
 restarted mid-upload, or handed the same state under another label, sends the same bytes instead of training
 again. Where the layer lets only silos read the sum (ckks), the silo also runs the server
-step and reports the sealed next state (`silo.stepping`), with its keys from the key ceremony
-(`silo.ckks_keys`).
+step and reports the sealed next state (`silo.stepping`); where it asks for the key service, its keys come
+from the key ceremony (`silo.key_service`).
 """
 
 from __future__ import annotations
@@ -32,13 +32,14 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import grpc
 import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
-from fedlt.aggregation import Schema, evaluation_block, make_layer, tail_guard
+from fedlt.aggregation import Schema, evaluation_block, layer_names, make_layer, record, tail_guard
 from fedlt.aggregation.gate import Floors, ReleaseGate
 from fedlt.aggregation.halves import PartyKeys, SiloHalf
 from fedlt.atomic import atomic_write, atomic_write_text
@@ -54,19 +55,17 @@ from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc, round_pb2
 from fedlt.wire import schema_from_pb
 from privacy import roundspec
-from privacy.ckks.ceremony import CeremonyError
-from privacy.ckks.settings import CkksParameters
 from privacy.dp import BudgetExceeded, SiloPrivacy
+from privacy.peers import ConsortiumPeers
 from privacy.pki.errors import PkiError
 from privacy.pki.renewal import ExpiryWatch
 from privacy.pki.signing import sign
 from privacy.roundspec import RoundSpecError
-from privacy.secagg.peers import ConsortiumPeers
-from privacy.wire import DRILL_NAMES, UPLOADS, fetched, step_from_pb
+from privacy.wire import drill_name, fetched, step_from_pb, upload_types
 from silo.budget import ledger_path, open_ledger
-from silo.ckks_keys import CkksKeyring
-from silo.config import LAYERS_IMPLEMENTED, SiloConfig
+from silo.config import SiloConfig
 from silo.export import keep_stepped
+from silo.key_service import KeyService
 from silo.participation import Participation
 from silo.releases import ReleaseLedger, check_ledgers
 from silo.stepping import (
@@ -87,10 +86,9 @@ CALL_TIMEOUT = 120.0
 
 
 # Dropout drills (operators rehearsing, and the tests): the agent freezes itself right after sending the named
-# message (`privacy.wire.DRILL_NAMES`) of a contribution sum, or of a census sum as "census:<name>", so a
+# message (`privacy.wire.drill_name`) of a contribution sum, or of a census sum as "census:<name>", so a
 # dropout can be placed at an exact stage.
 DRILL = "FEDLT_DRILL_STOP_AFTER"
-UPLOAD_TYPES = frozenset(kind for kind, _ in UPLOADS.values())
 
 
 # What the aggregator is told of a refusal whose message names this silo's own facts (its data, its privacy
@@ -165,7 +163,6 @@ class SiloAgent:
             ledger=self.ledger,
         )
         self.silo_id = ""
-        self.key_holder = False
         self.aggregator_pem = b""
         self.activity = pb.SILO_ACTIVITY_IDLE
         self.round_id = ""
@@ -175,18 +172,25 @@ class SiloAgent:
         self.privacy_ledger.keep()
         self.ledger.note_privacy_ledger()
         self._expiry_warnings()
-        self.ckks = CkksKeyring.for_policy(self.state_dir, config.policy.privacy)
+        # the key service, for each layer the policy lists that asks for one
+        self.keys = KeyService(
+            self.state_dir, config.policy.privacy, trust=self.trust, sign=self._sign, timeout=CALL_TIMEOUT
+        )
         # held-out data, evaluated inside a sum under whichever layer; in the plan's label space like `data`
         self.local_held_out = config.load_evaluation()
         self.held_out = self.local_held_out
         keys = PartyKeys(
             sign=self._sign,
             peers=ConsortiumPeers(self.trust.members),
-            policy=config.policy.session_policy(),
-            secret=self.ckks.secret_for if self.ckks else None,
         )
-        # each layer the policy accepts, as this silo uses it; a RoundSpec naming another is refused
-        self.sides = {name: make_layer(name).silo_side(keys) for name in config.policy.privacy}
+        # each layer the policy accepts, as this silo uses it, with its reading of the policy's minimums; a
+        # RoundSpec naming another is refused
+        self.sides = {
+            name: make_layer(name).silo_side(
+                replace(keys, policy=_layer_policy(name, config), secret=self.keys.secret_for(name))
+            )
+            for name in config.policy.privacy
+        }
         self._taking_part: Participation | None = None
         # where this silo steps the model: the round's starting state, and the evaluation sum it joined last
         self._stepping: tuple[str, GlobalState, Method] | None = None
@@ -350,11 +354,7 @@ class SiloAgent:
             accepted_methods=policy.methods,
             accepted_privacy=policy.privacy,
             accepted_disclosures=policy.disclosures,
-            ckks_enrollment=(
-                self.ckks.enrollment_pb(self.trust.roster.consortium, self.me, self._sign)
-                if self.ckks
-                else None
-            ),
+            key_enrollment=self.keys.enrollment(self.me),
         )
         try:
             reply = stub.Register(request, timeout=CALL_TIMEOUT)
@@ -383,49 +383,7 @@ class SiloAgent:
         self.aggregator_pem, self.silo_id = reply.aggregator_certificate, reply.silo_id
         log.info("registered as %s with consortium %r", reply.silo_id, reply.consortium_id)
         self._expiry_warnings()
-        self.key_holder = bool(self.ckks) and reply.ckks_key_holder == self.silo_id
-        if self.key_holder:
-            self._share_ckks_key(stub)
-
-    def _share_ckks_key(self, stub, *, again: bool = True) -> None:
-        """As the key holder: seal the consortium's key to every silo enrolled so far (`again` False: only to
-        silos enrolled since, which each heartbeat looks for)."""
-        self.ckks.share(
-            stub,
-            consortium=self.trust.roster.consortium,
-            me=self.silo_id,
-            sign=self._sign,
-            members=self.trust.members,
-            timeout=CALL_TIMEOUT,
-            again=again,
-        )
-
-    def _ckks_key(self, stub, signed: round_pb2.SignedRoundSpec) -> None:
-        """Before checking a ckks RoundSpec: fetch the key it names if this silo lacks it (or, as key holder,
-        seal it to newcomers). A key that does not arrive makes the check refuse the round."""
-        try:
-            spec = roundspec.open_signed(signed, self.trust.members.aggregator(self.aggregator_pem))
-        except (RoundSpecError, PkiError):
-            return  # the check says why
-        parameters = roundspec.settings_of(spec)
-        if self.ckks is None or not isinstance(parameters, CkksParameters):
-            return
-        try:
-            if parameters.key_holder == self.silo_id:
-                self._share_ckks_key(stub)
-            elif self.ckks.get(parameters.context_id) is None:
-                self.ckks.fetch(
-                    stub,
-                    parameters,
-                    consortium=self.trust.roster.consortium,
-                    me=self.silo_id,
-                    members=self.trust.members,
-                    timeout=CALL_TIMEOUT,
-                )
-        except CeremonyError as exc:
-            log.error("%s: the CKKS key: %s", spec.round_id, exc)
-        except grpc.RpcError as exc:
-            log.warning("%s: the CKKS key could not be fetched: %s", spec.round_id, exc.details())
+        self.keys.registered(stub, reply)
 
     def _heartbeat(self) -> pb.HeartbeatRequest:
         """Activity, and the ε left in this silo's budget if (and only if) its dp.report says to tell."""
@@ -450,8 +408,7 @@ class SiloAgent:
                 self.trust.offer_roster(reply.roster)  # a running silo adopts a newer roster here
                 if self._renewal_due():
                     return  # the stream is cancelled; the next session presents the renewed certificate
-                if self.key_holder:
-                    self._share_ckks_key(stub, again=False)
+                self.keys.heartbeat(stub)
             except grpc.RpcError:
                 return
 
@@ -460,7 +417,7 @@ class SiloAgent:
     def _round(
         self, stub: consortium_pb2_grpc.ConsortiumServiceStub, signed: round_pb2.SignedRoundSpec
     ) -> None:
-        self._ckks_key(stub, signed)
+        self.keys.before_round(stub, signed, self.aggregator_pem)
         try:
             spec, plan = self._check_spec(signed)
         except RefusedRound as exc:
@@ -556,7 +513,8 @@ class SiloAgent:
             stub,
             taking_part,
             side=self.sides[spec.privacy],
-            secret=self.ckks.secret_for(roundspec.settings_of(spec)),
+            sign=self._sign,
+            secret=self.keys.secret(spec),
             state=state,
             method=method,
             held_out=self.held_out,
@@ -582,11 +540,11 @@ class SiloAgent:
 
     def _sent(self, spec: round_pb2.RoundSpec, purpose: str, message: object) -> None:
         """After each message: the contribution's upload ends the pending file; drills may stop here."""
-        if purpose == "contribution" and type(message) in UPLOAD_TYPES:
+        if purpose == "contribution" and type(message) in upload_types():
             self._clear_pending()
             self._save_progress(committed=spec.round - 1, submitted=spec.round_id)
             log.info("round %d: contribution accepted (%s)", spec.round, type(message).__name__)
-        drill, name = os.environ.get(DRILL, ""), DRILL_NAMES.get(type(message))
+        drill, name = os.environ.get(DRILL, ""), drill_name(message)
         if drill and name and drill == (name if purpose == "contribution" else f"{purpose}:{name}"):
             log.warning("drill: stopping after sending the %s message, as %s asks", drill, DRILL)
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -625,8 +583,8 @@ class SiloAgent:
             problems.append(f"this silo ({self.silo_id}) is not among the participants")
         if spec.method not in policy.methods:
             problems.append(f"method {spec.method!r} is not allowed by policy.methods")
-        if spec.privacy not in LAYERS_IMPLEMENTED:
-            problems.append(f"privacy layer {spec.privacy!r} is not implemented by this agent")
+        if spec.privacy not in layer_names():
+            problems.append(f"privacy layer {spec.privacy!r} is not installed with this agent")
         elif spec.privacy not in self.sides:
             problems.append(f"privacy layer {spec.privacy!r} is not allowed by policy.privacy")
         extra = sorted(set(spec.disclosures) - set(policy.disclosures))
@@ -713,13 +671,13 @@ class SiloAgent:
         steps_model = self.sides[spec.privacy].steps_model
         try:
             if steps_model:
-                secret = self.ckks.secret_for(roundspec.settings_of(spec))
+                secret = self.keys.secret(spec)
                 state = opened_state(
                     data,
                     spec,
                     secret,
                     method,
-                    older=self.ckks.held(),
+                    older=self.keys.held(spec.privacy),
                     peers=self.sides[spec.privacy].peers,
                     min_counted=self.config.policy.min_survivors,
                 )
@@ -885,6 +843,12 @@ class SiloAgent:
 
     def _save_progress(self, **facts: object) -> None:
         atomic_write_text(self.state_dir / "progress.json", json.dumps({**self._progress(), **facts}))
+
+
+def _layer_policy(name: str, config: SiloConfig) -> object:
+    """The layer's reading of this silo's [policy] minimums (None for a layer that reads none)."""
+    policy = record(name).policy
+    return None if policy is None else policy(config.policy)
 
 
 def _dp_summary(privacy: SiloPrivacy, sigma: float | None) -> str:

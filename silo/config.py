@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fedlt.aggregation import layer_names
+from fedlt.aggregation.registry import DEFAULT_LAYER
 from fedlt.aggregation.tail_guard import ONLY_UNDER_DP
 from fedlt.config import parse_section, read_toml, resolve, setting
 from fedlt.data.arrays import LabeledImages
@@ -18,8 +20,6 @@ from fedlt.dp import DPSettings
 from fedlt.errors import ConfigError
 from fedlt.keepalive import MIN_SECONDS
 from fedlt.methods import METHODS
-from privacy.secagg.policy import SessionPolicy
-from privacy.wire import CONSORTIUM_LAYERS
 
 
 @dataclass(frozen=True)
@@ -60,16 +60,12 @@ class DataSection:
     recipe: DataConfig = field(default_factory=DataConfig)
 
 
-# The privacy layers this agent implements; a RoundSpec naming any other is refused, whatever the policy says.
-LAYERS_IMPLEMENTED = CONSORTIUM_LAYERS
-
-
 @dataclass(frozen=True)
 class PolicySection:
     """What this silo agrees to; a RoundSpec asking for anything else is refused, not negotiated."""
 
     methods: tuple[str, ...] = tuple(METHODS)
-    privacy: tuple[str, ...] = ("secagg",)
+    privacy: tuple[str, ...] = (DEFAULT_LAYER,)
     disclosures: tuple[str, ...] = ()
     max_state_mb: float = setting(2048.0, gt=0.0)
     min_tail_guard: int = setting(2, ge=0, doc="refuse rounds whose tail guard k_min is lower")
@@ -99,23 +95,16 @@ class PolicySection:
         doc="refuse a roster whose quorum of silo signatures is not above this fraction of its silos",
     )
 
-    def session_policy(self) -> SessionPolicy:
-        return SessionPolicy(
-            min_participants=self.min_participants,
-            threshold_above=Fraction(self.threshold_above),
-            min_neighbours=self.min_neighbours,
-        )
-
     def problems(self) -> list[str]:
         found = []
         unknown_methods = sorted(set(self.methods) - set(METHODS))
         if unknown_methods:
             found.append(f"policy.methods: unknown {unknown_methods}; known: {', '.join(METHODS)}")
-        unknown_layers = sorted(set(self.privacy) - set(LAYERS_IMPLEMENTED))
+        unknown_layers = sorted(set(self.privacy) - set(layer_names()))
         if unknown_layers:
             found.append(
-                f"policy.privacy: {unknown_layers} not implemented by this agent; "
-                f"known: {', '.join(LAYERS_IMPLEMENTED)}"
+                f"policy.privacy: {unknown_layers} not installed with this agent; "
+                f"installed: {', '.join(layer_names())}"
             )
         fraction = _fraction(self.threshold_above)
         if fraction is None or not Fraction(1, 2) <= fraction < 1:

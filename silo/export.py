@@ -1,10 +1,11 @@
 """`python -m silo export --config silo.toml --out DIR`: the model this silo stepped to, taken home.
 
-Where only silos can read the consortium's state (ckks seals it), the aggregator cannot export the model: a
-silo can. Each time it steps the model and the aggregator accepts its report, the silo keeps what it reported,
-the state sealed with the consortium's key, its digest and the silo's signature over it (`keep_stepped`), in
-one file under state_dir that each step replaces. The export fetches nothing: it opens that sealed state with
-a key this silo holds, recomputes the digest it signed, and writes the weights and a model card
+Where only silos can read the consortium's state (a layer whose silos step the model, e.g. ckks, seals it),
+the aggregator cannot export the model: a silo can. Each time it steps the model and the aggregator accepts
+its report, the silo keeps what it reported, the state sealed with the consortium's key, its digest and the
+silo's signature over it (`keep_stepped`), in one file under state_dir that each step replaces. The export
+fetches nothing: it opens that sealed state with a key of the layer it names that this silo holds (its
+keyring, `silo.key_service`), recomputes the digest it signed, and writes the weights and a model card
 (`fedlt.export`) with that signature. The other counted silos' signatures over the digest stay with the
 aggregator, which commits a state only when every counted silo reported that same digest.
 """
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fedlt.aggregation import layers
 from fedlt.atomic import atomic_write
 from fedlt.errors import ConfigError
 from fedlt.export import CARD, README, WEIGHTS, ExportError, check_out_dir, utc, write_export
@@ -28,10 +30,11 @@ from fedlt.plan import RoundPlan
 from fedlt.tensorpack import PackError
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import round_pb2
-from privacy.ckks.sealed_state import SealedStateError, open_state
+from privacy.stepping.attestation import ATTESTATION_CONTEXT
+from privacy.stepping.sealed_state import SealedStateError, open_state
 from silo.budget import open_ledger
-from silo.ckks_keys import CkksKeyring
 from silo.config import SiloConfig
+from silo.key_service import Keyring
 
 STEPPED = "stepped-state.bin"
 MAGIC = b"FSTEPPED1"
@@ -85,10 +88,11 @@ def _kept(state_dir: Path) -> tuple[dict[str, Any], bytes]:
     if not state_dir.is_dir():
         raise ExportError(f"no such state directory {state_dir} (state_dir of the silo's config)")
     if not path.is_file():
+        stepping = ", ".join(name for name, layer in layers().items() if layer.silos_step) or "none installed"
         raise ExportError(
             f"this silo has stepped no model yet ({path} does not exist): a silo keeps the last state it "
-            "stepped to where only silos can read the state (ckks); under any other layer the operator "
-            "exports the model (python -m aggregator export)"
+            f"stepped to where only silos can read the state ({stepping}); under any other layer the "
+            "operator exports the model (python -m aggregator export)"
         )
     data = path.read_bytes()
     try:
@@ -114,10 +118,11 @@ def _plan(facts: dict[str, Any], state_dir: Path) -> RoundPlan:
 
 
 def _opened(state_dir: Path, facts: dict[str, Any], sealed: bytes) -> GlobalState:
-    """The kept state, opened with a key this silo holds (an older one after a rotation) and checked against
-    the digest this silo signed."""
+    """The kept state, opened with a key of its layer this silo holds (an older one after a rotation) and
+    checked against the digest this silo signed."""
     bound = {"consortium": facts["consortium"], "round_number": facts["round"], "digest": facts["digest"]}
-    keys = CkksKeyring(state_dir).held()
+    keyring = _keyring(state_dir, facts["privacy"])
+    keys = keyring.held()
     for key in keys:
         try:
             packed = open_state(key, **bound, sealed=sealed)
@@ -131,9 +136,20 @@ def _opened(state_dir: Path, facts: dict[str, Any], sealed: bytes) -> GlobalStat
             raise ExportError(f"the state kept in {state_dir / STEPPED} is not the one this silo signed")
         return state
     raise ExportError(
-        f"none of the {len(keys)} CKKS keys in {state_dir / 'ckks'} opens the state kept in "
+        f"none of the {len(keys)} {keyring.layer} keys in {keyring.dir} opens the state kept in "
         f"{state_dir / STEPPED}: was the key removed?"
     )
+
+
+def _keyring(state_dir: Path, layer: str) -> Keyring:
+    """The keys of the layer the kept state names, which must be installed and ask for the key service."""
+    record = layers().get(layer)
+    if record is None or record.key_service is None:
+        raise ExportError(
+            f"the state kept in {state_dir / STEPPED} is of privacy layer {layer!r}, which is not installed "
+            "here with a key service: no key of it opens the state"
+        )
+    return Keyring(state_dir, layer, record.key_service)
 
 
 def _card_facts(config: SiloConfig, facts: dict[str, Any], plan: RoundPlan) -> dict[str, Any]:
@@ -165,7 +181,7 @@ def _card_facts(config: SiloConfig, facts: dict[str, Any], plan: RoundPlan) -> d
         },
         "silos": _own_epsilon(config, me),
         "attestations": {
-            "note": f"{me}'s signature (context fedlt/ckks/state-attestation/v1) over the consortium, the "
+            "note": f"{me}'s signature (context {ATTESTATION_CONTEXT}) over the consortium, the "
             "round, this digest and the silos counted. The aggregator keeps every counted silo's signature "
             f"and commits a state only when all of them reported the same digest. {heard}",
             "counted": facts["counted"],

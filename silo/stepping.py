@@ -1,18 +1,21 @@
-"""Where only silos can read a round's sum (ckks): this silo opens the sealed state, steps the model itself,
-seals the next state for the aggregator to keep, signs it, and adds its evaluation counts to one more sum.
+"""Where only silos can read a round's sum (a layer that `silos_step`, e.g. ckks): this silo opens the sealed
+state, steps the model itself, seals the next state for the aggregator to keep, signs it, and adds its
+evaluation counts to one more sum. The sealing key is the consortium's shared key, from the key service
+(`silo.key_service`); any layer's side and key serve, as this module names none.
 
-The next state must be the same at every silo to the bit: every silo decrypts the one ciphertext sum all of
-them signed (`privacy.ckks.halves`), already on each field's grid, and the server step runs on one torch
-thread here, so every silo on the same software computes the same numbers. Each one signs the digest it
-computed, the round and the silos the sum counted (`privacy.ckks.attestation`); the aggregator commits a
-state only if every counted silo reported it, and the next round's silos step from it only if every one of
-them signed it (`opened_state`), so a state one silo computed alone, or a seal any key holder could make, is
-not enough. The state of round 1 is the method's seeded initial state, public anyway, so it comes unsealed and
-unsigned, and is checked against the seed.
+The next state must be the same at every silo to the bit: every silo reads the one sum all of them signed
+(under ckks, decrypts the one ciphertext, `privacy.ckks.halves`), already on each field's grid, and the server
+step runs on one torch thread here, so every silo on the same software computes the same numbers. Each one
+signs the digest it computed, the round and the silos the sum counted (`privacy.stepping.attestation`); the
+aggregator commits a state only if every counted silo reported it, and the next round's silos step from it
+only if every one of them signed it (`opened_state`), so a state one silo computed alone, or a seal any key
+holder could make, is not enough. The state of round 1 is the method's seeded initial state, public anyway,
+so it comes unsealed and unsigned, and is checked against the seed.
 
-The evaluation counts a silo adds are masked (`privacy.ckks.masks`) with masks bound to the state this silo
-stepped to and to the exact silo set: they cancel only in the sum over every silo of the set, and only if all
-of them stepped to the same state; any other ciphertext decrypts to no counts, which the silo does not report.
+The evaluation counts a silo adds are masked (`privacy.stepping.masks`) with masks bound to the state this
+silo stepped to and to the exact silo set: they cancel only in the sum over every silo of the set, and only if
+all of them stepped to the same state; any other sum (under ckks, any other ciphertext) reads as no counts,
+which the silo does not report.
 
 Where the aggregator steps the model (secagg, plaintext) the same counts, of the state a round starts from,
 ride in the round's contribution instead when the plan asks for held-out evaluation (`round_contribution`,
@@ -33,6 +36,7 @@ from fedlt.aggregation.gate import ReleaseGate, Subject
 from fedlt.aggregation.halves import (
     EVALUATION_BOUND,
     SiloHalf,
+    SiloSide,
     SumAborted,
     SumSpec,
     evaluation_schema,
@@ -46,13 +50,12 @@ from fedlt.plan import RoundPlan
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import round_pb2
 from fedlt.wire import chunks, schema_to_pb
-from privacy.ckks.attestation import Attested, attest, check_attested
-from privacy.ckks.halves import CkksSiloSide
-from privacy.ckks.keys import SecretContext
-from privacy.ckks.masks import zero_sum_mask
-from privacy.ckks.sealed_state import SealedStateError, open_state, seal_state
-from privacy.secagg.crypto import transcript
-from privacy.secagg.protocol import Peers
+from privacy.crypto import transcript
+from privacy.peers import Peers, Signer
+from privacy.stepping import SharedKey
+from privacy.stepping.attestation import Attested, attest, check_attested
+from privacy.stepping.masks import zero_sum_mask
+from privacy.stepping.sealed_state import SealedStateError, open_state, seal_state
 from privacy.wire import payload_of, send
 from silo.participation import Participation
 
@@ -75,10 +78,10 @@ def one_thread() -> Iterator[None]:
 def opened_state(
     data: bytes,
     spec: round_pb2.RoundSpec,
-    secret: SecretContext,
+    secret: SharedKey,
     method: Method,
     *,
-    older: Sequence[SecretContext] = (),
+    older: Sequence[SharedKey] = (),
     peers: Peers,
     min_counted: int,
 ) -> GlobalState:
@@ -148,8 +151,9 @@ def step_and_report(
     stub,
     taking_part: Participation,
     *,
-    side: CkksSiloSide,
-    secret: SecretContext,
+    side: SiloSide,
+    sign: Signer,
+    secret: SharedKey,
     state: GlobalState,
     method: Method,
     held_out: LabeledImages | None,
@@ -157,8 +161,8 @@ def step_and_report(
     timeout: float,
     keep: Callable[[pb.StateReportHeader, bytes], None] | None = None,
 ) -> tuple[SiloHalf, str]:
-    """Run the server step on the decrypted sum, report the sealed next state signed with the silo's
-    certificate key (`side.sign`); returns the half of the evaluation sum the aggregator will send back (for
+    """Run the server step on the sum this silo read, report the sealed next state signed with the silo's
+    certificate key (`sign`); returns the half of the evaluation sum the aggregator will send back (for
     `report_evaluation`) and the new state's digest. The evaluation counts pass the silo's release gate like
     any other release, keyed by the state they evaluate. `keep` is handed the report (its header and the
     sealed state) once the aggregator accepted it (`silo.export.keep_stepped`)."""
@@ -176,10 +180,10 @@ def step_and_report(
         packed=pack_state(following),
     )
     attested = {"consortium": spec.consortium_id, "round_number": spec.round, "digest": digest}
-    signature = attest(side.sign, **attested, counted=survivors)
+    signature = attest(sign, **attested, counted=survivors)
     # the masks and the sum's signatures are bound to the state this silo stepped to, not only to labels
     # the aggregator chooses: they cancel, and the survivors' signatures agree, only among silos that
-    # decrypted the same sum and computed the same state
+    # read the same sum and computed the same state
     binding = transcript(spec.consortium_id, str(spec.round), spec.round_id, spec.state_digest, digest)
     evaluated = SumSpec(
         spec.round_id,
@@ -224,10 +228,10 @@ def step_and_report(
 
 
 def report_evaluation(stub, round_number: int, evaluation: SiloHalf, step: object, timeout: float) -> bool:
-    """One step of the evaluation sum: handed the encrypted sum, sign it and send the signature; handed every
-    silo's signature, decrypt (the half's release check first) and report the per-class totals, only if they
-    are counts: anything but the sum over every silo that masked its counts, all having stepped to the same
-    state, still carries masks. True once reported."""
+    """One step of the evaluation sum, as the layer's half takes it (ckks: handed the encrypted sum, sign it
+    and send the signature; handed every silo's signature, decrypt, the half's release check first); once
+    read, report the per-class totals, only if they are counts: anything but the sum over every silo that
+    masked its counts, all having stepped to the same state, still carries masks. True once reported."""
     outgoing = evaluation.step(step)
     if not evaluation.done:
         for message in outgoing:

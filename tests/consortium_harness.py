@@ -35,7 +35,6 @@ from fedlt.methods.state import GlobalState, unpack_state
 from fedlt.plan import ModelSection, RoundPlan
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc
-from privacy.ckks.relay import CkksRelay
 from privacy.pki.ca import init_ca, issue_server, issue_silo
 from privacy.pki.identity import RevocationList
 from privacy.pki.roster import Roster, RosterFile, draft
@@ -297,7 +296,7 @@ class PayloadEngine:
 
 def no_members(directory: Path, identity: Identity) -> dict:
     """`members`, `roster` and `relay` for a servicer whose tests never register a silo: a roster of the
-    aggregator, and a CKKS relay that names no key holder."""
+    aggregator, and no key service."""
     path = directory / "roster.json"
     roster = draft("payload", aggregator=(directory / "aggregator.pem").read_bytes(), silos=[])
     path.write_bytes(roster.to_json())
@@ -305,7 +304,7 @@ def no_members(directory: Path, identity: Identity) -> dict:
     return {
         "members": MemberTrust(ca, roster, identity.revocations),
         "roster": RosterFile(path),
-        "relay": CkksRelay(""),
+        "relay": None,
     }
 
 

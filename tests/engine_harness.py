@@ -24,11 +24,11 @@ from fedlt.aggregation.halves import PartyKeys
 from fedlt.errors import FedltError
 from fedlt.v1 import round_pb2
 from fedlt.wire import PURPOSE_OF_SUM, schema_from_pb
+from privacy.peers import KeyPeers
 from privacy.pki.signing import sign
 from privacy.secagg.layer import SecAggSum
-from privacy.secagg.peers import KeyPeers
 from privacy.secagg.policy import SessionPolicy
-from privacy.wire import RECEIVERS, received, submitted
+from privacy.wire import received, receivers, submitted
 from silo.participation import Participation
 from silo.releases import ReleaseLedger
 
@@ -44,7 +44,7 @@ class DirectStub:
         self.engine, self.silo = engine, silo
 
     def __getattr__(self, rpc: str):
-        if rpc not in RECEIVERS:
+        if rpc not in receivers():
             raise AttributeError(rpc)
 
         def call(request, **_: object) -> None:

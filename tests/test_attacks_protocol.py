@@ -14,7 +14,7 @@ import pytest
 from attacks import protocol
 from attacks.audit import Finding
 from attacks.ckks_sums import SILOS, chosen_sums
-from privacy.secagg.peers import KeyPeers
+from privacy.peers import KeyPeers
 from privacy.secagg.policy import SessionPolicy
 from silo.releases import ReleaseLedger
 

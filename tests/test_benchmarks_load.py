@@ -62,5 +62,5 @@ def test_silos_of_the_benchmark_accept_the_degree_asked(bench, tmp_path):
     configs = write_kit(tmp_path, silos=3)
     bench.add_to_policy(configs[0], {"min_neighbours": 10})
     assert tomllib.loads(configs[0].read_text())["policy"]["min_neighbours"] == 10
-    assert load_silo_config(configs[0]).policy.session_policy().min_neighbours == 10
+    assert load_silo_config(configs[0]).policy.min_neighbours == 10
     assert load_silo_config(configs[1]).policy.min_neighbours == 0  # untouched: the complete graph only

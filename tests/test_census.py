@@ -65,7 +65,7 @@ def test_census_holds_back_classes_fewer_than_k_min_silos_hold(tmp_path):
         plan=PLAN,
     )
     assert config.consortium.privacy == "secagg"
-    assert config.secagg.k_min == 2
+    assert config.layer_settings().k_min == 2
     silos = [InProcessSilo(name, values_of(name), tmp_path / name, records_of(name)) for name in HOLDINGS]
     peers = peers_of(silos)
     store = Store(tmp_path / "db.sqlite", audit_key=AUDIT_KEY)

@@ -15,9 +15,9 @@ import pytest
 
 from fedlt.aggregation import tail_guard
 from fedlt.aggregation.tail_guard import CensusError
+from privacy.ring import Ring
 from privacy.secagg.local import run_session
 from privacy.secagg.protocol import SessionSpec
-from privacy.secagg.ring import Ring
 
 CLASSES, SILOS = 6, 10
 NAMES = [f"silo-{k}" for k in range(SILOS)]

@@ -18,7 +18,6 @@ from privacy.ckks.halves import (
     CkksSiloHalf,
     EncryptedSum,
     EncryptedUpload,
-    Signed,
     SumSignatures,
     on_grid,
 )
@@ -33,8 +32,8 @@ from privacy.ckks.keys import (
     ciphertext_limit,
     scale_bits,
 )
+from privacy.peers import KeyPeers, Signed
 from privacy.pki.signing import sign
-from privacy.secagg.peers import KeyPeers
 
 SCHEMA = Schema((Field("delta", (5000,), 50.0, frac_bits=20), Field("n", (), 1000.0, frac_bits=0)))
 SILOS = ("a", "b", "c")

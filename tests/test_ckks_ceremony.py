@@ -1,4 +1,5 @@
-"""The CKKS key ceremony probed as a hostile aggregator or silo would probe it.
+"""The key service's ceremony (`privacy.keyservice.ceremony`), moving a CKKS key, probed as a hostile
+aggregator or silo would probe it.
 
 The aggregator relays every enrollment key and every sealed envelope, so it can drop, swap, relabel, replay
 and tamper with each; a roster silo can seal a key of its own or sign for another. Each attack is first shown
@@ -26,8 +27,9 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from privacy.ckks import ceremony
-from privacy.ckks.ceremony import (
+from privacy.ckks.keys import SecretContext
+from privacy.keyservice import ceremony
+from privacy.keyservice.ceremony import (
     ANNOUNCE_CONTEXT,
     SEAL_CONTEXT,
     SEAL_INFO,
@@ -40,7 +42,6 @@ from privacy.ckks.ceremony import (
     open_sealed,
     seal,
 )
-from privacy.ckks.keys import SecretContext
 from privacy.pki.ca import issue_silo, revoke
 from privacy.pki.identity import read_certificate, revoked_serials
 from privacy.pki.roster import Roster
@@ -157,6 +158,7 @@ class Ceremony:
             holder=holder,
             holder_certificate=holder_certificate or pem(self.root, holder),
             members=self.members,
+            read=SecretContext.from_secret_bytes,
         )
 
 

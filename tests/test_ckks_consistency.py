@@ -7,8 +7,8 @@ silo decrypts, steps from and evaluates. Three checks stand in its way, each wit
   signed; handing the victim the true sum (or the sum plus its own P) and the others `E + P` is refused;
 - evaluation masks bound to the state each silo stepped to (`silo.stepping`): they cancel only among silos
   that computed the same state, so counts of silos forced to other models never isolate one silo's;
-- signed state digests (`privacy.ckks.attestation`): a silo steps from a sealed state only if every silo its
-  sum counted signed that digest for that round, each a roster member, at least the silo's floor of them.
+- signed state digests (`privacy.stepping.attestation`): a silo steps from a sealed state only if every silo
+  its sum counted signed that digest for that round, each a roster member, at least the silo's floor of them.
 
 Each attack is first mounted where the check is absent (silos decrypting what they are handed, masks keyed by
 the round's starting state as they were, a state taken on its seal), and shown to work; then the real halves,
@@ -40,7 +40,22 @@ from fedlt.methods import ServerContext
 from fedlt.methods.state import GlobalState, pack_state
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import round_pb2
-from privacy.ckks.attestation import (
+from privacy.ckks.halves import (
+    CONSISTENCY_CONTEXT,
+    CkksAggregatorHalf,
+    EncryptedSum,
+    SumNotAgreed,
+    SumSignatures,
+    consistency_message,
+    on_grid,
+)
+from privacy.ckks.layer import CkksSum
+from privacy.ckks.wire import signatures_from_pb, signatures_to_pb
+from privacy.crypto import transcript
+from privacy.peers import ConsistencySignature, ConsortiumPeers, Signed
+from privacy.pki.ca import issue_silo
+from privacy.pki.signing import sign
+from privacy.stepping.attestation import (
     Attestation,
     Attested,
     NotAttested,
@@ -48,25 +63,8 @@ from privacy.ckks.attestation import (
     check_attested,
     check_report,
 )
-from privacy.ckks.halves import (
-    CONSISTENCY_CONTEXT,
-    CkksAggregatorHalf,
-    EncryptedSum,
-    Signed,
-    SumNotAgreed,
-    SumSignatures,
-    consistency_message,
-    on_grid,
-)
-from privacy.ckks.layer import CkksSum
-from privacy.ckks.masks import zero_sum_mask
-from privacy.ckks.sealed_state import open_state, seal_state
-from privacy.ckks.wire import signatures_from_pb, signatures_to_pb
-from privacy.pki.ca import issue_silo
-from privacy.pki.signing import sign
-from privacy.secagg.crypto import transcript
-from privacy.secagg.peers import ConsortiumPeers
-from privacy.secagg.protocol import ConsistencySignature
+from privacy.stepping.masks import zero_sum_mask
+from privacy.stepping.sealed_state import open_state, seal_state
 from privacy.wire import upload_of
 from silo.stepping import evaluation_counts, one_thread, opened_state, report_evaluation, step_and_report
 from tests.consortium_harness import AUDIT_KEY, PLAN
@@ -245,6 +243,7 @@ def step_from(me: str, result: torch.Tensor) -> tuple[object, object, pb.StateRe
         stub,
         taking_part,
         side=SIDES[me],
+        sign=SIDES[me].sign,
         secret=SECRET,
         state=START,
         method=METHOD,

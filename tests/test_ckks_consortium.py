@@ -19,7 +19,7 @@ from fedlt.methods import METHODS, MethodChoice
 from fedlt.methods.state import pack_state, unpack_state
 from fedlt.tensorpack import PackError
 from privacy.ckks.keys import CkksKeyError, SecretContext
-from privacy.ckks.sealed_state import open_state
+from privacy.stepping.sealed_state import open_state
 from tests.consortium_harness import PLAN, Consortium
 from tests.test_consortium import assert_same_model, make_consortium, simulated_run  # noqa: F401
 

@@ -35,7 +35,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aggregator.held_state import HeldState
-from fedlt.aggregation import SumLayer
+from aggregator.key_service import KeyServiceRelay
+from fedlt.aggregation import SumLayer, record
 from fedlt.aggregation.gate import Floors, MemoryLedger, ReleaseGate
 from fedlt.aggregation.halves import BadMessage, SumAborted, SumSpec, evaluation_schema
 from fedlt.data.arrays import LabeledImages
@@ -43,23 +44,22 @@ from fedlt.errors import FedltError
 from fedlt.methods import ServerContext
 from fedlt.methods.state import GlobalState, pack_state, unpack_state
 from fedlt.v1 import round_pb2
-from privacy.ckks.attestation import Attestation, Attested, attest
-from privacy.ckks.ceremony import SealedContext
 from privacy.ckks.halves import (
     CkksAggregatorSide,
     CkksSiloSide,
     EncryptedSum,
     EncryptedUpload,
-    Signed,
     SumSignatures,
 )
 from privacy.ckks.keys import Ciphertext, SecretContext
-from privacy.ckks.masks import MASK_RANGE, zero_sum_mask
-from privacy.ckks.relay import CkksRelay, NoKeyYet
-from privacy.ckks.sealed_state import NONCE, STATE_INFO, SealedStateError, open_state, seal_state
-from privacy.secagg.protocol import ConsistencySignature
+from privacy.keyservice.ceremony import SealedContext
+from privacy.keyservice.relay import NoKeyYet
+from privacy.peers import ConsistencySignature, Signed
+from privacy.stepping.attestation import Attestation, Attested, attest
+from privacy.stepping.masks import MASK_RANGE, zero_sum_mask
+from privacy.stepping.sealed_state import NONCE, STATE_INFO, SealedStateError, open_state, seal_state
 from privacy.wire import upload_of
-from silo.ckks_keys import CkksKeyring
+from silo.key_service import Keyring
 from silo.stepping import StateRefused, evaluation_counts, opened_state, report_evaluation, step_and_report
 from tests.consortium_harness import PLAN
 from tests.test_ckks import PEERS, SECRET, signer
@@ -175,6 +175,7 @@ def stepped(
         stub,
         taking_part,
         side=SIDES[me],
+        sign=SIDES[me].sign,
         secret=SECRET,
         state=state,
         method=METHOD,
@@ -495,17 +496,23 @@ def envelope(recipient: str, context_id: str, sender: str = HOLDER) -> SealedCon
 
 
 KEY = SecretContext.new()
+CKKS_KEYS = record("ckks").key_service
+
+
+def relay_of(holder: str) -> KeyServiceRelay:
+    """The aggregator's relay of a ckks consortium whose key holder is `holder`."""
+    return KeyServiceRelay("ckks", CKKS_KEYS, holder)
 
 
 def shared(
-    relay: CkksRelay, sender: str = HOLDER, context_id: str = KEY.context_id, recipients=(ME,)
+    relay: KeyServiceRelay, sender: str = HOLDER, context_id: str = KEY.context_id, recipients=(ME,)
 ) -> None:
     sealed = [envelope(r, context_id, sender) for r in recipients]
     relay.share(sender, b"certificate of " + sender.encode(), context_id, KEY.public.serialized, sealed)
 
 
 def test_the_relay_hands_each_silo_the_holders_envelope_which_opens_to_the_key(run):
-    relay = CkksRelay(HOLDER)
+    relay = relay_of(HOLDER)
     assert not any(relay.eligible(s) for s in (HOLDER, ME, OTHER))
     with pytest.raises(NoKeyYet):
         relay.fetch(ME, run.secret.context_id)
@@ -524,7 +531,7 @@ def test_the_relay_hands_each_silo_the_holders_envelope_which_opens_to_the_key(r
 def test_a_silo_other_than_the_key_holder_cannot_share_a_key():
     """The attack, at a relay that took a share from anyone: another silo's "rotation" drops every envelope of
     the holder's key, so no silo can take a ckks round; the real relay refuses it and keeps the holder's."""
-    unchecked = CkksRelay(OTHER)  # the check passes for OTHER here: what any sender would do without it
+    unchecked = relay_of(OTHER)  # the check passes for OTHER here: what any sender would do without it
     shared(unchecked, sender=OTHER, recipients=(ME,))
     usurper = SecretContext.new()
     shared(unchecked, sender=OTHER, context_id=usurper.context_id, recipients=())
@@ -532,10 +539,10 @@ def test_a_silo_other_than_the_key_holder_cannot_share_a_key():
         unchecked.fetch(ME, KEY.context_id)
     assert not unchecked.eligible(ME)
 
-    relay = CkksRelay(HOLDER)
+    relay = relay_of(HOLDER)
     shared(relay)
     for context_id in (KEY.context_id, usurper.context_id):
-        with pytest.raises(BadMessage, match="not the consortium's CKKS key holder"):
+        with pytest.raises(BadMessage, match="not the consortium's ckks key holder"):
             shared(relay, sender=OTHER, context_id=context_id, recipients=(ME,))
     assert relay.fetch(ME, KEY.context_id)[0].sender == HOLDER
     assert relay.context_id == KEY.context_id
@@ -551,7 +558,7 @@ def test_a_silo_other_than_the_key_holder_cannot_share_a_key():
     ids=["another-sender", "another-key"],
 )
 def test_envelopes_of_another_sender_or_key_are_refused_and_nothing_is_kept(bad, refusal):
-    relay = CkksRelay(HOLDER)
+    relay = relay_of(HOLDER)
     shared(relay)
     with pytest.raises(BadMessage, match=refusal):
         relay.share(
@@ -562,22 +569,22 @@ def test_envelopes_of_another_sender_or_key_are_refused_and_nothing_is_kept(bad,
     assert not relay.eligible(OTHER)
     with pytest.raises(BadMessage, match="names its context id"):
         relay.share(HOLDER, b"cert", "", KEY.public.serialized, [])
-    with pytest.raises(BadMessage, match="the public context"):
+    with pytest.raises(BadMessage, match="the public part of the ckks key"):
         relay.share(HOLDER, b"cert", KEY.context_id, b"not a context", [])
-    with pytest.raises(BadMessage, match="the public context"):
+    with pytest.raises(BadMessage, match="the public part of the ckks key"):
         relay.share(HOLDER, b"cert", KEY.context_id, KEY.secret_bytes(), [])  # never the secret key
     assert relay.fetch(ME, KEY.context_id)[0] == envelope(ME, KEY.context_id)
 
 
 def test_a_rotation_replaces_every_envelope_of_the_old_key():
-    relay = CkksRelay(HOLDER)
+    relay = relay_of(HOLDER)
     shared(relay, recipients=(ME, OTHER))
     assert relay.eligible(OTHER)
     rotated = SecretContext.new()
     shared(relay, context_id=rotated.context_id, recipients=(ME,))
     assert relay.fetch(ME, rotated.context_id)[0].context_id == rotated.context_id
     for silo in (ME, OTHER):
-        with pytest.raises(NoKeyYet, match="no CKKS key"):
+        with pytest.raises(NoKeyYet, match="no ckks key"):
             relay.fetch(silo, KEY.context_id)  # the old key's envelope is gone
     with pytest.raises(NoKeyYet):
         relay.fetch(OTHER, rotated.context_id)  # nothing sealed to it under the new key yet
@@ -622,7 +629,7 @@ def test_after_a_key_rotation_the_state_sealed_under_the_old_key_still_opens_at_
     """The round after a rotation names the new key, but its starting state was sealed under the old one:
     a silo that holds both (its keyring keeps old keys) opens it; one given only the new key cannot."""
     spec = later_spec("r2.a1.rotated", following(START))
-    keyring = CkksKeyring(tmp_path)
+    keyring = Keyring(tmp_path, "ckks", CKKS_KEYS)
     old = keyring.rotate()
     sealed = seal_state(old, consortium=CONSORTIUM, round_number=1, digest=DIGEST, packed=PACKED)
     new = keyring.rotate()

@@ -25,6 +25,7 @@ from aggregator.demo import write_consortium
 from aggregator.held_state import HeldState
 from aggregator.server import DATABASE
 from aggregator.store import Retention, Store
+from fedlt.aggregation import record
 from fedlt.export import CARD, README, WEIGHTS, ExportError, load_exported, write_export
 from fedlt.methods import GlobalState, Method
 from fedlt.methods.state import pack_state
@@ -32,15 +33,15 @@ from fedlt.metrics import accuracy_from_counts
 from fedlt.plan import RoundPlan
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import round_pb2
-from privacy.ckks.attestation import ATTESTATION_CONTEXT, attest, state_message
-from privacy.ckks.sealed_state import seal_state
 from privacy.ckks.settings import CkksSettings
 from privacy.pki.identity import read_certificate
 from privacy.pki.signing import sign, verify
+from privacy.stepping.attestation import ATTESTATION_CONTEXT, attest, state_message
+from privacy.stepping.sealed_state import seal_state
 from silo.__main__ import main as silo_main
-from silo.ckks_keys import CkksKeyring
 from silo.config import load_silo_config
 from silo.export import STEPPED, keep_stepped
+from silo.key_service import Keyring
 from tests.consortium_harness import AUDIT_KEY, PLAN, RECIPE, write_kit
 from tests.test_consortium import make_consortium  # noqa: F401 (a fixture)
 
@@ -286,7 +287,7 @@ def test_under_ckks_the_aggregator_refuses_and_names_the_silos_command(ckks_kit,
     method = config.plan.build_method()
     start = method.init_state(seed=config.consortium.seed)
     following = trained(start, 1)
-    secret = CkksKeyring(tmp_path / "silo-state").rotate()
+    secret = Keyring(tmp_path / "silo-state", "ckks", record("ckks").key_service).rotate()
     sealed = seal_state(
         secret, consortium=CONSORTIUM, round_number=1, digest=following.digest(), packed=pack_state(following)
     )
@@ -434,7 +435,7 @@ def stepped(kit_dir: Path, round_number: int = 2, silo: int = 1) -> tuple[Path, 
     config_path = kit_dir / f"silo-{silo}.toml"
     config = load_silo_config(config_path)
     state_dir = config.path(config.state_dir)
-    keyring = CkksKeyring(state_dir)
+    keyring = Keyring(state_dir, "ckks", record("ckks").key_service)
     secret = keyring.current()
     start, following = state_of(round_number - 1), state_of(round_number)
     digest, counted = following.digest(), ("silo-0", "silo-1", "silo-2")

@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from fedlt.aggregation import LAYERS, Field, Schema, make_layer
+from fedlt.aggregation import Field, Schema, layer_names, layers, make_layer
 from fedlt.aggregation.gate import Floors, MemoryLedger, ReleaseGate, Subject
 from fedlt.aggregation.halves import PartyKeys, Released, SumAborted, SumSpec
 from fedlt.aggregation.round_sums import AggregatorRound, RoundSums, SiloRound
 from fedlt.aggregation.sums import run_round
 from fedlt.errors import FedltError
 from privacy.ckks.keys import SecretContext
+from tests.toy import toy_installed
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = Schema(
@@ -42,9 +44,16 @@ def vectors(seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.fixture(params=sorted(LAYERS))
-def layer(request):
-    return make_layer(request.param)
+TOY = "toy"  # the toy layer of tests/plugins, installed for its own runs of the suite
+
+
+@pytest.fixture(params=[*layer_names(), TOY])
+def layer(request, monkeypatch):
+    if request.param == TOY:
+        with toy_installed(monkeypatch):
+            yield make_layer(TOY)
+    else:
+        yield make_layer(request.param)
 
 
 class PinningLedger(MemoryLedger):
@@ -151,38 +160,74 @@ def test_every_layer_makes_both_consortium_sides_from_party_keys(layer):
             layer.aggregator_side(silo_keys)
 
 
-# --- nothing above the layers looks at a layer's name ----------------------------------------------------
+# --- nothing above the layers names, imports or tests for a layer ------------------------------------------
 
-ABOVE_THE_LAYERS = [
-    "fedlt/aggregation/round_sums.py",
-    "fedlt/aggregation/sums.py",
-    "aggregator/rounds.py",
-    "aggregator/held_state.py",
-    "aggregator/evaluation.py",
-    "aggregator/evaluation_sum.py",
-    "aggregator/sessions.py",
-    "aggregator/service.py",
-    "silo/agent.py",
-    "silo/participation.py",
-]
-LAYER_NAME = re.compile(r"""["'](plaintext|secagg|ckks)["']""")
+# the runtime: every module of the silo agent and the aggregator, and the round driver every layer runs under
+ABOVE_THE_LAYERS = sorted(
+    str(path.relative_to(ROOT))
+    for path in [
+        *ROOT.glob("silo/*.py"),
+        *ROOT.glob("aggregator/*.py"),
+        ROOT / "fedlt/aggregation/round_sums.py",
+    ]
+)
+
+
+def layer_packages() -> dict[str, str]:
+    """Each installed layer's package (for a layer in a module of fedlt, that module)."""
+    packages = {}
+    for name, layer in layers().items():
+        module = layer.layer.__module__
+        packages[name] = ".".join(module.split(".")[:2]) if module.startswith("privacy.") else module
+    return packages
+
+
+def code_nodes(tree: ast.AST) -> Iterator[ast.AST]:
+    """The nodes of a module, less its docstrings (prose may name a layer as an example)."""
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return (node for node in ast.walk(tree) if id(node) not in docstrings)
 
 
 @pytest.mark.parametrize("path", ABOVE_THE_LAYERS)
-def test_no_code_above_the_layers_branches_on_a_layer_or_imports_one(path):
+def test_no_code_above_the_layers_names_imports_or_tests_for_a_layer(path):
     text = (ROOT / path).read_text()
-    tree = ast.parse(text)
-    code = "\n".join(
-        ast.get_source_segment(text, node) or ""
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Compare | ast.If | ast.Match)
-    )
-    assert not LAYER_NAME.search(code), f"{path} compares against a layer's name"
-    assert not re.search(r"\.secure\b(?!_channel)", text), f"{path} asks whether a round is secure"
+    nodes = list(code_nodes(ast.parse(text)))
+    packages = layer_packages()
     imported = {
-        node.module
-        for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("privacy.secagg")
+        module
+        for node in nodes
+        for module in ([node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+        + ([alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
     }
-    allowed = {"privacy.secagg.peers"} if path == "silo/agent.py" else set()  # the silo's peers check
-    assert imported <= allowed, f"{path} imports {sorted(imported - allowed)}"
+    wrong = sorted(m for m in imported for p in packages.values() if m == p or m.startswith(p + "."))
+    assert not wrong, f"{path} imports a layer's package: {wrong}"
+    strings = {node.value for node in nodes if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    named = sorted(strings & set(packages))
+    assert not named, f"{path} names the layers {named}: ask the registry for a capability instead"
+    layer_classes = {
+        cls.__name__
+        for layer in layers().values()
+        for cls in (layer.layer, *layer.messages)
+        if cls is not None
+    }
+    tested = {
+        ast.unparse(node.args[1])
+        for node in nodes
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "isinstance" and len(node.args) == 2
+    }
+    assert not {t for t in tested if any(c in t for c in layer_classes)}, f"{path} tests for a layer's class"
+    assert not re.search(r"\.secure\b(?!_channel)", text), f"{path} asks whether a round is secure"
+
+
+def test_the_guard_covers_every_installed_layer_and_module():
+    assert set(layer_packages()) == set(layer_names())
+    assert "silo/agent.py" in ABOVE_THE_LAYERS
+    assert "aggregator/service.py" in ABOVE_THE_LAYERS
+    assert len(ABOVE_THE_LAYERS) > 25

@@ -17,11 +17,13 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from privacy import crypto
+from privacy.peers import KeyPeers
 from privacy.pki.signing import sign
-from privacy.secagg import crypto, shamir
-from privacy.secagg.peers import KeyPeers
+from privacy.prg import apply_masks
+from privacy.ring import Ring
+from privacy.secagg import shamir
 from privacy.secagg.policy import PolicyRefusal, SessionPolicy
-from privacy.secagg.prg import apply_masks
 from privacy.secagg.protocol import (
     CONSISTENCY_CONTEXT,
     Inbox,
@@ -33,7 +35,6 @@ from privacy.secagg.protocol import (
     default_threshold,
     pair_seed,
 )
-from privacy.secagg.ring import Ring
 
 RING = Ring(8)
 

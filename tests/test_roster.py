@@ -12,14 +12,14 @@ from datetime import datetime, timedelta
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from privacy.peers import BadSignature, ConsortiumPeers
 from privacy.pki.ca import init_ca, issue_server, issue_silo, revoke
 from privacy.pki.errors import PkiError
 from privacy.pki.identity import RevocationList, load_certificate, read_certificate, revoked_serials
 from privacy.pki.roster import AGGREGATOR, SILO, Roster, draft, fingerprint
 from privacy.pki.signing import load_private_key, sign
 from privacy.pki.trust import MemberTrust, RevokedSerials
-from privacy.secagg.peers import ConsortiumPeers
-from privacy.secagg.protocol import KEYS_CONTEXT, ProtocolViolation
+from privacy.secagg.protocol import KEYS_CONTEXT
 from silo.trust import SiloTrust
 
 SILOS = ("st-marys", "city-clinic", "north-bank", "harbour")
@@ -115,7 +115,7 @@ def test_peer_signatures_from_a_forged_or_revoked_peer_are_protocol_violations(c
     data = b"keys of a session"
     forged = sign(load_private_key(tmp_path / "sybil-2.key"), data, context=KEYS_CONTEXT)
     peers = ConsortiumPeers(trust(root, roster))
-    with pytest.raises(ProtocolViolation, match="sybil-2"):
+    with pytest.raises(BadSignature, match="sybil-2"):
         peers.verify("sybil-2", (tmp_path / "sybil-2.pem").read_bytes(), forged, data, context=KEYS_CONTEXT)
     genuine = sign(key(root, "north-bank"), data, context=KEYS_CONTEXT)
     peers.verify("north-bank", pem(root, "north-bank"), genuine, data, context=KEYS_CONTEXT)
@@ -128,7 +128,7 @@ def test_peer_signatures_from_a_forged_or_revoked_peer_are_protocol_violations(c
     serial = revoke(root / "ca", silo_id="north-bank")
     revocations.add(revoked_serials((root / "ca" / "crl.pem").read_bytes(), members_ca(root), source="crl"))
     assert serial in revocations.serials
-    with pytest.raises(ProtocolViolation, match="revoked"):
+    with pytest.raises(BadSignature, match="revoked"):
         revoking.verify("north-bank", pem(root, "north-bank"), genuine, data, context=KEYS_CONTEXT)
     with pytest.raises(PkiError, match="not by the consortium CA"):
         revoked_serials((ca_copy / "crl.pem").read_bytes(), members_ca(root), source="foreign crl")

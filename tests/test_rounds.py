@@ -14,13 +14,12 @@ from aggregator.config import ConsortiumConfig, ConsortiumSection, TimeoutSectio
 from aggregator.rounds import AlreadySubmitted, NotParticipant, RoundEngine, Stage, WrongRound
 from aggregator.store import Store
 from fedlt.aggregation.halves import PartyKeys, SumAborted
-from fedlt.aggregation.plaintext import PlaintextSum, to_wire
+from fedlt.aggregation.plaintext import PlaintextSum, Upload, to_wire
 from fedlt.data.embedded import load_embedded, split_balanced_test
 from fedlt.errors import ContributionError
 from fedlt.methods.state import GlobalState, pack_state
 from fedlt.metrics import ShotThresholds
 from fedlt.recorder import RunRecorder
-from fedlt.wire import upload_of
 from privacy.secagg.protocol import MaskedInput
 from tests.consortium_harness import AUDIT_KEY, PLAN
 
@@ -66,7 +65,7 @@ def payload(engine: RoundEngine, n: float) -> tuple[bytes, str]:
 
 def submit(engine: RoundEngine, silo: str, round_id: str, data: bytes, digest: str) -> str:
     """What the service does with a plaintext Submit stream whose size and SHA-256 it checked."""
-    return engine.upload(silo, round_id, "contribution", upload_of(data), digest)
+    return engine.upload(silo, round_id, "contribution", Upload(data), digest)
 
 
 def test_submissions_are_checked_against_the_attempt(engine):

@@ -1,5 +1,5 @@
 """A census over the consortium's wire: every message and step of the secagg layer's halves through its
-Protobuf form, read as the aggregator's service reads requests (`privacy.wire.RECEIVERS`, `submitted`) and
+Protobuf form, read as the aggregator's service reads requests (`privacy.wire.receivers`, `submitted`) and
 as the silo agent reads steps (`step_from_pb`), so the signatures a census needs travel with the messages
 they sign and every silo ends with the census it recomputed from the transcript.
 """
@@ -15,10 +15,11 @@ import torch
 from fedlt.aggregation.halves import AggregatorHalf, Released, SiloHalf, SumSpec, census_schema
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.wire import submit_stream
+from privacy.peers import ConsistencySignature
 from privacy.secagg.layer import SecAggSum
-from privacy.secagg.protocol import ConsistencySignature, MaskedInput, ProtocolViolation, Reveal
+from privacy.secagg.protocol import MaskedInput, ProtocolViolation, Reveal
 from privacy.secagg.wire import masked_payload
-from privacy.wire import RECEIVERS, received, send, step_from_pb, step_to_pb, submitted
+from privacy.wire import received, receivers, send, step_from_pb, step_to_pb, submitted
 
 CLASSES = 5
 SILOS = ("silo-a", "silo-b", "silo-c", "silo-d")
@@ -38,7 +39,7 @@ class Relay:
         self.silo, self.half, self.lost = silo, half, lost
 
     def __getattr__(self, rpc: str):
-        if rpc not in RECEIVERS:
+        if rpc not in receivers():
             raise AttributeError(rpc)
 
         def call(request, **_: object) -> None:

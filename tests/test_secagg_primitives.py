@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 from fedlt.aggregation import Field, Schema
 from privacy.dp.noise import SecureRandom
+from privacy.prg import BLOCK_BYTES, MASK_KEYSTREAM, apply_masks, keystream_bytes, mask
+from privacy.ring import Ring
 from privacy.secagg import shamir
 from privacy.secagg.codec import FixedPointCodec, OverflowRisk, choose_encoding
-from privacy.secagg.prg import BLOCK_BYTES, MASK_KEYSTREAM, apply_masks, keystream_bytes, mask
-from privacy.secagg.ring import Ring
 
 
 def test_chacha20_keystream_known_answer_rfc8439_zero_key():

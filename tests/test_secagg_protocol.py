@@ -20,13 +20,15 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from fedlt.aggregation import Field, Schema, make_layer
+from privacy import crypto
+from privacy.peers import KeyPeers
 from privacy.pki.signing import sign
-from privacy.secagg import crypto, shamir
+from privacy.prg import BLOCK_BYTES
+from privacy.ring import Ring
+from privacy.secagg import shamir
 from privacy.secagg.codec import FixedPointCodec
 from privacy.secagg.layer import SecAggSum
 from privacy.secagg.local import STAGES, run_session
-from privacy.secagg.peers import KeyPeers
-from privacy.secagg.prg import BLOCK_BYTES
 from privacy.secagg.protocol import (
     CONSISTENCY_CONTEXT,
     KEYS_CONTEXT,
@@ -47,7 +49,6 @@ from privacy.secagg.protocol import (
     Transcript,
     default_threshold,
 )
-from privacy.secagg.ring import Ring
 from privacy.secagg.settings import SecAggSettings
 
 RING = Ring(wide=9, narrow=7)  # both word sizes, an odd count of each

@@ -22,11 +22,11 @@ from fedlt.methods.state import flatten, float_keys
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc, round_pb2
 from fedlt.wire import schema_from_pb, submit_stream
+from privacy.peers import ConsortiumPeers
 from privacy.pki.roster import Roster
 from privacy.pki.signing import load_private_key, sign
 from privacy.pki.trust import MemberTrust, RevokedSerials
 from privacy.secagg.layer import SecAggSum
-from privacy.secagg.peers import ConsortiumPeers
 from privacy.secagg.policy import SessionPolicy
 from privacy.secagg.protocol import KEYS_CONTEXT
 from silo.participation import Participation

@@ -28,9 +28,12 @@ from fedlt.aggregation.halves import (
     SumAborted,
     SumSpec,
 )
+from fedlt.aggregation.registry import LayerRecord, LayerWire
 from fedlt.aggregation.schema import Schema
 from fedlt.aggregation.sums import SumLayer
 from fedlt.errors import ContributionError
+from fedlt.v1 import consortium_pb2 as pb
+from fedlt.wire import submit_stream
 
 log = logging.getLogger(__name__)
 
@@ -180,3 +183,19 @@ class PlaintextSum(SumLayer):
 
     def in_process(self, silos: Sequence[str]) -> tuple[Mapping[str, SiloSide], AggregatorSide]:
         return dict.fromkeys(silos, PlaintextSiloSide()), PlaintextAggregatorSide()
+
+
+def _submit(stub, round_id: str, purpose: str, upload: Upload, timeout: float) -> object:
+    stream = submit_stream(round_id, upload.payload, kind=pb.CONTRIBUTION_KIND_PLAINTEXT, purpose=purpose)
+    return stub.Submit(stream, timeout=timeout)
+
+
+LAYER = LayerRecord(
+    name="plaintext",
+    layer=PlaintextSum,
+    wire=LayerWire(
+        senders={Upload: _submit},
+        uploads={pb.CONTRIBUTION_KIND_PLAINTEXT: (Upload, Upload)},
+        payloads={Upload: (pb.CONTRIBUTION_KIND_PLAINTEXT, lambda upload: upload.payload)},
+    ),
+)

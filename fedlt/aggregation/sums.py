@@ -15,12 +15,11 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from fedlt.aggregation import tail_guard
 from fedlt.aggregation.gate import Floors, MemoryLedger, ReleaseGate, Subject
 from fedlt.aggregation.halves import AggregatorSide, PartyKeys, Released, ReleaseNoise, SiloSide
 from fedlt.aggregation.round_sums import AggregatorRound, RoundSums, SiloRound
 from fedlt.aggregation.schema import Contribution, Schema
-from fedlt.aggregation.tail_guard import Census
+from fedlt.aggregation.tail_guard import Census, guard_of
 from fedlt.errors import ContributionError
 
 _SEAL = object()
@@ -66,7 +65,6 @@ class SumLayer(ABC):
     # only silos can read this layer's sums: they run the server step and sum their evaluation counts
     # themselves (their side's `steps_model`), so no evaluation block rides in the contribution
     silos_step: ClassVar[bool] = False
-    k_min: int = 0  # the tail guard: per-class rows of classes fewer silos hold are zeroed; below 2, off
     settings: object = None  # the layer's own parameters, which every sum of a round carries
 
     def __init__(self) -> None:
@@ -122,7 +120,7 @@ class SumLayer(ABC):
             k_min=self.k_min,
             census=self.censuses.get(schema.phase),
             settings=self.settings,
-            record_floor=getattr(self.settings, "min_records", tail_guard.ONLY_UNDER_DP),
+            record_floor=guard_of(self.settings).min_records,
         )
         silo_sides, aggregator_side = self.in_process(names)
         aggregator = AggregatorRound(aggregator_side, sums)
@@ -151,6 +149,11 @@ class SumLayer(ABC):
         self.zeroed, self.floored = aggregator.zeroed, aggregator.floored
         total = released.total if released.total is not None else rounds[released.survivors[0]].result
         return self.seal(schema, total, len(released.survivors))
+
+    @property
+    def k_min(self) -> int:
+        """The tail guard: per-class rows of classes fewer silos hold are zeroed; below 2, off."""
+        return guard_of(self.settings).k_min
 
     def _gate(self, silo: str, names: Sequence[str]) -> ReleaseGate:
         ledger = self.ledgers.setdefault(silo, MemoryLedger())

@@ -39,11 +39,38 @@ import numpy as np
 import torch
 
 from fedlt.aggregation.schema import Schema
+from fedlt.config import setting
 from fedlt.errors import FedltError
 
 # a record floor of 0: statistics that invert leave a silo only under DP (the default of every layer's
 # settings and every silo's policy; benchmarks/record_floor.py)
 ONLY_UNDER_DP = 0
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    """The tail guard's settings, written once: the settings of every layer that hides inputs inherit them,
+    so they sit in its section of consortium.toml and its round parameters. A layer whose settings do not
+    (plaintext: the aggregator sees every input anyway) runs without the guard (`guard_of`)."""
+
+    k_min: int = setting(2, ge=0, doc="tail guard: zero per-class fields of classes fewer silos hold; <2 off")
+    min_records: int = setting(
+        ONLY_UNDER_DP,
+        ge=0,
+        doc="per-class statistics that invert (second moments, per-class gradients) leave silos without [dp] "
+        "only for classes this many records hold; 0: never without [dp] (they invert at any class size)",
+    )
+
+    def describe_guard(self) -> str:
+        floor = (
+            f"record floor {self.min_records}" if self.min_records else "statistics that invert only under DP"
+        )
+        return f"tail guard k_min {self.k_min}, {floor}" if self.k_min >= 2 else "tail guard off"
+
+
+def guard_of(settings: object) -> GuardSettings:
+    """The tail guard a layer's settings (or round parameters) set: off for a layer without it."""
+    return settings if isinstance(settings, GuardSettings) else GuardSettings(k_min=0)
 
 
 class CensusError(FedltError):

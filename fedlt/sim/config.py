@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fedlt.aggregation import LAYERS
+from fedlt.aggregation import layer_names
 from fedlt.config import as_toml, parse_section, read_toml, setting
 from fedlt.data.federation import DataConfig
 from fedlt.dp import DPSettings
@@ -28,7 +28,7 @@ class ModelChoice:
 class SimConfig:
     seed: int = setting(0, ge=0)
     rounds: int = setting(20, ge=1, le=100_000)
-    privacy: str = setting("plaintext", choices=tuple(LAYERS))
+    privacy: str = setting("plaintext", choices=layer_names)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelChoice = field(default_factory=ModelChoice)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -1,3 +1,4 @@
+from fedlt.v1 import layer_pb2 as _layer_pb2
 from fedlt.v1 import round_pb2 as _round_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -29,6 +30,7 @@ class ContributionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CONTRIBUTION_KIND_PLAINTEXT: _ClassVar[ContributionKind]
     CONTRIBUTION_KIND_MASKED: _ClassVar[ContributionKind]
     CONTRIBUTION_KIND_CKKS: _ClassVar[ContributionKind]
+    CONTRIBUTION_KIND_LAYER: _ClassVar[ContributionKind]
 
 class RefusalCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -53,6 +55,7 @@ CONTRIBUTION_KIND_UNSPECIFIED: ContributionKind
 CONTRIBUTION_KIND_PLAINTEXT: ContributionKind
 CONTRIBUTION_KIND_MASKED: ContributionKind
 CONTRIBUTION_KIND_CKKS: ContributionKind
+CONTRIBUTION_KIND_LAYER: ContributionKind
 REFUSAL_CODE_UNSPECIFIED: RefusalCode
 REFUSAL_CODE_POLICY: RefusalCode
 REFUSAL_CODE_SIGNATURE: RefusalCode
@@ -63,20 +66,20 @@ REFUSAL_CODE_BUDGET: RefusalCode
 REFUSAL_CODE_OTHER: RefusalCode
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("agent_version", "accepted_methods", "accepted_privacy", "accepted_disclosures", "ckks_enrollment")
+    __slots__ = ("agent_version", "accepted_methods", "accepted_privacy", "accepted_disclosures", "key_enrollment")
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_METHODS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PRIVACY_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DISCLOSURES_FIELD_NUMBER: _ClassVar[int]
-    CKKS_ENROLLMENT_FIELD_NUMBER: _ClassVar[int]
+    KEY_ENROLLMENT_FIELD_NUMBER: _ClassVar[int]
     agent_version: str
     accepted_methods: _containers.RepeatedScalarFieldContainer[str]
     accepted_privacy: _containers.RepeatedScalarFieldContainer[str]
     accepted_disclosures: _containers.RepeatedScalarFieldContainer[str]
-    ckks_enrollment: CkksEnrollment
-    def __init__(self, agent_version: _Optional[str] = ..., accepted_methods: _Optional[_Iterable[str]] = ..., accepted_privacy: _Optional[_Iterable[str]] = ..., accepted_disclosures: _Optional[_Iterable[str]] = ..., ckks_enrollment: _Optional[_Union[CkksEnrollment, _Mapping]] = ...) -> None: ...
+    key_enrollment: KeyEnrollment
+    def __init__(self, agent_version: _Optional[str] = ..., accepted_methods: _Optional[_Iterable[str]] = ..., accepted_privacy: _Optional[_Iterable[str]] = ..., accepted_disclosures: _Optional[_Iterable[str]] = ..., key_enrollment: _Optional[_Union[KeyEnrollment, _Mapping]] = ...) -> None: ...
 
-class CkksEnrollment(_message.Message):
+class KeyEnrollment(_message.Message):
     __slots__ = ("public_key", "signature")
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
@@ -85,20 +88,22 @@ class CkksEnrollment(_message.Message):
     def __init__(self, public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("silo_id", "consortium_id", "aggregator_certificate", "roster", "crl", "ckks_key_holder")
+    __slots__ = ("silo_id", "consortium_id", "aggregator_certificate", "roster", "crl", "key_holder", "key_layer")
     SILO_ID_FIELD_NUMBER: _ClassVar[int]
     CONSORTIUM_ID_FIELD_NUMBER: _ClassVar[int]
     AGGREGATOR_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     ROSTER_FIELD_NUMBER: _ClassVar[int]
     CRL_FIELD_NUMBER: _ClassVar[int]
-    CKKS_KEY_HOLDER_FIELD_NUMBER: _ClassVar[int]
+    KEY_HOLDER_FIELD_NUMBER: _ClassVar[int]
+    KEY_LAYER_FIELD_NUMBER: _ClassVar[int]
     silo_id: str
     consortium_id: str
     aggregator_certificate: bytes
     roster: bytes
     crl: bytes
-    ckks_key_holder: str
-    def __init__(self, silo_id: _Optional[str] = ..., consortium_id: _Optional[str] = ..., aggregator_certificate: _Optional[bytes] = ..., roster: _Optional[bytes] = ..., crl: _Optional[bytes] = ..., ckks_key_holder: _Optional[str] = ...) -> None: ...
+    key_holder: str
+    key_layer: str
+    def __init__(self, silo_id: _Optional[str] = ..., consortium_id: _Optional[str] = ..., aggregator_certificate: _Optional[bytes] = ..., roster: _Optional[bytes] = ..., crl: _Optional[bytes] = ..., key_holder: _Optional[str] = ..., key_layer: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("last_round",)
@@ -121,7 +126,7 @@ class JoinResponse(_message.Message):
     def __init__(self, round_spec: _Optional[_Union[_round_pb2.SignedRoundSpec, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., sum_step: _Optional[_Union[SumStep, _Mapping]] = ..., roster: _Optional[bytes] = ...) -> None: ...
 
 class SumStep(_message.Message):
-    __slots__ = ("round_id", "sum", "keys", "inbox", "survivors", "signatures", "census", "encrypted_sum", "transcript", "ckks_signatures")
+    __slots__ = ("round_id", "sum", "keys", "inbox", "survivors", "signatures", "census", "encrypted_sum", "transcript", "ckks_signatures", "layer")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     SUM_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +137,7 @@ class SumStep(_message.Message):
     ENCRYPTED_SUM_FIELD_NUMBER: _ClassVar[int]
     TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
     CKKS_SIGNATURES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
     round_id: str
     sum: SecureSum
     keys: KeyList
@@ -142,7 +148,8 @@ class SumStep(_message.Message):
     encrypted_sum: EncryptedSumReady
     transcript: SecAggTranscript
     ckks_signatures: CkksSumSignatures
-    def __init__(self, round_id: _Optional[str] = ..., sum: _Optional[_Union[SecureSum, str]] = ..., keys: _Optional[_Union[KeyList, _Mapping]] = ..., inbox: _Optional[_Union[ShareInbox, _Mapping]] = ..., survivors: _Optional[_Union[SurvivorList, _Mapping]] = ..., signatures: _Optional[_Union[ConsistencySignatures, _Mapping]] = ..., census: _Optional[_Union[CensusResult, _Mapping]] = ..., encrypted_sum: _Optional[_Union[EncryptedSumReady, _Mapping]] = ..., transcript: _Optional[_Union[SecAggTranscript, _Mapping]] = ..., ckks_signatures: _Optional[_Union[CkksSumSignatures, _Mapping]] = ...) -> None: ...
+    layer: _layer_pb2.LayerMessage
+    def __init__(self, round_id: _Optional[str] = ..., sum: _Optional[_Union[SecureSum, str]] = ..., keys: _Optional[_Union[KeyList, _Mapping]] = ..., inbox: _Optional[_Union[ShareInbox, _Mapping]] = ..., survivors: _Optional[_Union[SurvivorList, _Mapping]] = ..., signatures: _Optional[_Union[ConsistencySignatures, _Mapping]] = ..., census: _Optional[_Union[CensusResult, _Mapping]] = ..., encrypted_sum: _Optional[_Union[EncryptedSumReady, _Mapping]] = ..., transcript: _Optional[_Union[SecAggTranscript, _Mapping]] = ..., ckks_signatures: _Optional[_Union[CkksSumSignatures, _Mapping]] = ..., layer: _Optional[_Union[_layer_pb2.LayerMessage, _Mapping]] = ...) -> None: ...
 
 class CkksSumSignatures(_message.Message):
     __slots__ = ("signatures",)
@@ -309,20 +316,22 @@ class FetchStateResponse(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SubmitHeader(_message.Message):
-    __slots__ = ("round_id", "kind", "total_bytes", "sha256", "sum", "signature")
+    __slots__ = ("round_id", "kind", "total_bytes", "sha256", "sum", "signature", "message_type")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     SUM_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_TYPE_FIELD_NUMBER: _ClassVar[int]
     round_id: str
     kind: ContributionKind
     total_bytes: int
     sha256: str
     sum: SecureSum
     signature: bytes
-    def __init__(self, round_id: _Optional[str] = ..., kind: _Optional[_Union[ContributionKind, str]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., sum: _Optional[_Union[SecureSum, str]] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    message_type: str
+    def __init__(self, round_id: _Optional[str] = ..., kind: _Optional[_Union[ContributionKind, str]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., sum: _Optional[_Union[SecureSum, str]] = ..., signature: _Optional[bytes] = ..., message_type: _Optional[str] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -403,6 +412,22 @@ class ShareKeysRequest(_message.Message):
     def __init__(self, round_id: _Optional[str] = ..., shares: _Optional[_Iterable[_Union[EncryptedShare, _Mapping]]] = ..., sum: _Optional[_Union[SecureSum, str]] = ...) -> None: ...
 
 class ShareKeysResponse(_message.Message):
+    __slots__ = ("round_id",)
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    round_id: str
+    def __init__(self, round_id: _Optional[str] = ...) -> None: ...
+
+class SendRequest(_message.Message):
+    __slots__ = ("round_id", "sum", "message")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    round_id: str
+    sum: SecureSum
+    message: _layer_pb2.LayerMessage
+    def __init__(self, round_id: _Optional[str] = ..., sum: _Optional[_Union[SecureSum, str]] = ..., message: _Optional[_Union[_layer_pb2.LayerMessage, _Mapping]] = ...) -> None: ...
+
+class SendResponse(_message.Message):
     __slots__ = ("round_id",)
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     round_id: str
@@ -490,29 +515,29 @@ class SealedContext(_message.Message):
     signature: bytes
     def __init__(self, sender: _Optional[str] = ..., recipient: _Optional[str] = ..., context_id: _Optional[str] = ..., ephemeral_key: _Optional[bytes] = ..., ciphertext: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
-class ShareCkksContextRequest(_message.Message):
-    __slots__ = ("context_id", "public_context", "sealed")
+class ShareKeyRequest(_message.Message):
+    __slots__ = ("context_id", "public_key", "sealed")
     CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
-    PUBLIC_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     SEALED_FIELD_NUMBER: _ClassVar[int]
     context_id: str
-    public_context: bytes
+    public_key: bytes
     sealed: _containers.RepeatedCompositeFieldContainer[SealedContext]
-    def __init__(self, context_id: _Optional[str] = ..., public_context: _Optional[bytes] = ..., sealed: _Optional[_Iterable[_Union[SealedContext, _Mapping]]] = ...) -> None: ...
+    def __init__(self, context_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., sealed: _Optional[_Iterable[_Union[SealedContext, _Mapping]]] = ...) -> None: ...
 
-class ShareCkksContextResponse(_message.Message):
+class ShareKeyResponse(_message.Message):
     __slots__ = ("context_id",)
     CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
     context_id: str
     def __init__(self, context_id: _Optional[str] = ...) -> None: ...
 
-class FetchCkksContextRequest(_message.Message):
+class FetchKeyRequest(_message.Message):
     __slots__ = ("context_id",)
     CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
     context_id: str
     def __init__(self, context_id: _Optional[str] = ...) -> None: ...
 
-class FetchCkksContextResponse(_message.Message):
+class FetchKeyResponse(_message.Message):
     __slots__ = ("sealed", "holder_certificate")
     SEALED_FIELD_NUMBER: _ClassVar[int]
     HOLDER_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
@@ -520,7 +545,7 @@ class FetchCkksContextResponse(_message.Message):
     holder_certificate: bytes
     def __init__(self, sealed: _Optional[_Union[SealedContext, _Mapping]] = ..., holder_certificate: _Optional[bytes] = ...) -> None: ...
 
-class FetchEncryptedSumRequest(_message.Message):
+class FetchSumRequest(_message.Message):
     __slots__ = ("round_id", "sum")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     SUM_FIELD_NUMBER: _ClassVar[int]
@@ -528,7 +553,7 @@ class FetchEncryptedSumRequest(_message.Message):
     sum: SecureSum
     def __init__(self, round_id: _Optional[str] = ..., sum: _Optional[_Union[SecureSum, str]] = ...) -> None: ...
 
-class FetchEncryptedSumResponse(_message.Message):
+class FetchSumResponse(_message.Message):
     __slots__ = ("offset", "data")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]

@@ -85,25 +85,30 @@ class ConsortiumServiceStub:
                 request_serializer=fedlt_dot_v1_dot_consortium__pb2.UnmaskRequest.SerializeToString,
                 response_deserializer=fedlt_dot_v1_dot_consortium__pb2.UnmaskResponse.FromString,
                 _registered_method=True)
+        self.Send = channel.unary_unary(
+                '/fedlt.v1.ConsortiumService/Send',
+                request_serializer=fedlt_dot_v1_dot_consortium__pb2.SendRequest.SerializeToString,
+                response_deserializer=fedlt_dot_v1_dot_consortium__pb2.SendResponse.FromString,
+                _registered_method=True)
         self.ListEnrollments = channel.unary_unary(
                 '/fedlt.v1.ConsortiumService/ListEnrollments',
                 request_serializer=fedlt_dot_v1_dot_consortium__pb2.ListEnrollmentsRequest.SerializeToString,
                 response_deserializer=fedlt_dot_v1_dot_consortium__pb2.ListEnrollmentsResponse.FromString,
                 _registered_method=True)
-        self.ShareCkksContext = channel.unary_unary(
-                '/fedlt.v1.ConsortiumService/ShareCkksContext',
-                request_serializer=fedlt_dot_v1_dot_consortium__pb2.ShareCkksContextRequest.SerializeToString,
-                response_deserializer=fedlt_dot_v1_dot_consortium__pb2.ShareCkksContextResponse.FromString,
+        self.ShareKey = channel.unary_unary(
+                '/fedlt.v1.ConsortiumService/ShareKey',
+                request_serializer=fedlt_dot_v1_dot_consortium__pb2.ShareKeyRequest.SerializeToString,
+                response_deserializer=fedlt_dot_v1_dot_consortium__pb2.ShareKeyResponse.FromString,
                 _registered_method=True)
-        self.FetchCkksContext = channel.unary_unary(
-                '/fedlt.v1.ConsortiumService/FetchCkksContext',
-                request_serializer=fedlt_dot_v1_dot_consortium__pb2.FetchCkksContextRequest.SerializeToString,
-                response_deserializer=fedlt_dot_v1_dot_consortium__pb2.FetchCkksContextResponse.FromString,
+        self.FetchKey = channel.unary_unary(
+                '/fedlt.v1.ConsortiumService/FetchKey',
+                request_serializer=fedlt_dot_v1_dot_consortium__pb2.FetchKeyRequest.SerializeToString,
+                response_deserializer=fedlt_dot_v1_dot_consortium__pb2.FetchKeyResponse.FromString,
                 _registered_method=True)
-        self.FetchEncryptedSum = channel.unary_stream(
-                '/fedlt.v1.ConsortiumService/FetchEncryptedSum',
-                request_serializer=fedlt_dot_v1_dot_consortium__pb2.FetchEncryptedSumRequest.SerializeToString,
-                response_deserializer=fedlt_dot_v1_dot_consortium__pb2.FetchEncryptedSumResponse.FromString,
+        self.FetchSum = channel.unary_stream(
+                '/fedlt.v1.ConsortiumService/FetchSum',
+                request_serializer=fedlt_dot_v1_dot_consortium__pb2.FetchSumRequest.SerializeToString,
+                response_deserializer=fedlt_dot_v1_dot_consortium__pb2.FetchSumResponse.FromString,
                 _registered_method=True)
         self.ReportState = channel.stream_unary(
                 '/fedlt.v1.ConsortiumService/ReportState',
@@ -196,43 +201,53 @@ class ConsortiumServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Send(self, request, context):
+        """Any stage message of a layer that declares its messages as dataclasses (fedlt.wire.codec).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListEnrollments(self, request, context):
-        """CKKS key ceremony: the key holder reads the enrollment keys silos announced at registration.
+        """Key service (a layer whose consortium shares one secret key, e.g. ckks): the key holder reads the
+        enrollment keys silos announced at registration. Refused (FAILED_PRECONDITION) where the layer has none.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ShareCkksContext(self, request, context):
-        """CKKS key ceremony: the key holder hands over the public context and the secret one sealed to each silo.
+    def ShareKey(self, request, context):
+        """Key service: the key holder hands over the key's public part and the secret key sealed to each silo.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def FetchCkksContext(self, request, context):
-        """CKKS key ceremony: a silo fetches the secret context sealed to it.
+    def FetchKey(self, request, context):
+        """Key service: a silo fetches the secret key sealed to it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def FetchEncryptedSum(self, request, context):
-        """CKKS: the encrypted sum, for silos to decrypt and run the server step themselves.
+    def FetchSum(self, request, context):
+        """A sum too large for the directive stream (a SumStep announces it), for silos to download: under a layer
+        whose sums only silos read (e.g. ckks), they decrypt it and run the server step themselves.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReportState(self, request_iterator, context):
-        """CKKS: the next state as the silo computed it, sealed, with its digest and encrypted evaluation counts.
+        """Where silos step the model: the next state as the silo computed it, sealed, with its digest and its
+        evaluation counts as an upload of the round's layer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReportEvaluation(self, request, context):
-        """CKKS: the decrypted sum of the silos' evaluation counts for a committed round.
+        """Where silos step the model: the sum of the silos' evaluation counts for a committed round, as read.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -299,25 +314,30 @@ def add_ConsortiumServiceServicer_to_server(servicer, server):
                     request_deserializer=fedlt_dot_v1_dot_consortium__pb2.UnmaskRequest.FromString,
                     response_serializer=fedlt_dot_v1_dot_consortium__pb2.UnmaskResponse.SerializeToString,
             ),
+            'Send': grpc.unary_unary_rpc_method_handler(
+                    servicer.Send,
+                    request_deserializer=fedlt_dot_v1_dot_consortium__pb2.SendRequest.FromString,
+                    response_serializer=fedlt_dot_v1_dot_consortium__pb2.SendResponse.SerializeToString,
+            ),
             'ListEnrollments': grpc.unary_unary_rpc_method_handler(
                     servicer.ListEnrollments,
                     request_deserializer=fedlt_dot_v1_dot_consortium__pb2.ListEnrollmentsRequest.FromString,
                     response_serializer=fedlt_dot_v1_dot_consortium__pb2.ListEnrollmentsResponse.SerializeToString,
             ),
-            'ShareCkksContext': grpc.unary_unary_rpc_method_handler(
-                    servicer.ShareCkksContext,
-                    request_deserializer=fedlt_dot_v1_dot_consortium__pb2.ShareCkksContextRequest.FromString,
-                    response_serializer=fedlt_dot_v1_dot_consortium__pb2.ShareCkksContextResponse.SerializeToString,
+            'ShareKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.ShareKey,
+                    request_deserializer=fedlt_dot_v1_dot_consortium__pb2.ShareKeyRequest.FromString,
+                    response_serializer=fedlt_dot_v1_dot_consortium__pb2.ShareKeyResponse.SerializeToString,
             ),
-            'FetchCkksContext': grpc.unary_unary_rpc_method_handler(
-                    servicer.FetchCkksContext,
-                    request_deserializer=fedlt_dot_v1_dot_consortium__pb2.FetchCkksContextRequest.FromString,
-                    response_serializer=fedlt_dot_v1_dot_consortium__pb2.FetchCkksContextResponse.SerializeToString,
+            'FetchKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchKey,
+                    request_deserializer=fedlt_dot_v1_dot_consortium__pb2.FetchKeyRequest.FromString,
+                    response_serializer=fedlt_dot_v1_dot_consortium__pb2.FetchKeyResponse.SerializeToString,
             ),
-            'FetchEncryptedSum': grpc.unary_stream_rpc_method_handler(
-                    servicer.FetchEncryptedSum,
-                    request_deserializer=fedlt_dot_v1_dot_consortium__pb2.FetchEncryptedSumRequest.FromString,
-                    response_serializer=fedlt_dot_v1_dot_consortium__pb2.FetchEncryptedSumResponse.SerializeToString,
+            'FetchSum': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchSum,
+                    request_deserializer=fedlt_dot_v1_dot_consortium__pb2.FetchSumRequest.FromString,
+                    response_serializer=fedlt_dot_v1_dot_consortium__pb2.FetchSumResponse.SerializeToString,
             ),
             'ReportState': grpc.stream_unary_rpc_method_handler(
                     servicer.ReportState,
@@ -617,6 +637,33 @@ class ConsortiumService:
             _registered_method=True)
 
     @staticmethod
+    def Send(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedlt.v1.ConsortiumService/Send',
+            fedlt_dot_v1_dot_consortium__pb2.SendRequest.SerializeToString,
+            fedlt_dot_v1_dot_consortium__pb2.SendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def ListEnrollments(request,
             target,
             options=(),
@@ -644,7 +691,7 @@ class ConsortiumService:
             _registered_method=True)
 
     @staticmethod
-    def ShareCkksContext(request,
+    def ShareKey(request,
             target,
             options=(),
             channel_credentials=None,
@@ -657,9 +704,9 @@ class ConsortiumService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/fedlt.v1.ConsortiumService/ShareCkksContext',
-            fedlt_dot_v1_dot_consortium__pb2.ShareCkksContextRequest.SerializeToString,
-            fedlt_dot_v1_dot_consortium__pb2.ShareCkksContextResponse.FromString,
+            '/fedlt.v1.ConsortiumService/ShareKey',
+            fedlt_dot_v1_dot_consortium__pb2.ShareKeyRequest.SerializeToString,
+            fedlt_dot_v1_dot_consortium__pb2.ShareKeyResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -671,7 +718,7 @@ class ConsortiumService:
             _registered_method=True)
 
     @staticmethod
-    def FetchCkksContext(request,
+    def FetchKey(request,
             target,
             options=(),
             channel_credentials=None,
@@ -684,9 +731,9 @@ class ConsortiumService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/fedlt.v1.ConsortiumService/FetchCkksContext',
-            fedlt_dot_v1_dot_consortium__pb2.FetchCkksContextRequest.SerializeToString,
-            fedlt_dot_v1_dot_consortium__pb2.FetchCkksContextResponse.FromString,
+            '/fedlt.v1.ConsortiumService/FetchKey',
+            fedlt_dot_v1_dot_consortium__pb2.FetchKeyRequest.SerializeToString,
+            fedlt_dot_v1_dot_consortium__pb2.FetchKeyResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -698,7 +745,7 @@ class ConsortiumService:
             _registered_method=True)
 
     @staticmethod
-    def FetchEncryptedSum(request,
+    def FetchSum(request,
             target,
             options=(),
             channel_credentials=None,
@@ -711,9 +758,9 @@ class ConsortiumService:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/fedlt.v1.ConsortiumService/FetchEncryptedSum',
-            fedlt_dot_v1_dot_consortium__pb2.FetchEncryptedSumRequest.SerializeToString,
-            fedlt_dot_v1_dot_consortium__pb2.FetchEncryptedSumResponse.FromString,
+            '/fedlt.v1.ConsortiumService/FetchSum',
+            fedlt_dot_v1_dot_consortium__pb2.FetchSumRequest.SerializeToString,
+            fedlt_dot_v1_dot_consortium__pb2.FetchSumResponse.FromString,
             options,
             channel_credentials,
             insecure,

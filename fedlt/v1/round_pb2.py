@@ -22,31 +22,32 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from fedlt.v1 import layer_pb2 as fedlt_dot_v1_dot_layer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x66\x65\x64lt/v1/round.proto\x12\x08\x66\x65\x64lt.v1\"\xaa\x01\n\tFieldSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\r\x12\r\n\x05\x62ound\x18\x03 \x01(\x01\x12\x11\n\tfrac_bits\x18\x04 \x01(\r\x12\x11\n\tper_class\x18\x05 \x01(\x08\x12\x13\n\x0bsensitivity\x18\x06 \x01(\x01\x12\x0f\n\x07\x66loat64\x18\x07 \x01(\x08\x12\x0f\n\x07inverts\x18\x08 \x01(\x08\x12\x14\n\x0cwhole_roster\x18\t \x01(\x08\"<\n\x06Schema\x12\r\n\x05phase\x18\x01 \x01(\t\x12#\n\x06\x66ields\x18\x02 \x03(\x0b\x32\x13.fedlt.v1.FieldSpec\"\x80\x04\n\tRoundSpec\x12\x15\n\rconsortium_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\x10\n\x08round_id\x18\x04 \x01(\t\x12\x0e\n\x06method\x18\x05 \x01(\t\x12 \n\x06schema\x18\x06 \x01(\x0b\x32\x10.fedlt.v1.Schema\x12\x15\n\rmethod_config\x18\x07 \x01(\t\x12\x15\n\rconfig_sha256\x18\x08 \x01(\t\x12\x14\n\x0cstate_digest\x18\t \x01(\t\x12\x13\n\x0bstate_bytes\x18\n \x01(\x04\x12\x0c\n\x04seed\x18\x0b \x01(\x04\x12\x0f\n\x07privacy\x18\x0c \x01(\t\x12\x14\n\x0cparticipants\x18\r \x03(\t\x12\x13\n\x0b\x64isclosures\x18\x0e \x03(\t\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x0f \x01(\x03\x12*\n\x06secagg\x18\x10 \x01(\x0b\x32\x1a.fedlt.v1.SecAggParameters\x12\x12\n\ndisclosers\x18\x11 \x03(\t\x12 \n\x06\x63\x65nsus\x18\x12 \x01(\x0b\x32\x10.fedlt.v1.Census\x12&\n\x04\x63kks\x18\x13 \x01(\x0b\x32\x18.fedlt.v1.CkksParameters\x12\x31\n\x0c\x61ttestations\x18\x14 \x01(\x0b\x32\x1b.fedlt.v1.StateAttestations\"R\n\x11StateAttestations\x12\x0f\n\x07\x63ounted\x18\x01 \x03(\t\x12,\n\nsignatures\x18\x02 \x03(\x0b\x32\x18.fedlt.v1.StateSignature\"I\n\x0eStateSignature\x12\x0f\n\x07silo_id\x18\x01 \x01(\t\x12\x11\n\tsignature\x18\x02 \x01(\x0c\x12\x13\n\x0b\x63\x65rtificate\x18\x03 \x01(\x0c\"K\n\x06\x43\x65nsus\x12\r\n\x05silos\x18\x01 \x03(\t\x12\x17\n\x0fsilos_per_class\x18\x02 \x03(\x04\x12\x19\n\x11records_per_class\x18\x03 \x03(\x04\"]\n\x10SecAggParameters\x12\x11\n\tthreshold\x18\x01 \x01(\r\x12\x12\n\nneighbours\x18\x02 \x01(\r\x12\r\n\x05k_min\x18\x03 \x01(\r\x12\x13\n\x0bmin_records\x18\x04 \x01(\r\"\\\n\x0e\x43kksParameters\x12\r\n\x05k_min\x18\x01 \x01(\r\x12\x12\n\ncontext_id\x18\x02 \x01(\t\x12\x12\n\nkey_holder\x18\x03 \x01(\t\x12\x13\n\x0bmin_records\x18\x04 \x01(\r\"2\n\x0fSignedRoundSpec\x12\x0c\n\x04spec\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x66\x65\x64lt/v1/round.proto\x12\x08\x66\x65\x64lt.v1\x1a\x14\x66\x65\x64lt/v1/layer.proto\"\xaa\x01\n\tFieldSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\r\x12\r\n\x05\x62ound\x18\x03 \x01(\x01\x12\x11\n\tfrac_bits\x18\x04 \x01(\r\x12\x11\n\tper_class\x18\x05 \x01(\x08\x12\x13\n\x0bsensitivity\x18\x06 \x01(\x01\x12\x0f\n\x07\x66loat64\x18\x07 \x01(\x08\x12\x0f\n\x07inverts\x18\x08 \x01(\x08\x12\x14\n\x0cwhole_roster\x18\t \x01(\x08\"<\n\x06Schema\x12\r\n\x05phase\x18\x01 \x01(\t\x12#\n\x06\x66ields\x18\x02 \x03(\x0b\x32\x13.fedlt.v1.FieldSpec\"\xad\x04\n\tRoundSpec\x12\x15\n\rconsortium_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\x10\n\x08round_id\x18\x04 \x01(\t\x12\x0e\n\x06method\x18\x05 \x01(\t\x12 \n\x06schema\x18\x06 \x01(\x0b\x32\x10.fedlt.v1.Schema\x12\x15\n\rmethod_config\x18\x07 \x01(\t\x12\x15\n\rconfig_sha256\x18\x08 \x01(\t\x12\x14\n\x0cstate_digest\x18\t \x01(\t\x12\x13\n\x0bstate_bytes\x18\n \x01(\x04\x12\x0c\n\x04seed\x18\x0b \x01(\x04\x12\x0f\n\x07privacy\x18\x0c \x01(\t\x12\x14\n\x0cparticipants\x18\r \x03(\t\x12\x13\n\x0b\x64isclosures\x18\x0e \x03(\t\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x0f \x01(\x03\x12*\n\x06secagg\x18\x10 \x01(\x0b\x32\x1a.fedlt.v1.SecAggParameters\x12\x12\n\ndisclosers\x18\x11 \x03(\t\x12 \n\x06\x63\x65nsus\x18\x12 \x01(\x0b\x32\x10.fedlt.v1.Census\x12&\n\x04\x63kks\x18\x13 \x01(\x0b\x32\x18.fedlt.v1.CkksParameters\x12\x31\n\x0c\x61ttestations\x18\x14 \x01(\x0b\x32\x1b.fedlt.v1.StateAttestations\x12+\n\x10layer_parameters\x18\x15 \x01(\x0b\x32\x11.fedlt.v1.Entries\"R\n\x11StateAttestations\x12\x0f\n\x07\x63ounted\x18\x01 \x03(\t\x12,\n\nsignatures\x18\x02 \x03(\x0b\x32\x18.fedlt.v1.StateSignature\"I\n\x0eStateSignature\x12\x0f\n\x07silo_id\x18\x01 \x01(\t\x12\x11\n\tsignature\x18\x02 \x01(\x0c\x12\x13\n\x0b\x63\x65rtificate\x18\x03 \x01(\x0c\"K\n\x06\x43\x65nsus\x12\r\n\x05silos\x18\x01 \x03(\t\x12\x17\n\x0fsilos_per_class\x18\x02 \x03(\x04\x12\x19\n\x11records_per_class\x18\x03 \x03(\x04\"]\n\x10SecAggParameters\x12\x11\n\tthreshold\x18\x01 \x01(\r\x12\x12\n\nneighbours\x18\x02 \x01(\r\x12\r\n\x05k_min\x18\x03 \x01(\r\x12\x13\n\x0bmin_records\x18\x04 \x01(\r\"\\\n\x0e\x43kksParameters\x12\r\n\x05k_min\x18\x01 \x01(\r\x12\x12\n\ncontext_id\x18\x02 \x01(\t\x12\x12\n\nkey_holder\x18\x03 \x01(\t\x12\x13\n\x0bmin_records\x18\x04 \x01(\r\"2\n\x0fSignedRoundSpec\x12\x0c\n\x04spec\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fedlt.v1.round_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FIELDSPEC']._serialized_start=35
-  _globals['_FIELDSPEC']._serialized_end=205
-  _globals['_SCHEMA']._serialized_start=207
-  _globals['_SCHEMA']._serialized_end=267
-  _globals['_ROUNDSPEC']._serialized_start=270
-  _globals['_ROUNDSPEC']._serialized_end=782
-  _globals['_STATEATTESTATIONS']._serialized_start=784
-  _globals['_STATEATTESTATIONS']._serialized_end=866
-  _globals['_STATESIGNATURE']._serialized_start=868
-  _globals['_STATESIGNATURE']._serialized_end=941
-  _globals['_CENSUS']._serialized_start=943
-  _globals['_CENSUS']._serialized_end=1018
-  _globals['_SECAGGPARAMETERS']._serialized_start=1020
-  _globals['_SECAGGPARAMETERS']._serialized_end=1113
-  _globals['_CKKSPARAMETERS']._serialized_start=1115
-  _globals['_CKKSPARAMETERS']._serialized_end=1207
-  _globals['_SIGNEDROUNDSPEC']._serialized_start=1209
-  _globals['_SIGNEDROUNDSPEC']._serialized_end=1259
+  _globals['_FIELDSPEC']._serialized_start=57
+  _globals['_FIELDSPEC']._serialized_end=227
+  _globals['_SCHEMA']._serialized_start=229
+  _globals['_SCHEMA']._serialized_end=289
+  _globals['_ROUNDSPEC']._serialized_start=292
+  _globals['_ROUNDSPEC']._serialized_end=849
+  _globals['_STATEATTESTATIONS']._serialized_start=851
+  _globals['_STATEATTESTATIONS']._serialized_end=933
+  _globals['_STATESIGNATURE']._serialized_start=935
+  _globals['_STATESIGNATURE']._serialized_end=1008
+  _globals['_CENSUS']._serialized_start=1010
+  _globals['_CENSUS']._serialized_end=1085
+  _globals['_SECAGGPARAMETERS']._serialized_start=1087
+  _globals['_SECAGGPARAMETERS']._serialized_end=1180
+  _globals['_CKKSPARAMETERS']._serialized_start=1182
+  _globals['_CKKSPARAMETERS']._serialized_end=1274
+  _globals['_SIGNEDROUNDSPEC']._serialized_start=1276
+  _globals['_SIGNEDROUNDSPEC']._serialized_end=1326
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,4 @@
+from fedlt.v1 import layer_pb2 as _layer_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -37,7 +38,7 @@ class Schema(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ...) -> None: ...
 
 class RoundSpec(_message.Message):
-    __slots__ = ("consortium_id", "round", "attempt", "round_id", "method", "schema", "method_config", "config_sha256", "state_digest", "state_bytes", "seed", "privacy", "participants", "disclosures", "deadline_unix_ms", "secagg", "disclosers", "census", "ckks", "attestations")
+    __slots__ = ("consortium_id", "round", "attempt", "round_id", "method", "schema", "method_config", "config_sha256", "state_digest", "state_bytes", "seed", "privacy", "participants", "disclosures", "deadline_unix_ms", "secagg", "disclosers", "census", "ckks", "attestations", "layer_parameters")
     CONSORTIUM_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +59,7 @@ class RoundSpec(_message.Message):
     CENSUS_FIELD_NUMBER: _ClassVar[int]
     CKKS_FIELD_NUMBER: _ClassVar[int]
     ATTESTATIONS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     consortium_id: str
     round: int
     attempt: int
@@ -78,7 +80,8 @@ class RoundSpec(_message.Message):
     census: Census
     ckks: CkksParameters
     attestations: StateAttestations
-    def __init__(self, consortium_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., round_id: _Optional[str] = ..., method: _Optional[str] = ..., schema: _Optional[_Union[Schema, _Mapping]] = ..., method_config: _Optional[str] = ..., config_sha256: _Optional[str] = ..., state_digest: _Optional[str] = ..., state_bytes: _Optional[int] = ..., seed: _Optional[int] = ..., privacy: _Optional[str] = ..., participants: _Optional[_Iterable[str]] = ..., disclosures: _Optional[_Iterable[str]] = ..., deadline_unix_ms: _Optional[int] = ..., secagg: _Optional[_Union[SecAggParameters, _Mapping]] = ..., disclosers: _Optional[_Iterable[str]] = ..., census: _Optional[_Union[Census, _Mapping]] = ..., ckks: _Optional[_Union[CkksParameters, _Mapping]] = ..., attestations: _Optional[_Union[StateAttestations, _Mapping]] = ...) -> None: ...
+    layer_parameters: _layer_pb2.Entries
+    def __init__(self, consortium_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., round_id: _Optional[str] = ..., method: _Optional[str] = ..., schema: _Optional[_Union[Schema, _Mapping]] = ..., method_config: _Optional[str] = ..., config_sha256: _Optional[str] = ..., state_digest: _Optional[str] = ..., state_bytes: _Optional[int] = ..., seed: _Optional[int] = ..., privacy: _Optional[str] = ..., participants: _Optional[_Iterable[str]] = ..., disclosures: _Optional[_Iterable[str]] = ..., deadline_unix_ms: _Optional[int] = ..., secagg: _Optional[_Union[SecAggParameters, _Mapping]] = ..., disclosers: _Optional[_Iterable[str]] = ..., census: _Optional[_Union[Census, _Mapping]] = ..., ckks: _Optional[_Union[CkksParameters, _Mapping]] = ..., attestations: _Optional[_Union[StateAttestations, _Mapping]] = ..., layer_parameters: _Optional[_Union[_layer_pb2.Entries, _Mapping]] = ...) -> None: ...
 
 class StateAttestations(_message.Message):
     __slots__ = ("counted", "signatures")

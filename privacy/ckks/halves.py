@@ -48,10 +48,10 @@ from fedlt.aggregation.halves import (
 )
 from fedlt.errors import FedltError
 from privacy.ckks.keys import CkksKeyError, PublicContext, SecretContext, ciphertext_limit, scale_bits
-from privacy.ckks.relay import CkksRelay, NoKeyYet
 from privacy.ckks.settings import CkksParameters
-from privacy.secagg.crypto import transcript
-from privacy.secagg.protocol import ConsistencySignature, Peers, Signer
+from privacy.crypto import transcript
+from privacy.keyservice.relay import KeyRelay, NoKeyYet
+from privacy.peers import ConsistencySignature, Peers, Signed, Signer
 
 UPLOAD, SIGN, DELIVERED, DONE = "upload", "sign", "delivered", "done"
 CONSISTENCY_CONTEXT = "fedlt/ckks/consistency/v1"
@@ -74,14 +74,6 @@ class EncryptedSum:
 
     blob: bytes = field(repr=False)
     survivors: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Signed:
-    """One survivor's consistency signature, with its certificate (PEM) in a consortium for peers to check."""
-
-    signature: bytes
-    certificate: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True)
@@ -295,7 +287,7 @@ class CkksSiloSide(SiloSide):
     """`secret_for(settings)` is the secret context a round's signed parameters name (SettingsRefused if this
     silo does not hold it); the simulator has one for the whole run. `sign` (the silo's certificate key) and
     `peers` (who checks other silos' signatures against the roster) sign and check the consistency step and
-    the state attestations (`privacy.ckks.attestation`)."""
+    the state attestations (`privacy.stepping.attestation`)."""
 
     steps_model = True
 
@@ -324,18 +316,19 @@ class CkksSiloSide(SiloSide):
 
 
 class CkksAggregatorSide(AggregatorSide):
-    """`keys` is the public context, or (a consortium) the key ceremony's relay, which receives it later and
+    """`keys` is the public context, or (a consortium) the key service's relay, which receives it later and
     keeps the certificate each silo enrolled with (relayed beside its consistency signatures)."""
 
-    def __init__(self, keys: PublicContext | CkksRelay) -> None:
+    def __init__(self, keys: PublicContext | KeyRelay) -> None:
         self.keys = keys
 
     def half(self, spec: SumSpec) -> AggregatorHalf:
         if isinstance(self.keys, PublicContext):
             return CkksAggregatorHalf(spec, self.keys, lambda _: b"")
-        if self.keys.public is None:
+        public = self.keys.public
+        if public is None:
             raise NoKeyYet("the key holder has not shared the consortium's CKKS key yet")
-        return CkksAggregatorHalf(spec, self.keys.public, self.keys.certificate)
+        return CkksAggregatorHalf(spec, public, self.keys.certificate)
 
     def eligible(self, silo: str) -> bool:
         return isinstance(self.keys, PublicContext) or self.keys.eligible(silo)
@@ -344,5 +337,8 @@ class CkksAggregatorSide(AggregatorSide):
         if isinstance(self.keys, PublicContext):
             return settings
         return CkksParameters(
-            settings.k_min, self.keys.context_id, self.keys.key_holder, settings.min_records
+            k_min=settings.k_min,
+            min_records=settings.min_records,
+            context_id=self.keys.context_id,
+            key_holder=self.keys.key_holder,
         )

@@ -12,14 +12,14 @@ The public context cannot decrypt, but it is no proof of what a ciphertext holds
 holder's choosing to any ciphertext (TenSEAL's add-plain needs no secret key), and subtracts one ciphertext
 from another. So the aggregator can hand a silo the sum plus any P it likes as "the sum"; a silo decrypts
 only once every silo it counts signed the same ciphertext (`halves`, the consistency step), and what it
-releases after decrypting is masked (`masks`).
+releases after decrypting is masked (`privacy.stepping.masks`).
 
 Values are encoded at a scale chosen per sum from the schema (`scale_bits`): the summed values must stay
 below the 60-bit data prime, so the scale leaves room for n silos times the largest field bound. A sum whose
 room would leave fewer than `MIN_SCALE_BITS` is refused, like an overflowing fixed-point range.
 
 Secrets are their own type: `SecretContext` is the only one that can encrypt or decrypt, and it serializes
-with its secret key only through `secret_bytes`, for sealing to another silo (`ceremony`).
+with its secret key only through `secret_bytes`, for sealing to another silo (`privacy.keyservice.ceremony`).
 """
 
 from __future__ import annotations
@@ -127,6 +127,10 @@ class SecretContext:
     def secret_bytes(self) -> bytes:
         """The context with its secret key: only ever sealed to another silo or written to a 0600 file."""
         return self._context.serialize(save_secret_key=True, save_galois_keys=False, save_relin_keys=False)
+
+    def public_bytes(self) -> bytes:
+        """The public context, which the key holder hands the aggregator (`PublicContext.from_bytes`)."""
+        return self.public.serialized
 
     def derived_key(self, purpose: bytes) -> bytes:
         """A 32-byte key for `purpose` (sealing states, release masks), HKDF-SHA256 from the secret key and

@@ -1,8 +1,9 @@
 """The `ckks` privacy layer: its settings, and both halves for silos that live in one process.
 
-In the simulator one secret context is made for the run and shared by every silo, as the key ceremony shares
-it in a consortium (`ceremony`), and every silo gets a fresh signing key for the run, as under secagg, so the
-consistency step runs the consortium's code; the aggregator's side holds the public context only.
+In the simulator one secret context is made for the run and shared by every silo, as the key service shares
+it in a consortium (`privacy.keyservice.ceremony`), and every silo gets a fresh signing key for the run, as
+under secagg, so the consistency step runs the consortium's code; the aggregator's side holds the public
+context only.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from fedlt.aggregation import SumLayer
 from fedlt.aggregation.halves import AggregatorSide, PartyKeys, SiloSide
 from privacy.ckks.halves import CkksAggregatorSide, CkksSiloSide
 from privacy.ckks.keys import PublicContext, SecretContext
-from privacy.ckks.relay import CkksRelay
 from privacy.ckks.settings import CkksSettings
+from privacy.keyservice.relay import KeyRelay
+from privacy.peers import KeyPeers
 from privacy.pki.signing import sign
-from privacy.secagg.peers import KeyPeers
 
 
 class CkksSum(SumLayer):
@@ -28,7 +29,6 @@ class CkksSum(SumLayer):
     def __init__(self, settings: CkksSettings | None = None) -> None:
         super().__init__()
         self.settings = settings or CkksSettings()
-        self.k_min = self.settings.k_min
 
     def describe(self) -> str:
         return self.settings.describe()
@@ -44,7 +44,9 @@ class CkksSum(SumLayer):
         return CkksSiloSide(secret, sign=keys.sign, peers=keys.peers)
 
     def aggregator_side(self, keys: PartyKeys) -> AggregatorSide:
-        if not isinstance(keys.secret, PublicContext | CkksRelay):
+        """`keys.secret`: the public context, or (a consortium) the key service's relay
+        (`privacy.keyservice.relay.KeyRelay`), which receives it from the key holder."""
+        if not isinstance(keys.secret, PublicContext | KeyRelay):  # never the secret context
             raise ValueError("the aggregator adds CKKS ciphertexts with the public context")
         return CkksAggregatorSide(keys.secret)
 

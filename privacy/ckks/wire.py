@@ -1,10 +1,11 @@
-"""The `ckks` layer's messages and key ceremony in their Protobuf form (fedlt/v1), for silo and aggregator.
+"""The `ckks` layer's messages in their Protobuf form (fedlt/v1), for silo and aggregator.
 
 An encrypted upload is a Submit stream of kind CKKS. The encrypted sum is too large for the directive stream,
 so its `SumStep` only announces it (`SumReady`: who it counts, its size and SHA-256) and the silo fetches it
-(`fetch_sum`), reading no more than announced and checking the hash before it signs anything. A silo's
-consistency signature goes out through the Consistency RPC as secagg's does (`privacy.secagg.wire`); the
-survivors' signatures come back in one `SumStep`, each with the certificate its silo enrolled with.
+through the FetchSum RPC (`fetch_sum`), reading no more than announced and checking the hash before it signs
+anything. A silo's consistency signature goes out through the Consistency RPC as secagg's does
+(`privacy.consistency`); the survivors' signatures come back in one `SumStep`, each with the certificate its
+silo enrolled with. The key ceremony's messages are the key service's (`privacy.keyservice.wire`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import hashlib
 from dataclasses import dataclass
 
 from fedlt.aggregation.halves import BadMessage
+from fedlt.aggregation.registry import LayerWire
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.wire import SUM_OF_PURPOSE, submit_stream
-from privacy.ckks.ceremony import Announcement, SealedContext
-from privacy.ckks.halves import EncryptedSum, EncryptedUpload, Signed, SumSignatures
+from privacy import consistency
+from privacy.ckks.halves import EncryptedSum, EncryptedUpload, SumSignatures
+from privacy.peers import Signed
 
 
 @dataclass(frozen=True)
@@ -46,9 +49,9 @@ def ready_from_pb(step: pb.SumStep) -> SumReady:
 
 
 def fetch_sum(stub, round_id: str, purpose: str, ready: SumReady, timeout: float) -> EncryptedSum:
-    request = pb.FetchEncryptedSumRequest(round_id=round_id, sum=SUM_OF_PURPOSE[purpose])
+    request = pb.FetchSumRequest(round_id=round_id, sum=SUM_OF_PURPOSE[purpose])
     data = bytearray()
-    for part in stub.FetchEncryptedSum(request, timeout=timeout):
+    for part in stub.FetchSum(request, timeout=timeout):
         if part.offset != len(data) or len(data) + len(part.data) > ready.total_bytes:
             raise BadMessage("the encrypted sum streamed does not fit the size announced")
         data += part.data
@@ -73,44 +76,14 @@ def signatures_from_pb(step: pb.SumStep) -> SumSignatures:
     return SumSignatures(by_silo)
 
 
-def sealed_to_pb(sealed: SealedContext) -> pb.SealedContext:
-    return pb.SealedContext(
-        sender=sealed.sender,
-        recipient=sealed.recipient,
-        context_id=sealed.context_id,
-        ephemeral_key=sealed.ephemeral,
-        ciphertext=sealed.ciphertext,
-        signature=sealed.signature,
-    )
-
-
-def sealed_from_pb(sealed: pb.SealedContext) -> SealedContext:
-    return SealedContext(
-        sealed.sender,
-        sealed.recipient,
-        sealed.context_id,
-        sealed.ephemeral_key,
-        sealed.ciphertext,
-        sealed.signature,
-    )
-
-
-def enrollment_to_pb(announcement: Announcement) -> pb.Enrollment:
-    return pb.Enrollment(
-        silo_id=announcement.silo,
-        public_key=announcement.public,
-        signature=announcement.signature,
-        certificate=announcement.certificate,
-    )
-
-
-def enrollment_from_pb(enrollment: pb.Enrollment) -> Announcement:
-    return Announcement(
-        enrollment.silo_id, enrollment.public_key, enrollment.signature, enrollment.certificate
-    )
-
-
-SENDERS = {EncryptedUpload: _submit_encrypted}
-STEP_ENCODERS = {EncryptedSum: ready_to_pb, SumSignatures: signatures_to_pb}
-STEP_DECODERS = {"encrypted_sum": ready_from_pb, "ckks_signatures": signatures_from_pb}
-FETCHERS = {SumReady: fetch_sum}
+WIRE = LayerWire(
+    senders={EncryptedUpload: _submit_encrypted, **consistency.SENDERS},
+    step_encoders={EncryptedSum: ready_to_pb, SumSignatures: signatures_to_pb},
+    step_decoders={"encrypted_sum": ready_from_pb, "ckks_signatures": signatures_from_pb},
+    uploads={pb.CONTRIBUTION_KIND_CKKS: (EncryptedUpload, EncryptedUpload)},
+    fetchers={SumReady: fetch_sum},
+    receivers=consistency.RECEIVERS,
+    drill_names=consistency.DRILL_NAMES,
+    # an upload sent inside another message (a state report's evaluation counts)
+    payloads={EncryptedUpload: (pb.CONTRIBUTION_KIND_CKKS, lambda upload: upload.blob)},
+)

@@ -36,7 +36,7 @@ from fedlt.aggregation import Schema
 from fedlt.aggregation.halves import SettingsRefused
 from fedlt.aggregation.schema import Field
 from privacy.dp.noise import SecureRandom
-from privacy.secagg.ring import Ring
+from privacy.ring import Ring
 
 NARROW_MIN_FRAC_BITS = 16
 ROUNDING_KEY = b"fedlt/secagg/stochastic-rounding/v1\x1f"

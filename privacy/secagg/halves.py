@@ -21,15 +21,14 @@ import numpy as np
 import torch
 
 from fedlt.aggregation.halves import AggregatorHalf, AggregatorSide, Released, SiloHalf, SiloSide, SumSpec
+from privacy.peers import ConsistencySignature, Peers, Signer
 from privacy.secagg.codec import FixedPointCodec
 from privacy.secagg.policy import SessionPolicy
 from privacy.secagg.protocol import (
     AdvertisedKeys,
-    ConsistencySignature,
     Inbox,
     KeyList,
     MaskedInput,
-    Peers,
     ProtocolViolation,
     Reveal,
     SecAggClient,
@@ -37,7 +36,6 @@ from privacy.secagg.protocol import (
     SessionSpec,
     Shares,
     Signatures,
-    Signer,
     StageError,
     SurvivorList,
     Transcript,

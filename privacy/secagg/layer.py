@@ -14,9 +14,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from fedlt.aggregation import SumLayer
 from fedlt.aggregation.halves import AggregatorSide, PartyKeys, SiloSide
+from privacy.peers import KeyPeers
 from privacy.pki.signing import sign
 from privacy.secagg.halves import SecAggAggregatorSide, SecAggSiloSide
-from privacy.secagg.peers import KeyPeers
 from privacy.secagg.settings import SecAggSettings
 
 
@@ -26,7 +26,6 @@ class SecAggSum(SumLayer):
     def __init__(self, settings: SecAggSettings | None = None) -> None:
         super().__init__()
         self.settings = settings or SecAggSettings()
-        self.k_min = self.settings.k_min
 
     def describe(self) -> str:
         return self.settings.describe()

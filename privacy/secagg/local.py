@@ -12,8 +12,8 @@ from collections.abc import Mapping
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from privacy.peers import KeyPeers
 from privacy.pki.signing import sign
-from privacy.secagg.peers import KeyPeers
 from privacy.secagg.protocol import ProtocolViolation, SecAggClient, SecAggServer, SessionSpec
 
 STAGES = ("keys", "shares", "masked", "consistency", "unmask")

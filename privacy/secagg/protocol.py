@@ -47,20 +47,23 @@ import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Protocol
 
 import numpy as np
 
 from fedlt.aggregation.halves import BadMessage, SumAborted, WrongStage
 from fedlt.errors import FedltError
-from privacy.secagg import crypto, shamir
-from privacy.secagg.prg import apply_masks
-from privacy.secagg.ring import Ring
+from privacy import crypto
+from privacy.peers import BadSignature, Peers, Signer
+from privacy.prg import apply_masks
+from privacy.ring import Ring
+from privacy.secagg import shamir
 
 KEYS_CONTEXT = "fedlt/secagg/keys/v1"
 CONSISTENCY_CONTEXT = "fedlt/secagg/consistency/v1"
 MASKED_CONTEXT = "fedlt/secagg/masked/v1"
 REVEAL_CONTEXT = "fedlt/secagg/reveal/v1"
+MASK_PURPOSE = "fedlt/secagg/mask/v1"
+ENVELOPE_PURPOSE = "fedlt/secagg/envelope/v1"
 SHARE_BYTES = 66  # an element of the 521-bit Shamir field
 PURPOSES = ("census", "contribution")
 # Sums every silo recomputes from the signed transcript: small ones that silos act on. The contribution's
@@ -149,13 +152,6 @@ class MaskedInput:
 
 
 @dataclass(frozen=True)
-class ConsistencySignature:
-    """Stage 3 from a silo: its signature over the session, the binding, the key list and U3."""
-
-    signature: bytes
-
-
-@dataclass(frozen=True)
 class KeyList:
     """After stage 0, to every silo of U1: everyone's signed keys."""
 
@@ -183,18 +179,6 @@ class Transcript:
 
     masked: Mapping[str, MaskedInput]
     reveals: Mapping[str, Reveal]
-
-
-class Signer(Protocol):
-    def __call__(self, data: bytes, *, context: str) -> bytes: ...
-
-
-class Peers(Protocol):
-    """Checks that `signature` over `data` was made by silo `silo`, whose credential is `credential`."""
-
-    def verify(
-        self, silo: str, credential: bytes, signature: bytes, data: bytes, *, context: str
-    ) -> None: ...
 
 
 # --- the session ------------------------------------------------------------------------------------------
@@ -324,6 +308,16 @@ def _check_usable(keys: AdvertisedKeys) -> None:
         raise ProtocolViolation(f"{keys.silo}: {exc}") from None
 
 
+def _verify(
+    peers: Peers, silo: str, credential: bytes, signature: bytes, data: bytes, *, context: str
+) -> None:
+    """`peers.verify`, a refused signature raised as what it is here: a message that breaks the protocol."""
+    try:
+        peers.verify(silo, credential, signature, data, context=context)
+    except BadSignature as exc:
+        raise ProtocolViolation(str(exc)) from None
+
+
 def _encode_share(y: int) -> bytes:
     return y.to_bytes(SHARE_BYTES, "big")
 
@@ -414,7 +408,8 @@ class SecAggClient:
             if {entry.c_public, entry.s_public} & seen:
                 raise ProtocolViolation(f"{entry.silo} advertises a public key that is already in use")
             _check_usable(entry)
-            self._peers.verify(
+            _verify(
+                self._peers,
                 entry.silo,
                 entry.credential,
                 entry.signature,
@@ -567,7 +562,7 @@ class SecAggClient:
             self._envelope_keys[peer] = crypto.agree(
                 self._c,
                 self._keys[peer].c_public,
-                purpose=crypto.ENVELOPE_PURPOSE,
+                purpose=ENVELOPE_PURPOSE,
                 session=self.spec.session,
                 pair=(self.me, peer),
             )
@@ -598,9 +593,7 @@ class SecAggClient:
 def pair_seed(
     spec: SessionSpec, private: crypto.X25519PrivateKey, me: str, peer_public: bytes, peer: str
 ) -> bytes:
-    return crypto.agree(
-        private, peer_public, purpose=crypto.MASK_PURPOSE, session=spec.session, pair=(me, peer)
-    )
+    return crypto.agree(private, peer_public, purpose=MASK_PURPOSE, session=spec.session, pair=(me, peer))
 
 
 # --- the aggregator -----------------------------------------------------------------------------------
@@ -676,8 +669,13 @@ class SecAggServer:
         if {keys.c_public, keys.s_public} & used:
             raise ProtocolViolation(f"{silo} advertised a public key another silo already uses")
         _check_usable(keys)
-        self._peers.verify(
-            silo, keys.credential, keys.signature, self.spec.key_message(keys), context=KEYS_CONTEXT
+        _verify(
+            self._peers,
+            silo,
+            keys.credential,
+            keys.signature,
+            self.spec.key_message(keys),
+            context=KEYS_CONTEXT,
         )
         self._keys[silo] = keys
 
@@ -729,7 +727,9 @@ class SecAggServer:
             raise ProtocolViolation(f"a masked input: {exc}") from None
         if self.spec.recomputed:
             message = self.spec.masked_message(silo, masked)
-            self._peers.verify(silo, self._keys[silo].credential, signature, message, context=MASKED_CONTEXT)
+            _verify(
+                self._peers, silo, self._keys[silo].credential, signature, message, context=MASKED_CONTEXT
+            )
             self._signed_masked[silo] = MaskedInput(masked.copy(), signature)
         self.spec.ring.add(self._total, masked)
         self._masked_digests[silo] = digest
@@ -747,7 +747,9 @@ class SecAggServer:
                 raise ProtocolViolation(f"{silo} already sent another consistency signature")
             return
         message = self.spec.consistency_message(self.u3)
-        self._peers.verify(silo, self._keys[silo].credential, signature, message, context=CONSISTENCY_CONTEXT)
+        _verify(
+            self._peers, silo, self._keys[silo].credential, signature, message, context=CONSISTENCY_CONTEXT
+        )
         self._signatures[silo] = signature
 
     def close_consistency(self) -> dict[str, bytes]:
@@ -767,8 +769,13 @@ class SecAggServer:
         check_reveal(self.spec, silo, reveal, u2=self.u2, u3=self.u3)
         if self.spec.recomputed:
             message = self.spec.reveal_message(silo, reveal)
-            self._peers.verify(
-                silo, self._keys[silo].credential, reveal.signature, message, context=REVEAL_CONTEXT
+            _verify(
+                self._peers,
+                silo,
+                self._keys[silo].credential,
+                reveal.signature,
+                message,
+                context=REVEAL_CONTEXT,
             )
         self._reveals[silo] = reveal
 

@@ -4,26 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fedlt.aggregation.tail_guard import ONLY_UNDER_DP
+from fedlt.aggregation.tail_guard import GuardSettings
 from fedlt.config import setting
+from privacy.ring import Ring
 from privacy.secagg.protocol import SessionSpec
-from privacy.secagg.ring import Ring
 
 
 @dataclass(frozen=True)
-class SecAggSettings:
+class SecAggSettings(GuardSettings):
     threshold: int = setting(
         0, ge=0, doc="shares needed to rebuild a seed, a majority of its holders; 0 = more than two thirds"
     )
     neighbours: int = setting(
         0, ge=0, doc="SecAgg+: each silo masks with this many peers (even); 0 = every silo (Bonawitz)"
-    )
-    k_min: int = setting(2, ge=0, doc="tail guard: zero per-class fields of classes fewer silos hold; <2 off")
-    min_records: int = setting(
-        ONLY_UNDER_DP,
-        ge=0,
-        doc="per-class statistics that invert (second moments, per-class gradients) leave silos without [dp] "
-        "only for classes this many records hold; 0: never without [dp] (they invert at any class size)",
     )
 
     def problems(self) -> list[str]:
@@ -46,11 +39,10 @@ class SecAggSettings:
     def describe(self) -> str:
         threshold = f"{self.threshold} shares" if self.threshold else "more than two thirds"
         graph = f"{self.neighbours} neighbours per silo (SecAgg+)" if self.neighbours else "every silo pair"
-        floor = (
-            f"record floor {self.min_records}" if self.min_records else "statistics that invert only under DP"
+        return (
+            f"secagg — the aggregator learns only sums; threshold {threshold}, masks over {graph}, "
+            f"{self.describe_guard()}"
         )
-        guard = f"tail guard k_min {self.k_min}, {floor}" if self.k_min >= 2 else "tail guard off"
-        return f"secagg — the aggregator learns only sums; threshold {threshold}, masks over {graph}, {guard}"
 
     def session(
         self,

@@ -15,11 +15,13 @@ from dataclasses import replace
 
 import numpy as np
 
+from fedlt.aggregation.registry import LayerWire
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.wire import SUM_OF_PURPOSE, submit_stream
+from fedlt.wire.fields import Mapped
+from privacy import consistency
 from privacy.secagg.protocol import (
     AdvertisedKeys,
-    ConsistencySignature,
     Envelope,
     Inbox,
     KeyList,
@@ -32,31 +34,21 @@ from privacy.secagg.protocol import (
     Transcript,
 )
 
-
-def keys_to_pb(keys: AdvertisedKeys) -> pb.AdvertisedKeys:
-    return pb.AdvertisedKeys(
-        silo_id=keys.silo,
-        c_public_key=keys.c_public,
-        s_public_key=keys.s_public,
-        signature=keys.signature,
-        certificate=keys.credential,
-    )
-
-
-def keys_from_pb(keys: pb.AdvertisedKeys) -> AdvertisedKeys:
-    return AdvertisedKeys(
-        keys.silo_id, keys.c_public_key, keys.s_public_key, keys.signature, keys.certificate
-    )
+KEYS = Mapped(
+    AdvertisedKeys,
+    pb.AdvertisedKeys,
+    {"silo": "silo_id", "c_public": "c_public_key", "s_public": "s_public_key", "credential": "certificate"},
+)
+ENVELOPE = Mapped(Envelope, pb.EncryptedShare)
+keys_to_pb, keys_from_pb = KEYS.to_pb, KEYS.from_pb
 
 
 def envelopes_to_pb(envelopes: Iterable[Envelope]) -> list[pb.EncryptedShare]:
-    return [
-        pb.EncryptedShare(sender=e.sender, recipient=e.recipient, ciphertext=e.ciphertext) for e in envelopes
-    ]
+    return [ENVELOPE.to_pb(e) for e in envelopes]
 
 
 def envelopes_from_pb(shares: Iterable[pb.EncryptedShare]) -> tuple[Envelope, ...]:
-    return tuple(Envelope(s.sender, s.recipient, s.ciphertext) for s in shares)
+    return tuple(ENVELOPE.from_pb(s) for s in shares)
 
 
 def inbox_to_pb(inbox: Inbox) -> pb.ShareInbox:
@@ -196,13 +188,6 @@ def _submit_masked(stub, round_id: str, purpose: str, masked: MaskedInput, timeo
     return stub.Submit(itertools.chain([first], stream), timeout=timeout)
 
 
-def _sign_view(stub, round_id: str, purpose: str, signed: ConsistencySignature, timeout: float) -> object:
-    request = pb.ConsistencyRequest(
-        round_id=round_id, sum=SUM_OF_PURPOSE[purpose], signature=signed.signature
-    )
-    return stub.Consistency(request, timeout=timeout)
-
-
 def _unmask(stub, round_id: str, purpose: str, reveal: Reveal, timeout: float) -> object:
     return stub.Unmask(reveal_to_pb(round_id, purpose, reveal), timeout=timeout)
 
@@ -211,8 +196,8 @@ SENDERS: dict[type, Send] = {
     AdvertisedKeys: _advertise,
     Shares: _share,
     MaskedInput: _submit_masked,
-    ConsistencySignature: _sign_view,
     Reveal: _unmask,
+    **consistency.SENDERS,
 }
 
 
@@ -225,8 +210,8 @@ def _advertised(request: pb.AdvertiseKeysRequest, silo: str, certificate: bytes)
 RECEIVERS: dict[str, Callable[[object, str, bytes], object]] = {
     "AdvertiseKeys": _advertised,
     "ShareKeys": lambda request, *_: Shares(envelopes_from_pb(request.shares)),
-    "Consistency": lambda request, *_: ConsistencySignature(request.signature),
     "Unmask": lambda request, *_: reveal_from_pb(request),
+    **consistency.RECEIVERS,
 }
 
 # what operators call the messages in dropout drills (FEDLT_DRILL_STOP_AFTER)
@@ -234,6 +219,19 @@ DRILL_NAMES: dict[type, str] = {
     AdvertisedKeys: "keys",
     Shares: "shares",
     MaskedInput: "masked",
-    ConsistencySignature: "consistency",
     Reveal: "unmask",
+    **consistency.DRILL_NAMES,
 }
+# a Submit stream's kind: the upload it carries, and how to read it; what its header adds to it
+UPLOADS = {pb.CONTRIBUTION_KIND_MASKED: (MaskedInput, masked_of)}
+FROM_HEADER = {MaskedInput: signed_by_header}
+
+WIRE = LayerWire(
+    senders=SENDERS,
+    step_encoders=STEP_ENCODERS,
+    step_decoders=STEP_DECODERS,
+    uploads=UPLOADS,
+    from_header=FROM_HEADER,
+    receivers=RECEIVERS,
+    drill_names=DRILL_NAMES,
+)

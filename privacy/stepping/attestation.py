@@ -1,6 +1,6 @@
 """Signed state digests: a silo steps from a sealed state only if every silo its sum counted computed it.
 
-Under ckks the silos step the model, and any silo holding the consortium's key can seal any state under any
+When silos step the model (under ckks), any silo holding the consortium's key can seal any state under any
 digest (`sealed_state`), so the seal alone says only that *some* key holder made it. Each silo that steps
 therefore signs, with its consortium certificate key, the consortium, the round, the digest of the state it
 computed and the silos counted by the sum it stepped from (`attest`); the aggregator keeps the signatures
@@ -20,12 +20,11 @@ from dataclasses import dataclass
 from fedlt.aggregation.halves import BadMessage
 from fedlt.errors import FedltError
 from fedlt.v1 import round_pb2
-from privacy.ckks.halves import Signed
+from privacy.crypto import transcript
+from privacy.peers import ConsortiumPeers, Peers, Signed
 from privacy.pki.trust import MemberTrust
-from privacy.secagg.crypto import transcript
-from privacy.secagg.peers import ConsortiumPeers
-from privacy.secagg.protocol import Peers
 
+# named for ckks, the first layer to use them: domain separators, so new names would void every signed state
 ATTESTATION_CONTEXT = "fedlt/ckks/state-attestation/v1"
 
 

@@ -1,9 +1,9 @@
 """The ring a secure sum lives in: some 64-bit words, then some 32-bit words, as one little-endian buffer.
 
-The codec (`codec.FixedPointCodec`) puts each field in the narrowest words whose range holds the sum of every
-silo's value, so a model delta costs 4 bytes a number instead of 8. Masks and sums wrap within each part:
-mod 2^64 in the wide part, mod 2^32 in the narrow one. The wide part comes first so that both parts sit at
-offsets aligned for their word size.
+Secagg's codec (`privacy.secagg.codec.FixedPointCodec`) puts each field in the narrowest words whose range
+holds the sum of every silo's value, so a model delta costs 4 bytes a number instead of 8. Masks and sums wrap
+within each part: mod 2^64 in the wide part, mod 2^32 in the narrow one. The wide part comes first so that
+both parts sit at offsets aligned for their word size.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """What every layer's messages share on the wire (fedlt/v1 Protobuf), written once for silo and aggregator.
 
 Schemas, censuses and which sum a message belongs to travel the same way whatever the privacy layer; large
-payloads move in `CHUNK`-sized parts, a Submit stream as a header (round, kind, size, SHA-256) and chunks. The
-plaintext layer's upload is its own bytes (`fedlt.aggregation.plaintext`).
+payloads move in `CHUNK`-sized parts, a Submit stream as a header (round, kind, size, SHA-256) and chunks.
+A layer's own messages travel either in Protobuf forms of its own (`LayerWire`) or, declared as dataclasses,
+through the one generic codec (`codec`).
 """
 
 from __future__ import annotations
@@ -10,12 +11,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 
-from fedlt.aggregation.plaintext import Upload
 from fedlt.aggregation.round_sums import CensusResult
 from fedlt.aggregation.schema import Field, Schema
 from fedlt.aggregation.tail_guard import Census
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import round_pb2
+from fedlt.wire.fields import Mapped
 
 CHUNK = 1 << 20  # bytes per streamed part, both ways
 
@@ -27,40 +28,15 @@ SUM_OF_PURPOSE = {
 PURPOSE_OF_SUM = {v: k for k, v in SUM_OF_PURPOSE.items()}
 
 
+FIELD = Mapped(Field, round_pb2.FieldSpec, local=("doc",))
+
+
 def schema_to_pb(schema: Schema) -> round_pb2.Schema:
-    fields = [
-        round_pb2.FieldSpec(
-            name=f.name,
-            shape=f.shape,
-            bound=f.bound,
-            frac_bits=f.frac_bits,
-            per_class=f.per_class,
-            sensitivity=f.sensitivity,
-            float64=f.float64,
-            inverts=f.inverts,
-            whole_roster=f.whole_roster,
-        )
-        for f in schema.fields
-    ]
-    return round_pb2.Schema(phase=schema.phase, fields=fields)
+    return round_pb2.Schema(phase=schema.phase, fields=[FIELD.to_pb(f) for f in schema.fields])
 
 
 def schema_from_pb(schema: round_pb2.Schema) -> Schema:
-    fields = tuple(
-        Field(
-            f.name,
-            tuple(f.shape),
-            f.bound,
-            frac_bits=f.frac_bits,
-            per_class=f.per_class,
-            sensitivity=f.sensitivity,
-            float64=f.float64,
-            inverts=f.inverts,
-            whole_roster=f.whole_roster,
-        )
-        for f in schema.fields
-    )
-    return Schema(fields, phase=schema.phase)
+    return Schema(tuple(FIELD.from_pb(f) for f in schema.fields), phase=schema.phase)
 
 
 def census_to_pb(census: Census) -> round_pb2.Census:
@@ -90,7 +66,7 @@ def chunks(data: bytes) -> Iterator[tuple[int, bytes]]:
 
 
 def submit_stream(
-    round_id: str, payload: bytes, *, kind: int, purpose: str = ""
+    round_id: str, payload: bytes, *, kind: int, purpose: str = "", message_type: str = ""
 ) -> Iterator[pb.SubmitRequest]:
     header = pb.SubmitHeader(
         round_id=round_id,
@@ -98,15 +74,8 @@ def submit_stream(
         total_bytes=len(payload),
         sha256=hashlib.sha256(payload).hexdigest(),
         sum=SUM_OF_PURPOSE.get(purpose, pb.SECURE_SUM_UNSPECIFIED),
+        message_type=message_type,
     )
     yield pb.SubmitRequest(header=header)
     for _, part in chunks(payload):
         yield pb.SubmitRequest(chunk=part)
-
-
-def upload_payload(upload: Upload) -> bytes:
-    return upload.payload
-
-
-def upload_of(payload: bytes) -> Upload:
-    return Upload(payload)

@@ -1,8 +1,9 @@
 """The mask generator: a block cipher's keystream keyed with the whole 256-bit seed.
 
-A peer's mask must be unpredictable without its seed, so it comes from a cipher keystream, never from a
-statistical generator seeded with a folded-down seed (the weakness of Flower's SecAgg+, flwrlabs/flower
-#7522). Two keystreams are known here, both from `cryptography` (OpenSSL):
+Secagg's masks and the release masks of `privacy.stepping.masks` are drawn from it. A peer's mask must be
+unpredictable without its seed, so it comes from a cipher keystream, never from a statistical generator
+seeded with a folded-down seed (the weakness of Flower's SecAgg+, flwrlabs/flower #7522). Two keystreams are
+known here, both from `cryptography` (OpenSSL):
 - `aes-128-ctr`: the seed's first 16 bytes are the AES key, its last 16 the initial counter block (NIST SP
   800-38A's CTR, the counter block incremented as one 128-bit big-endian number). With AES-NI it is the
   faster of the two on this machine's kind, 2.1–2.5× (`benchmarks/secagg.py session`); masks use it.
@@ -22,7 +23,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, CipherContext, algorithms, modes
 
-from privacy.secagg.ring import Ring
+from privacy.ring import Ring
 
 SEED_BYTES = 32
 BLOCK_BYTES = 1 << 18  # 256 KiB of keystream per step: stays in cache between generation and addition

@@ -1,8 +1,9 @@
-"""Key agreement, seed derivation and share envelopes, all from `cryptography`, each bound to one session.
+"""Key agreement, authenticated envelopes and transcripts, all from `cryptography`, for every layer.
 
-Every derived key names its purpose, the session (round id and which secure sum) and the unordered pair of
-silos in its HKDF info, so a key, mask or envelope from one round, sum or pair is useless in any other: a
-replayed message fails to decrypt or to cancel, it never silently mixes in.
+`transcript` encodes, in every layer, what silos sign, what keys are derived over and what envelopes bind.
+Every key `agree` derives names its purpose, the session (for secagg: round id and which secure sum) and the
+unordered pair of silos in its HKDF info, so a key, mask or envelope from one round, sum or pair is useless in
+any other: a replayed message fails to decrypt or to cancel, it never silently mixes in.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from fedlt.errors import FedltError
 
 KEY_BYTES = 32
 NONCE_BYTES = 12
-MASK_PURPOSE = "fedlt/secagg/mask/v1"
-ENVELOPE_PURPOSE = "fedlt/secagg/envelope/v1"
 
 
 class CryptoError(FedltError):

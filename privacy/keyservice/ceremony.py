@@ -1,18 +1,21 @@
-"""The CKKS key ceremony: one silo makes the consortium's key, every other silo receives it sealed to itself.
+"""The key ceremony: one silo makes the consortium's key, every other silo receives it sealed to itself.
 
-Each silo that accepts CKKS has an **enrollment key**, an X25519 key pair it keeps in its state directory; it
-announces the public half signed with its certificate key (`Announcement`), and the aggregator keeps the
-announcements. The silo the consortium names as key holder checks each announcement against the roster
-(`MemberTrust`, as it checks any peer), seals the secret context to it (`seal`: an ephemeral X25519 key,
-HKDF-SHA256, ChaCha20-Poly1305) and signs the sealed envelope; the aggregator relays envelopes it cannot open.
-A silo opens only an envelope addressed to it, signed by the roster's silo the RoundSpec names as key holder,
-whose key id matches (`open_sealed`). Rotation is the same path with a new key. The aggregator holds the
-public context only.
+Any layer that asks for the key service (`fedlt.aggregation.registry.KeyKind`) has its key moved this way;
+the ceremony handles the key only as bytes (`SharedSecret.secret_bytes`, and the layer's `from_secret_bytes`
+to open them). Each silo that accepts such a layer has an **enrollment key**, an X25519 key pair it keeps in
+its state directory; it announces the public half signed with its certificate key (`Announcement`), and the
+aggregator keeps the announcements. The silo the consortium names as key holder checks each announcement
+against the roster (`MemberTrust`, as it checks any peer), seals the secret key to it (`seal`: an ephemeral
+X25519 key, HKDF-SHA256, ChaCha20-Poly1305) and signs the sealed envelope; the aggregator relays envelopes it
+cannot open. A silo opens only an envelope addressed to it, signed by the roster's silo the RoundSpec names as
+key holder, whose key id matches (`open_sealed`). Rotation is the same path with a new key. The aggregator
+holds the key's public part only.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cryptography.exceptions import InvalidTag
@@ -21,13 +24,15 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from fedlt.aggregation.registry import SharedSecret
 from fedlt.errors import FedltError
-from privacy.ckks.keys import CkksKeyError, SecretContext
+from privacy.crypto import transcript
 from privacy.pki.errors import PkiError
 from privacy.pki.signing import verify
 from privacy.pki.trust import MemberTrust
-from privacy.secagg.crypto import transcript
 
+# named for ckks, the first layer with a key service: domain separators, so a new name would refuse every
+# enrollment key and envelope that silos hold today
 ANNOUNCE_CONTEXT = "fedlt/ckks/enrollment/v1"
 SEAL_CONTEXT = "fedlt/ckks/sealed-context/v1"
 SEAL_INFO = b"fedlt/ckks/seal/v1"
@@ -52,7 +57,7 @@ class Announcement:
 
 @dataclass(frozen=True)
 class SealedContext:
-    """The secret context for one recipient, sealed to its enrollment key and signed by the key holder."""
+    """The secret key for one recipient, sealed to its enrollment key and signed by the key holder."""
 
     sender: str
     recipient: str
@@ -96,7 +101,7 @@ def _key(shared: bytes, consortium: str, sender: str, recipient: str, context_id
 
 
 def seal(
-    secret: SecretContext, *, consortium: str, sender: str, recipient: Announcement, sign
+    secret: SharedSecret, *, consortium: str, sender: str, recipient: Announcement, sign
 ) -> SealedContext:
     ephemeral = X25519PrivateKey.generate()
     shared = ephemeral.exchange(X25519PublicKey.from_public_bytes(recipient.public))
@@ -118,9 +123,10 @@ def open_sealed(
     holder: str,
     holder_certificate: bytes,
     members: MemberTrust,
-) -> SecretContext:
-    """The secret context, if `sealed` is addressed to `me`, signed by the roster's silo `holder`, and holds
-    the key it names; CeremonyError otherwise."""
+    read: Callable[[bytes], SharedSecret],
+) -> SharedSecret:
+    """The secret key, read by the layer's `read` (`KeyKind.from_secret_bytes`), if `sealed` is addressed to
+    `me`, signed by the roster's silo `holder`, and holds the key it names; CeremonyError otherwise."""
     if sealed.recipient != me or sealed.sender != holder:
         raise CeremonyError(
             f"a sealed context from {sealed.sender} to {sealed.recipient}; expected {holder} to {me}"
@@ -134,10 +140,8 @@ def open_sealed(
         shared = enrollment.exchange(X25519PublicKey.from_public_bytes(sealed.ephemeral))
         key = _key(shared, consortium, sealed.sender, me, sealed.context_id)
         aad = transcript(consortium, sealed.sender, me, sealed.context_id, sealed.ephemeral)
-        secret = SecretContext.from_secret_bytes(
-            ChaCha20Poly1305(key).decrypt(bytes(12), sealed.ciphertext, aad)
-        )
-    except (InvalidTag, ValueError, CkksKeyError) as exc:
+        secret = read(ChaCha20Poly1305(key).decrypt(bytes(12), sealed.ciphertext, aad))
+    except (InvalidTag, ValueError) as exc:  # ValueError: bytes that are no key of the layer's kind
         raise CeremonyError(f"the sealed context does not open: {type(exc).__name__}") from None
     if secret.context_id != sealed.context_id:
         raise CeremonyError("the sealed context holds another key than it names")

@@ -1,0 +1,80 @@
+"""Who signed a message, in every layer: how a silo signs, how its peers check, and the signatures silos send.
+
+Peers are consortium certificates checked against the roster (`ConsortiumPeers`), or bare keys in a
+simulation (`KeyPeers`); either refuses a signature it cannot tie to the silo named with `BadSignature`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from fedlt.aggregation.halves import BadMessage
+from privacy.pki.errors import PkiError
+from privacy.pki.signing import verify, verify_key
+from privacy.pki.trust import MemberTrust
+
+
+class BadSignature(BadMessage):
+    """A signature that does not verify, or a signer the peers do not know as the silo it claims to be."""
+
+
+class Signer(Protocol):
+    def __call__(self, data: bytes, *, context: str) -> bytes: ...
+
+
+class Peers(Protocol):
+    """Checks that `signature` over `data` was made by silo `silo`, whose credential is `credential`."""
+
+    def verify(
+        self, silo: str, credential: bytes, signature: bytes, data: bytes, *, context: str
+    ) -> None: ...
+
+
+@dataclass(frozen=True)
+class ConsistencySignature:
+    """A silo's signature over its view of a sum (under secagg: the session, the binding, the key list and
+    U3; under ckks: the ciphertext it was handed and the survivors), sent to the aggregator."""
+
+    signature: bytes
+
+
+@dataclass(frozen=True)
+class Signed:
+    """One silo's signature, with its certificate (PEM) in a consortium for peers to check."""
+
+    signature: bytes
+    certificate: bytes = field(default=b"", repr=False)
+
+
+class ConsortiumPeers:
+    """A credential is the signer's certificate, accepted only as `MemberTrust` accepts a silo: issued by the
+    consortium CA, valid now, not revoked, and named by the pinned roster under the claimed silo id (a CA
+    signature alone would let whoever holds the CA key invent a peer)."""
+
+    def __init__(self, trust: MemberTrust) -> None:
+        self.trust = trust
+
+    def verify(self, silo: str, credential: bytes, signature: bytes, data: bytes, *, context: str) -> None:
+        try:
+            verify(self.trust.silo(credential, silo), signature, data, context=context)
+        except PkiError as exc:
+            raise BadSignature(f"{silo}: {exc}") from None
+
+
+class KeyPeers:
+    """Signers known by their public keys alone (the in-process simulator and tests); credentials unused."""
+
+    def __init__(self, keys: Mapping[str, ec.EllipticCurvePublicKey]) -> None:
+        self.keys = dict(keys)
+
+    def verify(self, silo: str, credential: bytes, signature: bytes, data: bytes, *, context: str) -> None:
+        if silo not in self.keys:
+            raise BadSignature(f"no signing key is known for {silo}")
+        try:
+            verify_key(self.keys[silo], signature, data, context=context, signer=silo)
+        except PkiError as exc:
+            raise BadSignature(f"{silo}: {exc}") from None
