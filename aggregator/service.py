@@ -36,6 +36,7 @@ from aggregator.rounds import (
 )
 from aggregator.store import Store, now_ms
 from fedlt.aggregation.halves import BadMessage, SumAborted
+from fedlt.aggregation.registry import RegistryError
 from fedlt.errors import ContributionError, FedltError
 from fedlt.methods import METHODS
 from fedlt.selection import DISCLOSURE
@@ -486,6 +487,11 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
         self.submit_seconds = submit_seconds
         self._rosters_held: dict[str, str] = {}  # silo -> body digest of the roster its last heartbeat named
 
+    @property
+    def _layer(self) -> str:
+        """The consortium's layer: what silos send is read as its messages, never another layer's."""
+        return self.engine.config.consortium.privacy
+
     @_abort_on_refusal
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterResponse:
         cert = self.identity.certificate(context)
@@ -586,7 +592,7 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
         silo = self.identity.silo(context)
         header, parts = self._header(request_iterator, context, "Submit")
         try:
-            kind = upload_type(header)
+            kind = upload_type(header, layer=self._layer)
         except WireError as exc:
             raise Malformed(f"SubmitHeader: {exc}") from None
         purpose = _purpose(header.sum)
@@ -595,7 +601,8 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
             raise BadContribution(f"header announces {header.total_bytes} bytes; the schema needs {limit}")
         payload = _payload(parts, header.total_bytes, header.sha256)
         digest = header.sha256
-        self.engine.upload(silo, header.round_id, purpose, submitted(header, payload), digest)
+        upload = submitted(header, payload, layer=self._layer)
+        self.engine.upload(silo, header.round_id, purpose, upload, digest)
         return pb.SubmitResponse(round_id=header.round_id, sha256=digest, accepted_unix_ms=now_ms())
 
     def _key_service(self) -> KeyServiceRelay:
@@ -670,7 +677,7 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
                 schema=schema_from_pb(header.next_schema),
                 remaining=header.remaining_rounds,
                 trains=header.next_trains,
-                evaluation=upload_of(header.evaluation_kind, header.evaluation),
+                evaluation=upload_of(header.evaluation_kind, header.evaluation, layer=self._layer),
                 round=header.round,
                 counted=counted,
                 attestation=attestation,
@@ -747,7 +754,7 @@ def _stage_message(name: str, response: type) -> Callable:
         cert = self.identity.certificate(context)
         silo = silo_id_of(cert)
         pem = context.auth_context()["x509_pem_cert"][0]  # the certificate TLS verified
-        message = received(name, request, silo=silo, credential=pem)
+        message = received(name, request, silo=silo, credential=pem, layer=self._layer)
         self.engine.deliver(silo, request.round_id, _purpose(request.sum), message)
         return response(round_id=request.round_id)
 
@@ -756,6 +763,8 @@ def _stage_message(name: str, response: type) -> Callable:
 
 
 for _rpc in receivers():
+    if _rpc in ConsortiumServicer.__dict__:  # a layer never replaces one of the service's own RPCs
+        raise RegistryError(f"a layer's stage RPC {_rpc} would replace the service's own")
     setattr(ConsortiumServicer, _rpc, _stage_message(_rpc, getattr(pb, f"{_rpc}Response")))
 
 

@@ -282,7 +282,8 @@ class Relay:
         def call(request, **_: object) -> None:
             self.sizes[type(request).__name__] = request.ByteSize()
             self.aggregator.receive(
-                self.silo, received(rpc, request, silo=self.silo, credential=self.credential)
+                self.silo,
+                received(rpc, request, silo=self.silo, credential=self.credential, layer="secagg"),
             )
 
         return call
@@ -290,7 +291,8 @@ class Relay:
     def Submit(self, stream, timeout=None) -> None:  # noqa: N802
         first, *parts = list(stream)
         self.sizes["Submit (masked)"] = stream_bytes([first, *parts])
-        self.aggregator.receive(self.silo, submitted(first.header, b"".join(p.chunk for p in parts)))
+        payload = b"".join(p.chunk for p in parts)
+        self.aggregator.receive(self.silo, submitted(first.header, payload, layer="secagg"))
 
 
 def run_session(
@@ -334,7 +336,7 @@ def run_session(
                 sum(len(k.credential) for k in step.keys) if isinstance(step, KeyList) else certificates
             )
             if answers(u, aggregator.stage):
-                _, decoded = step_from_pb(message)
+                _, decoded = step_from_pb(message, layer="secagg")
                 outgoing[u], took = timed(lambda u=u, decoded=decoded: halves[u].step(decoded))
                 if isinstance(decoded, Inbox):
                     masking[u] = took

@@ -16,6 +16,7 @@ from google.protobuf.message import DecodeError
 from fedlt.aggregation import Schema, layers, record
 from fedlt.aggregation.round_sums import RoundSums
 from fedlt.aggregation.tail_guard import Census, guard_of
+from fedlt.config import as_table, parse_section
 from fedlt.errors import FedltError
 from fedlt.v1 import round_pb2
 from fedlt.wire import census_from_pb, census_to_pb, schema_from_pb, schema_to_pb
@@ -106,9 +107,14 @@ def settings_of(spec: round_pb2.RoundSpec) -> object:
     if layer.settings is None:
         return None
     try:
-        return from_entries(spec.layer_parameters, layer.settings)
+        settings = from_entries(spec.layer_parameters, layer.settings)
     except BadLayerMessage as exc:
         raise RoundSpecError(f"the {spec.privacy} parameters: {exc}") from None
+    problems: list[str] = []  # within the limits its fields declare, as consortium.toml's reading checks
+    parse_section(layer.settings, as_table(settings), spec.privacy, problems)
+    if problems:
+        raise RoundSpecError(f"the {spec.privacy} parameters: {'; '.join(problems)}")
+    return settings
 
 
 def sums_of(signed: round_pb2.SignedRoundSpec, spec: round_pb2.RoundSpec) -> RoundSums:

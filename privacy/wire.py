@@ -15,8 +15,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 
+from google.protobuf.message import DecodeError
+
 from fedlt.aggregation.halves import BadMessage
-from fedlt.aggregation.registry import LayerRecord, RegistryError, layers
+from fedlt.aggregation.registry import LayerRecord, RegistryError, layers, record
 from fedlt.aggregation.round_sums import CensusResult
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import layer_pb2
@@ -27,9 +29,17 @@ from fedlt.wire import (
     census_result_to_pb,
     submit_stream,
 )
-from fedlt.wire.codec import BadLayerMessage, WireError, decode, encode
+from fedlt.wire.codec import BadLayerMessage, WireError, check_carried, decode, encode
 
 __all__ = ["BadStep", "WireError"]
+
+
+# the RPCs through which a silo sends a stage message of a sum: a layer's receivers take only these
+STAGE_RPCS = tuple(
+    m.name
+    for m in pb.DESCRIPTOR.services_by_name["ConsortiumService"].methods
+    if {"round_id", "sum"} <= set(m.input_type.fields_by_name)
+)
 
 
 class BadStep(WireError, BadMessage):
@@ -51,6 +61,10 @@ class Tables:
     generic: dict[str, type] = field(default_factory=dict)  # the codec's type names -> dataclasses
     generic_uploads: set[type] = field(default_factory=set)
 
+    def unary(self) -> dict[str, type]:
+        """The dataclass messages the Send RPC carries: all but the uploads."""
+        return {name: cls for name, cls in self.generic.items() if cls not in self.generic_uploads}
+
     def merge(self, name: str, table: str, entries: Mapping) -> None:
         """Add a record's entries; one key carried two ways by two layers is a broken registry."""
         mine = getattr(self, table)
@@ -60,22 +74,34 @@ class Tables:
 
 
 @cache
-def tables() -> Tables:
+def tables(layer: str | None = None) -> Tables:
+    """The tables of one layer, by which everything a round's parties receive is read (a message of a layer
+    the round does not run is refused before any of that layer's code runs), or, None, of every installed
+    layer (what the service serves, what the agent sends)."""
     merged = Tables(
         step_decoders={
             "census": lambda step: census_result_from_pb(step.census),
-            "layer": lambda step: decode(step.layer, tables().generic),
+            "layer": lambda step: decode(step.layer, merged.generic),
         },
-        # the Send RPC carries any layer's dataclass messages (none installed: it refuses every one)
-        receivers={"Send": lambda request, *_: decode(request.message, tables().generic)},
+        # the Send RPC carries a layer's dataclass messages, except its uploads: those travel as Submit
+        # streams, whose size the sum's half bounds before a byte is read, and which the audit records
+        receivers={"Send": lambda request, *_: decode(request.message, merged.unary())},
     )
     merged.step_encoders[CensusResult] = lambda result: {"census": census_result_to_pb(result)}
-    for record in layers().values():
-        _add(merged, record)
+    for installed in layers().values() if layer is None else (record(layer),):
+        _add(merged, installed)
     return merged
 
 
 def _add(merged: Tables, record: LayerRecord) -> None:
+    unknown = sorted(set(record.wire.receivers) - set(STAGE_RPCS))
+    if unknown:
+        raise RegistryError(f"layer {record.name}: {unknown[0]} is no stage RPC of the consortium's service")
+    for cls in record.messages:
+        try:
+            check_carried(cls)
+        except WireError as exc:
+            raise RegistryError(f"layer {record.name}: {exc}") from None
     wire = record.wire
     for table in ("senders", "step_encoders", "step_decoders", "uploads", "from_header", "fetchers"):
         merged.merge(record.name, table, getattr(wire, table))
@@ -149,9 +175,13 @@ def receivers() -> dict[str, Callable[[object, str, bytes], object]]:
     return tables().receivers
 
 
-def received(rpc: str, request: object, *, silo: str, credential: bytes) -> object:
-    """The message a layer's RPC request carries; `silo` and `credential` come from the transport."""
-    return tables().receivers[rpc](request, silo, credential)
+def received(rpc: str, request: object, *, silo: str, credential: bytes, layer: str) -> object:
+    """The message a layer's RPC request carries, read as a message of `layer` (the consortium's); `silo`
+    and `credential` come from the transport."""
+    receiver = tables(layer).receivers.get(rpc)
+    if receiver is None:
+        raise BadLayerMessage(f"the {layer} layer takes nothing through {rpc}")
+    return receiver(request, silo, credential)
 
 
 def payload_of(upload: object) -> tuple[int, bytes]:
@@ -163,19 +193,22 @@ def payload_of(upload: object) -> tuple[int, bytes]:
     return kind, encode_payload(upload)
 
 
-def upload_of(kind: int, payload: bytes, message_type: str = "") -> object:
-    """The upload a payload of `kind` carries (of kind LAYER: the LayerMessage it holds)."""
+def upload_of(kind: int, payload: bytes, message_type: str = "", *, layer: str) -> object:
+    """The upload a payload of `kind` carries, as an upload of `layer` (of kind LAYER: the LayerMessage it
+    holds, which must be one of the layer's uploads, of the type announced if one was)."""
+    merged = tables(layer)
     if kind == pb.CONTRIBUTION_KIND_LAYER:
         try:
             message = layer_pb2.LayerMessage.FromString(payload)
-        except Exception:
+        except DecodeError:
             raise BadLayerMessage("an upload that is no LayerMessage") from None
         if message_type and message.type != message_type:
             raise BadLayerMessage(
                 f"an upload announced as {message_type[:64]!r} holds a {message.type[:64]!r}"
             )
-        return decode(message, tables().generic)
-    uploads = tables().uploads
+        uploads = {n: c for n, c in merged.generic.items() if c in merged.generic_uploads}
+        return decode(message, uploads)
+    uploads = merged.uploads
     if kind not in uploads:
         raise WireError(f"a payload of kind {kind} carries no upload")
     return uploads[kind][1](payload)
@@ -187,9 +220,10 @@ def payload_kinds() -> frozenset[int]:
     return frozenset(merged.uploads) | ({pb.CONTRIBUTION_KIND_LAYER} if merged.generic else frozenset())
 
 
-def upload_type(header: pb.SubmitHeader) -> type:
-    """The message type a Submit stream announces, before a byte of its payload is read."""
-    merged = tables()
+def upload_type(header: pb.SubmitHeader, *, layer: str) -> type:
+    """The message type a Submit stream announces, as an upload of `layer`, before a byte of its payload
+    is read."""
+    merged = tables(layer)
     if header.kind == pb.CONTRIBUTION_KIND_LAYER:
         cls = merged.generic.get(header.message_type)
         if cls is None or cls not in merged.generic_uploads:
@@ -200,10 +234,11 @@ def upload_type(header: pb.SubmitHeader) -> type:
     return merged.uploads[header.kind][0]
 
 
-def submitted(header: pb.SubmitHeader, payload: bytes) -> object:
-    """The upload a Submit stream carries: its payload read by its kind, with what the header adds."""
-    upload = upload_of(header.kind, payload, header.message_type)
-    from_header = tables().from_header.get(type(upload))
+def submitted(header: pb.SubmitHeader, payload: bytes, *, layer: str) -> object:
+    """The upload a Submit stream carries, as an upload of `layer`: its payload read by its kind, with what
+    the header adds."""
+    upload = upload_of(header.kind, payload, header.message_type, layer=layer)
+    from_header = tables(layer).from_header.get(type(upload))
     return upload if from_header is None else from_header(upload, header)
 
 
@@ -220,10 +255,11 @@ def fetched(stub, round_id: str, purpose: str, step: object, *, timeout: float) 
     return step if fetcher is None else fetcher(stub, round_id, purpose, step, timeout)
 
 
-def step_from_pb(step: pb.SumStep) -> tuple[str, object]:
-    """(purpose, step); an empty or unknown step, or one naming no sum, is a BadStep."""
+def step_from_pb(step: pb.SumStep, *, layer: str) -> tuple[str, object]:
+    """(purpose, step), read as a step of `layer` (the round's); an empty step, one of another layer, or
+    one naming no sum, is a BadStep."""
     kind = step.WhichOneof("step")
-    decoders = tables().step_decoders
+    decoders = tables(layer).step_decoders
     if kind not in decoders or step.sum not in PURPOSE_OF_SUM:
         raise BadStep(f"a SumStep with step {kind!r} for sum {step.sum}")
     return PURPOSE_OF_SUM[step.sum], decoders[kind](step)

@@ -194,7 +194,7 @@ class SiloAgent:
         self._taking_part: Participation | None = None
         # where this silo steps the model: the round's starting state, and the evaluation sum it joined last
         self._stepping: tuple[str, GlobalState, Method] | None = None
-        self._evaluating: tuple[str, int, SiloHalf] | None = None
+        self._evaluating: tuple[round_pb2.RoundSpec, SiloHalf] | None = None
 
     def _sign(self, data: bytes, *, context: str) -> bytes:
         return sign(self._signing_key, data, context=context)
@@ -522,21 +522,22 @@ class SiloAgent:
             timeout=CALL_TIMEOUT,
             keep=lambda header, sealed: keep_stepped(self.state_dir, spec, taking_part.me, header, sealed),
         )
-        self._stepping, self._evaluating = None, (spec.round_id, spec.round, evaluation)
+        self._stepping, self._evaluating = None, (spec, evaluation)
         log.info("round %d: stepped the model to state %s, reported it sealed", spec.round, digest)
 
     def _evaluation_step(self, stub, step: pb.SumStep) -> None:
-        if self._evaluating is None or self._evaluating[0] != step.round_id:
+        if self._evaluating is None or self._evaluating[0].round_id != step.round_id:
             log.warning("ignoring an evaluation sum of %s, which this silo did not join", step.round_id)
             return
-        round_id, round_number, evaluation = self._evaluating
+        joined = self._evaluating
+        spec, evaluation = joined
         self._evaluating = None
-        purpose, announced = step_from_pb(step)
-        summed = fetched(stub, round_id, purpose, announced, timeout=CALL_TIMEOUT)
-        if not report_evaluation(stub, round_number, evaluation, summed, CALL_TIMEOUT):
-            self._evaluating = (round_id, round_number, evaluation)  # signed: every silo's signature is next
+        purpose, announced = step_from_pb(step, layer=spec.privacy)
+        summed = fetched(stub, spec.round_id, purpose, announced, timeout=CALL_TIMEOUT)
+        if not report_evaluation(stub, spec.round, evaluation, summed, CALL_TIMEOUT):
+            self._evaluating = joined  # signed: every silo's signature is next
             return
-        log.info("round %d: reported the consortium's evaluation counts", round_number)
+        log.info("round %d: reported the consortium's evaluation counts", spec.round)
 
     def _sent(self, spec: round_pb2.RoundSpec, purpose: str, message: object) -> None:
         """After each message: the contribution's upload ends the pending file; drills may stop here."""

@@ -128,7 +128,14 @@ class Keyring:
             recipients.append(announcement.silo)
             sealed.append(
                 sealed_to_pb(
-                    seal(secret, consortium=consortium, sender=me, recipient=announcement, sign=sign)
+                    seal(
+                        secret,
+                        consortium=consortium,
+                        layer=self.layer,
+                        sender=me,
+                        recipient=announcement,
+                        sign=sign,
+                    )
                 )
             )
         if not again and not sealed:
@@ -159,6 +166,7 @@ class Keyring:
         secret = open_sealed(
             sealed_from_pb(reply.sealed),
             consortium=consortium,
+            layer=self.layer,
             me=me,
             enrollment=enrollment,
             holder=parameters.key_holder,
@@ -235,7 +243,10 @@ class KeyService:
         keyring = self.keyrings.get(spec.privacy)
         if keyring is None:
             return
-        parameters = roundspec.settings_of(spec)
+        try:
+            parameters = roundspec.settings_of(spec)
+        except RoundSpecError:
+            return  # parameters that do not read back: the check refuses the round as malformed
         try:
             if parameters.key_holder == self.me:
                 self._share(stub, keyring)

@@ -87,7 +87,7 @@ class Participation:
         self._send(self.sums.start())
 
     def step(self, step: pb.SumStep) -> None:
-        purpose, decoded = step_from_pb(step)
+        purpose, decoded = step_from_pb(step, layer=self.spec.privacy)
         decoded = fetched(self._stub, self.spec.round_id, purpose, decoded, timeout=self._timeout)
         self._send(self.sums.step(purpose, decoded))
 

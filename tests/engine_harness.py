@@ -48,7 +48,8 @@ class DirectStub:
             raise AttributeError(rpc)
 
         def call(request, **_: object) -> None:
-            message = received(rpc, request, silo=self.silo, credential=b"")
+            layer = self.engine.config.consortium.privacy
+            message = received(rpc, request, silo=self.silo, credential=b"", layer=layer)
             self.engine.deliver(self.silo, request.round_id, PURPOSE_OF_SUM[request.sum], message)
 
         return call
@@ -56,7 +57,8 @@ class DirectStub:
     def Submit(self, stream, timeout=None) -> None:  # noqa: N802
         first, *parts = list(stream)
         header = first.header
-        upload = submitted(header, b"".join(part.chunk for part in parts))
+        payload = b"".join(part.chunk for part in parts)
+        upload = submitted(header, payload, layer=self.engine.config.consortium.privacy)
         self.engine.upload(self.silo, header.round_id, PURPOSE_OF_SUM[header.sum], upload, header.sha256)
 
 

@@ -60,8 +60,9 @@ ALICE_PUBLIC = bytes.fromhex("8520f0098930a754748b7ddcb43ef75a0dbf3a0d26381af4eb
 BOB_PRIVATE = bytes.fromhex("5dab087e624a8a4b79e17f8b83800ee66f3bb1292618b6fd1c2f8b27ff88e0eb")
 BOB_PUBLIC = bytes.fromhex("de9edb7d7b7dc1b4d35b61c2ece435373f8343c85b78674dadfc7e146f882b4f")
 SHARED = bytes.fromhex("4a5d9d5ba4ce2de1728e3bf480350f25e07e21c947d19e3376f09b3c1e161742")
-# _key(SHARED, "health", "st-marys", "city-clinic", "00" * 32), as `rfc5869_key` computes it
-PINNED_KEY = "857711c176281a009c87fcd2e4f9e63b3a6fc38d08b84179fd9b2893ffc4d587"
+# _key(SHARED, "health", "ckks", "st-marys", "city-clinic", "00" * 32), as `rfc5869_key` computes it
+PINNED_KEY = "3fb2cf91f2a87d341f42cad710ea69825f2fddb2208671b8b0f7464e6bfade65"
+LAYER = "ckks"  # the layer whose key the envelopes seal
 
 # the byte strings of an envelope, and its names
 BYTE_FIELDS = ("ephemeral", "ciphertext", "signature")
@@ -129,11 +130,13 @@ class Ceremony:
         sender: str = HOLDER,
         signed_by: str = "",
         consortium_id: str = CONSORTIUM,
+        layer: str = LAYER,
     ) -> SealedContext:
         """`secret` (the consortium's by default) sealed by `sender`, signed with `signed_by`'s key."""
         return seal(
             secret or self.secret,
             consortium=consortium_id,
+            layer=layer,
             sender=sender,
             recipient=recipient,
             sign=signer(self.root, signed_by or sender),
@@ -148,11 +151,13 @@ class Ceremony:
         enrollment: X25519PrivateKey | None = None,
         holder_certificate: bytes = b"",
         consortium_id: str = CONSORTIUM,
+        layer: str = LAYER,
     ) -> SecretContext:
         """`sealed` opened by `me` (with its own enrollment key unless told) for the RoundSpec's `holder`."""
         return open_sealed(
             sealed,
             consortium=consortium_id,
+            layer=layer,
             me=me,
             enrollment=enrollment or self.enrollment[me],
             holder=holder,
@@ -327,7 +332,8 @@ def test_a_key_holders_signature_made_for_another_purpose_is_refused(run):
     """The holder's key signed the very envelope bytes, but as an enrollment announcement."""
     sealed = run.sealed[ME]
     cross = replace(
-        sealed, signature=signer(run.root, HOLDER)(sealed.message(CONSORTIUM), context=ANNOUNCE_CONTEXT)
+        sealed,
+        signature=signer(run.root, HOLDER)(sealed.message(CONSORTIUM, LAYER), context=ANNOUNCE_CONTEXT),
     )
     with pytest.raises(CeremonyError, match=f"not signed for '{SEAL_CONTEXT}'"):
         run.open(cross)
@@ -436,28 +442,29 @@ def test_x25519_matches_rfc_7748_and_both_ends_derive_the_same_sealing_key():
     sender_side = alice.exchange(X25519PublicKey.from_public_bytes(BOB_PUBLIC))
     recipient_side = bob.exchange(X25519PublicKey.from_public_bytes(ALICE_PUBLIC))
     assert sender_side == recipient_side == SHARED
-    names = (CONSORTIUM, HOLDER, ME, "00" * 32)
+    names = (CONSORTIUM, LAYER, HOLDER, ME, "00" * 32)
     assert _key(sender_side, *names) == _key(recipient_side, *names) == rfc5869_key(SHARED, *names)
     assert _key(SHARED, *names).hex() == PINNED_KEY
 
 
-BOUND = (SHARED, CONSORTIUM, HOLDER, ME, "00" * 32)
+BOUND = (SHARED, CONSORTIUM, LAYER, HOLDER, ME, "00" * 32)
 
 
 @pytest.mark.parametrize(
     "changed",
     [
         (SHARED[:-1] + b"\x00", *BOUND[1:]),
-        (SHARED, "another-consortium", HOLDER, ME, "00" * 32),
-        (SHARED, CONSORTIUM, OTHER, ME, "00" * 32),
-        (SHARED, CONSORTIUM, HOLDER, OTHER, "00" * 32),
-        (SHARED, CONSORTIUM, HOLDER, ME, "01" * 32),
-        (SHARED, CONSORTIUM, ME, HOLDER, "00" * 32),
-        (SHARED, CONSORTIUM + HOLDER[:1], HOLDER[1:], ME, "00" * 32),
+        (SHARED, "another-consortium", LAYER, HOLDER, ME, "00" * 32),
+        (SHARED, CONSORTIUM, "blind", HOLDER, ME, "00" * 32),
+        (SHARED, CONSORTIUM, LAYER, OTHER, ME, "00" * 32),
+        (SHARED, CONSORTIUM, LAYER, HOLDER, OTHER, "00" * 32),
+        (SHARED, CONSORTIUM, LAYER, HOLDER, ME, "01" * 32),
+        (SHARED, CONSORTIUM, LAYER, ME, HOLDER, "00" * 32),
+        (SHARED, CONSORTIUM, LAYER + HOLDER[:1], HOLDER[1:], ME, "00" * 32),
     ],
-    ids=["shared", "consortium", "sender", "recipient", "context-id", "swapped", "boundary-moved"],
+    ids=["shared", "consortium", "layer", "sender", "recipient", "context-id", "swapped", "boundary-moved"],
 )
-def test_the_sealing_key_binds_consortium_sender_recipient_and_context_id(changed):
+def test_the_sealing_key_binds_consortium_layer_sender_recipient_and_context_id(changed):
     """Each name changes the key; so does moving a boundary between two (the names are length-prefixed)."""
     assert _key(*changed) != _key(*BOUND)
 
@@ -472,7 +479,7 @@ def test_a_sealed_context_is_the_secret_under_the_written_out_key_schedule(run, 
     bob = X25519PrivateKey.from_private_bytes(BOB_PRIVATE)
     sealed = run.seal(enrolled(run.root, ME, bob))
     assert sealed.ephemeral == ALICE_PUBLIC
-    names = (CONSORTIUM, HOLDER, ME, run.secret.context_id)
+    names = (CONSORTIUM, LAYER, HOLDER, ME, run.secret.context_id)
     aad = b"".join(struct.pack(">I", len(p)) + p for p in (*(n.encode() for n in names), ALICE_PUBLIC))
     plain = ChaCha20Poly1305(rfc5869_key(SHARED, *names)).decrypt(bytes(12), sealed.ciphertext, aad)
     assert plain == run.secret.secret_bytes()

@@ -252,7 +252,7 @@ def step_from(me: str, result: torch.Tensor) -> tuple[object, object, pb.StateRe
         timeout=5.0,
     )
     (header,) = stub.headers
-    return half, upload_of(header.evaluation_kind, header.evaluation), header
+    return half, upload_of(header.evaluation_kind, header.evaluation, layer="ckks"), header
 
 
 # --- (b) one ciphertext for all: an attack on the model, not a read of one silo -----------------------------

@@ -185,7 +185,7 @@ def stepped(
     )
     assert digest == following(state, nudge).digest()
     (header,) = stub.headers
-    return half, upload_of(header.evaluation_kind, header.evaluation)
+    return half, upload_of(header.evaluation_kind, header.evaluation, layer="ckks")
 
 
 def counts(silo: str, state: GlobalState = START, nudge: float = 0.0) -> np.ndarray:

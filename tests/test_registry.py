@@ -123,8 +123,8 @@ def test_round_parameters_go_through_the_roundspec_and_back(installed):
 class Loopback:
     """A silo's stub whose RPCs land in one aggregator half, read as the service reads them."""
 
-    def __init__(self, silo: str, half) -> None:
-        self.silo, self.half = silo, half
+    def __init__(self, silo: str, half, layer: str) -> None:
+        self.silo, self.half, self.layer = silo, half, layer
 
     def __getattr__(self, rpc: str):
         if rpc.startswith("Fetch"):  # a download the step announced
@@ -137,15 +137,16 @@ class Loopback:
         if rpc not in wire.receivers():
             raise AttributeError(rpc)
         return lambda request, timeout=None: self.half.receive(
-            self.silo, wire.received(rpc, request, silo=self.silo, credential=b"")
+            self.silo, wire.received(rpc, request, silo=self.silo, credential=b"", layer=self.layer)
         )
 
     def Submit(self, stream, timeout=None) -> None:  # noqa: N802
         first, *parts = list(stream)
         header = first.header
-        limit = self.half.upload_bytes(self.silo, wire.upload_type(header))
+        limit = self.half.upload_bytes(self.silo, wire.upload_type(header, layer=self.layer))
         assert header.total_bytes <= limit
-        self.half.receive(self.silo, wire.submitted(header, b"".join(part.chunk for part in parts)))
+        payload = b"".join(part.chunk for part in parts)
+        self.half.receive(self.silo, wire.submitted(header, payload, layer=self.layer))
 
 
 def test_every_layers_messages_cross_the_wire_and_sum(installed):
@@ -160,13 +161,14 @@ def test_every_layers_messages_cross_the_wire_and_sum(installed):
         count = rng.integers(0, 50, (len(SILOS), 3)).astype(np.float64)
         vectors = {u: torch.from_numpy(np.concatenate([delta[k], count[k]])) for k, u in enumerate(SILOS)}
         halves = {u: silo_sides[u].half(spec, u, may_release=lambda _: None) for u in SILOS}
-        stubs = {u: Loopback(u, aggregator) for u in SILOS}
+        stubs = {u: Loopback(u, aggregator, name) for u in SILOS}
         for u, half in halves.items():
             for message in half.start(vectors[u]):
                 wire.send(stubs[u], spec.round_id, "contribution", message, timeout=1)
         while not isinstance(out := aggregator.close(), Released):
             for u, step in out.items():
-                purpose, read = wire.step_from_pb(wire.step_to_pb(spec.round_id, "contribution", step))
+                sent = wire.step_to_pb(spec.round_id, "contribution", step)
+                purpose, read = wire.step_from_pb(sent, layer=name)
                 assert PURPOSE_OF_SUM[wire.step_to_pb(spec.round_id, purpose, step).sum] == "contribution"
                 step = wire.fetched(stubs[u], spec.round_id, purpose, read, timeout=1)
                 for message in halves[u].step(step):
@@ -182,8 +184,9 @@ def test_a_layer_message_of_a_type_no_layer_declared_is_refused(installed):
     from fedlt.v1 import layer_pb2
 
     request = pb.SendRequest(round_id="r", message=layer_pb2.LayerMessage(type="os.system"))
-    with pytest.raises(BadLayerMessage, match="no layer carries"):
-        wire.received("Send", request, silo="silo-a", credential=b"")
+    for name in installed:
+        with pytest.raises(BadLayerMessage, match="no layer carries"):
+            wire.received("Send", request, silo="silo-a", credential=b"", layer=name)
 
 
 def test_the_toy_layer_is_only_installed_with_its_entry_point():

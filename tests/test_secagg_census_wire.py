@@ -44,13 +44,13 @@ class Relay:
 
         def call(request, **_: object) -> None:
             parsed = type(request).FromString(request.SerializeToString())
-            self._deliver(received(rpc, parsed, silo=self.silo, credential=b""))
+            self._deliver(received(rpc, parsed, silo=self.silo, credential=b"", layer="secagg"))
 
         return call
 
     def Submit(self, stream: Iterable[pb.SubmitRequest], timeout: float | None = None) -> None:  # noqa: N802
         first, *parts = (pb.SubmitRequest.FromString(p.SerializeToString()) for p in stream)
-        self._deliver(submitted(first.header, b"".join(p.chunk for p in parts)))
+        self._deliver(submitted(first.header, b"".join(p.chunk for p in parts), layer="secagg"))
 
     def _deliver(self, message: object) -> None:
         if type(message) is not self.lost:
@@ -60,7 +60,8 @@ class Relay:
 def over_the_wire(step: object) -> object:
     """A stage output as the silo agent reads it from its Join stream."""
     directive = pb.JoinResponse(sum_step=step_to_pb("r1.a1", "census", step))
-    purpose, read = step_from_pb(pb.JoinResponse.FromString(directive.SerializeToString()).sum_step)
+    step = pb.JoinResponse.FromString(directive.SerializeToString()).sum_step
+    purpose, read = step_from_pb(step, layer="secagg")
     assert purpose == "census"
     return read
 
@@ -129,7 +130,7 @@ def test_a_census_masked_input_without_its_signature_in_the_submit_header_is_ref
     stream = list(
         submit_stream("r1.a1", masked_payload(masked), kind=pb.CONTRIBUTION_KIND_MASKED, purpose="census")
     )
-    unsigned = submitted(stream[0].header, b"".join(p.chunk for p in stream[1:]))
+    unsigned = submitted(stream[0].header, b"".join(p.chunk for p in stream[1:]), layer="secagg")
     with pytest.raises(ProtocolViolation, match="silo-a: signature does not verify"):
         aggregator.receive("silo-a", unsigned)
 
@@ -142,4 +143,4 @@ def test_a_transcript_that_lists_a_silo_twice_is_refused_as_it_is_read():
         transcript=pb.SecAggTranscript(masked_inputs=[twice, twice]),
     )
     with pytest.raises(ProtocolViolation, match="lists a silo twice"):
-        step_from_pb(step)
+        step_from_pb(step, layer="secagg")

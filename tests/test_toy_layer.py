@@ -59,7 +59,7 @@ def test_the_toy_layers_messages_cross_the_generic_wire(toy):
     assert names == tuple(sorted(names))
     shares = toy.messages[0]({"silo-1": b"\x01" * 8})
     kind, payload = wire.payload_of(shares)
-    assert wire.upload_of(kind, payload) == shares
+    assert wire.upload_of(kind, payload, layer="toy") == shares
     assert layer.describe().startswith("toy")
 
 

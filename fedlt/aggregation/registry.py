@@ -133,6 +133,11 @@ def layers() -> dict[str, LayerRecord]:
             raise RegistryError(f"entry point {point.name} names a layer called {record.name!r}")
         if record.name in found and found[record.name] is not record:
             raise RegistryError(f"two installed layers are called {record.name!r}")
+        if record.key_service is not None and not _names_its_key(record):
+            raise RegistryError(
+                f"layer {record.name}: its key service needs round parameters that name the key (context_id) "
+                "and its holder (key_holder): give it settings or parameters with both"
+            )
         if record.silos_step and record.key_service is None:
             raise RegistryError(
                 f"layer {record.name}: only silos read its sums, so they seal the state they step to with a "
@@ -144,6 +149,16 @@ def layers() -> dict[str, LayerRecord]:
             f"no privacy layer is installed (entry points {GROUP}): install fedlt (pip install -e .)"
         )
     return dict(sorted(found.items()))
+
+
+def _names_its_key(record: LayerRecord) -> bool:
+    """Whether the round parameters of a layer with the key service name its key: its own parameters (the
+    layer's business), or its settings carried by name, which then hold both fields."""
+    if record.parameters is not None:
+        return True
+    return record.settings is not None and {"context_id", "key_holder"} <= set(
+        getattr(record.settings, "__dataclass_fields__", ())
+    )
 
 
 def layer_names() -> tuple[str, ...]:

@@ -51,7 +51,7 @@ def from_entries(entries: layer_pb2.Entries, cls: type) -> object:
     hints, fields = _hints(cls), {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(entries.entries) - set(fields))
     if unknown:
-        raise BadLayerMessage(f"a {cls.__name__} has no field {unknown[0]!r}")
+        raise BadLayerMessage(f"a {cls.__name__} has no field {unknown[0][:64]!r}")
     values = {}
     for name, f in fields.items():
         if name in entries.entries:
@@ -60,8 +60,34 @@ def from_entries(entries: layer_pb2.Entries, cls: type) -> object:
             raise BadLayerMessage(f"a {cls.__name__} without its field {name!r}")
     try:
         return cls(**values)
-    except (TypeError, ValueError) as exc:
-        raise BadLayerMessage(f"a {cls.__name__} that does not hold: {exc}") from None
+    except Exception as exc:  # built from what a peer sent: any refusal of it is a bad message
+        raise BadLayerMessage(f"a {cls.__name__} that does not hold: {str(exc)[:200]}") from None
+
+
+def check_carried(cls: type) -> None:
+    """Raise WireError if a field of the dataclass `cls` (at any depth) is of a type the codec does not
+    carry: a layer is refused when it is installed, not in the middle of a round."""
+    for name, hint in _hints(cls).items():
+        _check_hint(hint, f"{cls.__name__}.{name}")
+
+
+def _check_hint(hint: object, where: str) -> None:
+    if _is_union(hint):
+        rest = [h for h in typing.get_args(hint) if h is not type(None)]
+        if len(rest) != 1:
+            raise WireError(f"{where}: the generic wire carries T | None, not {hint!r}")
+        hint = rest[0]
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint in SCALARS:
+        return
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        _check_hint(args[0], where)
+    elif origin in (dict, Mapping, typing.Mapping) and args and args[0] is str:
+        _check_hint(args[1], where)
+    elif dataclasses.is_dataclass(hint):
+        check_carried(hint)
+    else:
+        raise WireError(f"{where}: the generic wire carries no {hint!r}")
 
 
 def encode(message: object, type_name: str) -> layer_pb2.LayerMessage:
@@ -127,7 +153,7 @@ def _read(value: layer_pb2.Value, hint: object, where: str) -> object:
     if origin in (dict, Mapping, typing.Mapping):
         if kind != "entries_value":
             raise BadLayerMessage(f"{where}: {kind or 'nothing'} where a mapping belongs")
-        return {k: _read(v, args[1], f"{where}[{k!r}]") for k, v in value.entries_value.entries.items()}
+        return {k: _read(v, args[1], f"{where}[{k[:64]!r}]") for k, v in value.entries_value.entries.items()}
     if dataclasses.is_dataclass(hint):
         if kind != "entries_value":
             raise BadLayerMessage(f"{where}: {kind or 'nothing'} where a {hint.__name__} belongs")

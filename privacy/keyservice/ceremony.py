@@ -31,11 +31,13 @@ from privacy.pki.errors import PkiError
 from privacy.pki.signing import verify
 from privacy.pki.trust import MemberTrust
 
-# named for ckks, the first layer with a key service: domain separators, so a new name would refuse every
-# enrollment key and envelope that silos hold today
+# named for ckks, the first layer with a key service: a domain separator, so a new name would refuse every
+# enrollment key silos announced before
 ANNOUNCE_CONTEXT = "fedlt/ckks/enrollment/v1"
-SEAL_CONTEXT = "fedlt/ckks/sealed-context/v1"
-SEAL_INFO = b"fedlt/ckks/seal/v1"
+# an envelope binds the layer whose key it seals (v2): one enrollment key serves every layer with the key
+# service, and a key sealed as one layer's must not open as another's (envelopes are made at each share)
+SEAL_CONTEXT = "fedlt/keyservice/sealed-key/v2"
+SEAL_INFO = b"fedlt/keyservice/seal/v2"
 
 
 class CeremonyError(FedltError):
@@ -66,9 +68,9 @@ class SealedContext:
     ciphertext: bytes = field(repr=False)
     signature: bytes = b""
 
-    def message(self, consortium: str) -> bytes:
+    def message(self, consortium: str, layer: str) -> bytes:
         return transcript(
-            consortium, self.sender, self.recipient, self.context_id, self.ephemeral, self.ciphertext
+            consortium, layer, self.sender, self.recipient, self.context_id, self.ephemeral, self.ciphertext
         )
 
 
@@ -95,22 +97,23 @@ def check_announcement(announcement: Announcement, consortium: str, members: Mem
         raise CeremonyError(f"{announcement.silo} announced a low-order enrollment key") from None
 
 
-def _key(shared: bytes, consortium: str, sender: str, recipient: str, context_id: str) -> bytes:
-    info = SEAL_INFO + transcript(consortium, sender, recipient, context_id)
+def _key(shared: bytes, consortium: str, layer: str, sender: str, recipient: str, context_id: str) -> bytes:
+    info = SEAL_INFO + transcript(consortium, layer, sender, recipient, context_id)
     return HKDF(hashes.SHA256(), length=32, salt=None, info=info).derive(shared)
 
 
 def seal(
-    secret: SharedSecret, *, consortium: str, sender: str, recipient: Announcement, sign
+    secret: SharedSecret, *, consortium: str, layer: str, sender: str, recipient: Announcement, sign
 ) -> SealedContext:
+    """`secret`, the key of `layer`, sealed to `recipient`'s enrollment key and signed by `sender`."""
     ephemeral = X25519PrivateKey.generate()
     shared = ephemeral.exchange(X25519PublicKey.from_public_bytes(recipient.public))
-    key = _key(shared, consortium, sender, recipient.silo, secret.context_id)
+    key = _key(shared, consortium, layer, sender, recipient.silo, secret.context_id)
     ephemeral_public = ephemeral.public_key().public_bytes_raw()
-    aad = transcript(consortium, sender, recipient.silo, secret.context_id, ephemeral_public)
+    aad = transcript(consortium, layer, sender, recipient.silo, secret.context_id, ephemeral_public)
     ciphertext = ChaCha20Poly1305(key).encrypt(bytes(12), secret.secret_bytes(), aad)  # a fresh key each time
     unsigned = SealedContext(sender, recipient.silo, secret.context_id, ephemeral_public, ciphertext)
-    signature = sign(unsigned.message(consortium), context=SEAL_CONTEXT)
+    signature = sign(unsigned.message(consortium, layer), context=SEAL_CONTEXT)
     return SealedContext(sender, recipient.silo, secret.context_id, ephemeral_public, ciphertext, signature)
 
 
@@ -118,6 +121,7 @@ def open_sealed(
     sealed: SealedContext,
     *,
     consortium: str,
+    layer: str,
     me: str,
     enrollment: X25519PrivateKey,
     holder: str,
@@ -125,21 +129,22 @@ def open_sealed(
     members: MemberTrust,
     read: Callable[[bytes], SharedSecret],
 ) -> SharedSecret:
-    """The secret key, read by the layer's `read` (`KeyKind.from_secret_bytes`), if `sealed` is addressed to
-    `me`, signed by the roster's silo `holder`, and holds the key it names; CeremonyError otherwise."""
+    """The secret key of `layer`, read by its `read` (`KeyKind.from_secret_bytes`), if `sealed` is addressed
+    to `me`, signed by the roster's silo `holder` as a key of `layer`, and holds the key it names;
+    CeremonyError otherwise."""
     if sealed.recipient != me or sealed.sender != holder:
         raise CeremonyError(
             f"a sealed context from {sealed.sender} to {sealed.recipient}; expected {holder} to {me}"
         )
     try:
         cert = members.silo(holder_certificate, holder)
-        verify(cert, sealed.signature, sealed.message(consortium), context=SEAL_CONTEXT)
+        verify(cert, sealed.signature, sealed.message(consortium, layer), context=SEAL_CONTEXT)
     except PkiError as exc:
         raise CeremonyError(f"the sealed context's signature: {exc}") from None
     try:
         shared = enrollment.exchange(X25519PublicKey.from_public_bytes(sealed.ephemeral))
-        key = _key(shared, consortium, sealed.sender, me, sealed.context_id)
-        aad = transcript(consortium, sealed.sender, me, sealed.context_id, sealed.ephemeral)
+        key = _key(shared, consortium, layer, sealed.sender, me, sealed.context_id)
+        aad = transcript(consortium, layer, sealed.sender, me, sealed.context_id, sealed.ephemeral)
         secret = read(ChaCha20Poly1305(key).decrypt(bytes(12), sealed.ciphertext, aad))
     except (InvalidTag, ValueError) as exc:  # ValueError: bytes that are no key of the layer's kind
         raise CeremonyError(f"the sealed context does not open: {type(exc).__name__}") from None
