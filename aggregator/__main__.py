@@ -15,7 +15,7 @@ from pathlib import Path
 
 from aggregator.ca_cli import add_ca_parser, run_command
 from aggregator.roster_cli import add_roster_parser
-from fedlt.aggregation import layer_names, record
+from fedlt.aggregation import layer_names
 from fedlt.aggregation.registry import DEFAULT_LAYER
 from fedlt.errors import FedltError
 
@@ -55,8 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         "--privacy",
         default=DEFAULT_LAYER,
         choices=layer_names(),
-        help="the privacy layer: "
-        + "; ".join(f"{name}: {record(name).layer().describe()}" for name in layer_names()),
+        help="the privacy layer the demo runs (docs/threat-model.md: what each one hides)",
     )
     args = parser.parse_args(argv)
     # force: Opacus configures the root logger when imported (opacus/utils/module_utils.py)

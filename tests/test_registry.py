@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -193,3 +194,13 @@ def test_the_toy_layer_is_only_installed_with_its_entry_point():
     assert str(PLUGINS) not in os.environ.get("PYTHONPATH", "")
     assert "toy" not in layer_names()
     assert record("secagg").layer.name == "secagg"
+
+
+def test_listing_the_layers_makes_none_of_them(caplog):
+    """The aggregator's command line lists the installed layers without making one: making plaintext warns
+    that contributions are summed in the clear, which every aggregator start logged whatever its layer."""
+    from aggregator.__main__ import main
+
+    with caplog.at_level(logging.WARNING, logger="fedlt.aggregation.plaintext"), pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "in the clear" not in caplog.text
