@@ -208,13 +208,14 @@ def test_bad_requests_get_precise_codes_and_change_nothing(live):
                 CODE.RESOURCE_EXHAUSTED,
                 "",
             ),
+            # another layer's message: read as the consortium's layer only, it is refused before any stage
             "secagg stage": (
                 lambda: stub.AdvertiseKeys(
                     pb.AdvertiseKeysRequest(round_id=spec.round_id, sum=pb.SECURE_SUM_CONTRIBUTION),
                     timeout=10,
                 ),
-                CODE.FAILED_PRECONDITION,
-                "takes uploads, not AdvertisedKeys",
+                CODE.INVALID_ARGUMENT,
+                "the plaintext layer takes nothing through AdvertiseKeys",
             ),
         }
         for name, (call, expected, words) in cases.items():

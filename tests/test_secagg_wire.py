@@ -83,8 +83,9 @@ def test_a_secure_round_played_by_hand_refuses_tampering_and_sums_right(tmp_path
             plaintext = submit_stream(
                 round_id, bytes(8 * size), kind=pb.CONTRIBUTION_KIND_PLAINTEXT, purpose="contribution"
             )
-            code, _ = code_of(lambda: stubs[0].Submit(plaintext, timeout=10))
-            assert code == CODE.FAILED_PRECONDITION
+            code, details = code_of(lambda: stubs[0].Submit(plaintext, timeout=10))
+            assert code == CODE.INVALID_ARGUMENT  # another layer's upload: no upload of this consortium's
+            assert "carries no upload" in details
 
             schema = schema_from_pb(spec.schema)
             generator = torch.Generator().manual_seed(0)
