@@ -41,6 +41,7 @@ from fedlt.aggregation.halves import (
     SumSpec,
     evaluation_schema,
 )
+from fedlt.aggregation.registry import SharedSecret
 from fedlt.data.arrays import LabeledImages
 from fedlt.methods import GlobalState, Method, ServerContext, SiloContext
 from fedlt.methods.base import reported_counts
@@ -52,7 +53,6 @@ from fedlt.v1 import round_pb2
 from fedlt.wire import chunks, schema_to_pb
 from privacy.crypto import transcript
 from privacy.peers import Peers, Signer
-from privacy.stepping import SharedKey
 from privacy.stepping.attestation import Attested, attest, check_attested
 from privacy.stepping.masks import zero_sum_mask
 from privacy.stepping.sealed_state import SealedStateError, open_state, seal_state
@@ -78,10 +78,10 @@ def one_thread() -> Iterator[None]:
 def opened_state(
     data: bytes,
     spec: round_pb2.RoundSpec,
-    secret: SharedKey,
+    secret: SharedSecret,
     method: Method,
     *,
-    older: Sequence[SharedKey] = (),
+    older: Sequence[SharedSecret] = (),
     peers: Peers,
     min_counted: int,
 ) -> GlobalState:
@@ -153,7 +153,7 @@ def step_and_report(
     *,
     side: SiloSide,
     sign: Signer,
-    secret: SharedKey,
+    secret: SharedSecret,
     state: GlobalState,
     method: Method,
     held_out: LabeledImages | None,

@@ -4,7 +4,7 @@ Under ckks the consistency step (`privacy.ckks.halves`) shows a silo that every 
 same ciphertext, not that the ciphertext is their sum: the aggregator could hand all of them one silo's
 upload. For a sum whose total a silo then releases raw, every silo adds a pairwise mask for each other silo
 of the sum (+m at one end, −m at the other), drawn from a key derived from the consortium's shared secret
-(`SharedKey`: the CKKS secret key under ckks), which the aggregator lacks. The masks cancel only in the sum
+(`SharedSecret`: the CKKS secret key under ckks), which the aggregator lacks. The masks cancel only in the sum
 over exactly those silos; any other sum (under ckks, any other ciphertext) reads as values plus masks of up to
 ±`MASK_RANGE` each, which are no counts (the releasing silo refuses them) and would hide the counts if it did
 not.
@@ -23,16 +23,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from fedlt.aggregation.registry import SharedSecret
 from privacy import prg
 from privacy.crypto import transcript
-from privacy.stepping import SharedKey
 
 # named for ckks, the first layer to use it: a domain separator, so a new name would change every mask
 MASK_INFO = b"fedlt/ckks/release-mask/v1"
 MASK_RANGE = 2**24
 
 
-def zero_sum_mask(secret: SharedKey, sum_id: str, me: str, silos: Sequence[str], size: int) -> np.ndarray:
+def zero_sum_mask(secret: SharedSecret, sum_id: str, me: str, silos: Sequence[str], size: int) -> np.ndarray:
     """This silo's mask for the sum `sum_id` over `silos`: the masks of all of them add up to zero."""
     key, total = secret.derived_key(MASK_INFO), np.zeros(size, dtype=np.int64)
     members = transcript(*sorted(silos))  # a pair's mask in one set never cancels one of another set
