@@ -477,6 +477,7 @@ class Fuzzed:
     consortium: Consortium
     channels: dict[str, grpc.Channel]
     known: Known
+    directives: dict[str, queue.Queue]
     unchanged: str = ""  # the store's digest after the last refusal, when nothing was accepted since
 
     def digest(self) -> str:
@@ -510,7 +511,7 @@ def fuzzed(tmp_path_factory) -> Iterator[Fuzzed]:
             directives[silo] = queue.Queue()
             streams.append(consortium_pb2_grpc.ConsortiumServiceStub(channels[silo]).Join(pb.JoinRequest()))
             threading.Thread(target=read_all, args=(streams[-1], directives[silo]), daemon=True).start()
-        yield Fuzzed(consortium, channels, _known(directives["silo-0"].get(timeout=120)))
+        yield Fuzzed(consortium, channels, _known(directives["silo-0"].get(timeout=120)), directives)
     finally:
         for stream in streams:
             stream.cancel()
@@ -537,6 +538,17 @@ def fuzz_once(fuzzed: Fuzzed, rpc: str, parts: list[bytes]) -> None:
     if outcome.code != CODE.OK:
         assert fuzzed.digest() == before, f"{rpc} refused ({outcome}) but wrote to the store"
         fuzzed.unchanged = before
+    elif rpc == "Refuse":
+        await_abort(fuzzed)
+
+
+def await_abort(fuzzed: Fuzzed) -> None:
+    """An accepted refusal leaves the round short of its floor (every silo is needed): the driver thread
+    aborts the attempt, writing to the store after the call returned. The Abort directive goes out after that
+    write, so once silo-0 holds it the store is still again (the refusal stands for the round's timeout, so no
+    new attempt begins); without this wait the write landed in the next request's check, at random."""
+    while fuzzed.directives["silo-0"].get(timeout=120).WhichOneof("directive") != "abort":
+        pass
 
 
 # --- the same in-process, where most of the slow run's inputs go ---------------------------------------
