@@ -4,7 +4,8 @@ After a round whose state silos computed, each reporting silo's evaluation count
 layer, sent with its state report) are added by the layer's aggregator half; the sum goes back to those silos,
 which take the layer's later stages (ckks: each signs the sum it was handed, `receive`, and decrypts only once
 all have signed the same one), then report the per-class totals, which become the round's metrics. Pure
-bookkeeping: the round engine calls it under its lock and sends the steps.
+bookkeeping: the committer starts it and the inbox hands it what silos send, both under the round table's
+lock, and they send the steps it returns.
 """
 
 from __future__ import annotations

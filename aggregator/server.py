@@ -1,4 +1,4 @@
-"""Assemble and run the aggregator: mutual-TLS gRPC server, round engine, store, evaluation, shutdown."""
+"""Assemble and run the aggregator: mutual-TLS gRPC server, round driver, store, evaluation, shutdown."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from aggregator.config import ConsortiumConfig
+from aggregator.inbox import RoundInbox
 from aggregator.key_service import KeyServiceRelay
-from aggregator.rounds import RoundEngine
+from aggregator.rounds import RoundDriver
 from aggregator.service import CertificateGate, ConsortiumServicer, Identity, OperatorServicer
 from aggregator.status_page import (
     TOKEN_FILE,
@@ -86,7 +87,7 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
     layer = make_layer(config.consortium.privacy, config.layer_settings())
     # the key service's relay, only where the layer asks for one (its record's `key_service`)
     relay = KeyServiceRelay.for_layer(record(config.consortium.privacy), config.layer_settings())
-    engine = RoundEngine(
+    rounds = RoundDriver(
         config=config,
         store=store,
         method=method,
@@ -104,7 +105,7 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
         options=aggregator_options(config.timeouts.keepalive),
     )
     servicer = ConsortiumServicer(
-        engine,
+        rounds.inbox,
         store,
         identity,
         tls["certificate"],
@@ -115,7 +116,7 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
     )
     consortium_pb2_grpc.add_ConsortiumServiceServicer_to_server(servicer, server)
     operator_pb2_grpc.add_OperatorServiceServicer_to_server(
-        OperatorServicer(engine, identity, warnings=watch.warnings), server
+        OperatorServicer(rounds.inbox, identity, warnings=watch.warnings), server
     )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -133,7 +134,7 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
     if port == 0:
         raise ConfigError("server.listen", [f"cannot listen on {config.server.listen}"])
     host = config.server.listen.rsplit(":", 1)[0]
-    page = _status_page(config, engine, store, revocations, watch)
+    page = _status_page(config, rounds.inbox, store, revocations, watch)
     server.start()
     for name in services[:2]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -153,7 +154,7 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
     _stop_on_signals(stop)
     watch.check()
     threading.Thread(target=watch.run, args=(stop, WATCH_SECONDS), name="certificates", daemon=True).start()
-    driver = threading.Thread(target=engine.run, args=(stop,), name="rounds", daemon=True)
+    driver = threading.Thread(target=rounds.run, args=(stop,), name="rounds", daemon=True)
     driver.start()
     try:
         while driver.is_alive():
@@ -168,13 +169,14 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
         server.stop(grace=3).wait()
         store.close()
         lock.release()
-    if engine.recorder is not None and engine.recorder.rounds:
-        echo(f"\nfinal test accuracy after round {engine.held.round}:\n{engine.recorder.finish()}")
-    if engine.failure is not None:
-        echo(f"stopped after round {engine.held.round} on an internal error (see the log above)")
+    committed = rounds.table.held.round
+    if rounds.recorder is not None and rounds.recorder.rounds:
+        echo(f"\nfinal test accuracy after round {committed}:\n{rounds.recorder.finish()}")
+    if rounds.failure is not None:
+        echo(f"stopped after round {committed} on an internal error (see the log above)")
         return 1
-    finished = engine.held.round >= config.consortium.rounds
-    echo("all rounds committed" if finished else f"stopped after round {engine.held.round}")
+    finished = committed >= config.consortium.rounds
+    echo("all rounds committed" if finished else f"stopped after round {committed}")
     return 0
 
 
@@ -300,7 +302,7 @@ def _recorder(config: ConsortiumConfig, data_dir: Path, store: Store) -> RunReco
 
 def _status_page(
     config: ConsortiumConfig,
-    engine: RoundEngine,
+    inbox: RoundInbox,
     store: Store,
     revocations: RevocationList,
     watch: ExpiryWatch,
@@ -311,7 +313,7 @@ def _status_page(
         "consortium_id": config.consortium.id,
         "method": config.plan.method.name,
         "privacy": config.consortium.privacy,
-        "total_rounds": engine.total_rounds,
+        "total_rounds": inbox.total_rounds,
         "dp_enabled": config.plan.dp.enabled,
     }
     server = config.server
@@ -326,7 +328,7 @@ def _status_page(
             names = certificate_names(certificate)
         page = StatusPage(
             server.status_page,
-            lambda: snapshot({**engine.status(), "certificate_warnings": watch.warnings()}, about, store),
+            lambda: snapshot({**inbox.status(), "certificate_warnings": watch.warnings()}, about, store),
             revocations,
             tls,
             token_file=token_file,

@@ -1,4 +1,4 @@
-"""Thin gRPC servicers over the round engine: who is calling (from the certificate), and status codes.
+"""Thin gRPC servicers over the round inbox: who is calling (from the certificate), and status codes.
 
 A caller's silo id is read from its client certificate (verified by TLS against the consortium CA, checked
 here against the revocation list), never from a message field; `CertificateGate` applies the same check to
@@ -24,16 +24,10 @@ import grpc
 from google.protobuf.message import Message
 
 from aggregator.held_state import StateReport
+from aggregator.inbox import RoundInbox
 from aggregator.key_service import KeyServiceRelay, NoKeyService
 from aggregator.picking import BadDisclosure
-from aggregator.rounds import (
-    AlreadySubmitted,
-    BadContribution,
-    NotParticipant,
-    Refusal,
-    RoundEngine,
-    WrongRound,
-)
+from aggregator.round_table import AlreadySubmitted, BadContribution, NotParticipant, Refusal, WrongRound
 from aggregator.store import Store, now_ms
 from fedlt.aggregation.halves import BadMessage, SumAborted
 from fedlt.aggregation.registry import RegistryError
@@ -467,7 +461,7 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
 
     def __init__(
         self,
-        engine: RoundEngine,
+        inbox: RoundInbox,
         store: Store,
         identity: Identity,
         aggregator_pem: bytes,
@@ -477,7 +471,7 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
         relay: KeyServiceRelay | None,
         submit_seconds: float,
     ) -> None:
-        self.engine = engine
+        self.inbox = inbox
         self.store = store
         self.identity = identity
         self.aggregator_pem = aggregator_pem
@@ -490,7 +484,7 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
     @property
     def _layer(self) -> str:
         """The consortium's layer: what silos send is read as its messages, never another layer's."""
-        return self.engine.config.consortium.privacy
+        return self.inbox.config.consortium.privacy
 
     @_abort_on_refusal
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterResponse:
@@ -513,7 +507,7 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
         self.store.register_silo(silo, hashlib.sha256(pem).hexdigest(), request.agent_version, policy)
         reply = pb.RegisterResponse(
             silo_id=silo,
-            consortium_id=self.engine.config.consortium.id,
+            consortium_id=self.inbox.config.consortium.id,
             aggregator_certificate=self.aggregator_pem,
             roster=self.roster.raw(),
             crl=self.identity.revocations.current()[0],
@@ -530,8 +524,8 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
         silo = self.identity.silo(context)
         if silo not in self.store.silos():
             raise NotRegistered("call Register before Join")
-        session = self.engine.connect(silo)
-        context.add_callback(lambda: self.engine.disconnect(session))
+        session = self.inbox.connect(silo)
+        context.add_callback(lambda: self.inbox.disconnect(session))
         return self._directives(session, context)
 
     def _directives(self, session: Any, context: grpc.ServicerContext) -> Iterator[pb.JoinResponse]:
@@ -563,7 +557,7 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         silo = self.identity.silo(context)
         remaining = request.privacy_remaining if request.HasField("privacy_remaining") else None
-        self.engine.heartbeat(
+        self.inbox.heartbeat(
             silo, pb.SiloActivity.Name(request.activity).removeprefix("SILO_ACTIVITY_").lower(), remaining
         )
         self.store.touch_silo(silo, remaining)
@@ -581,7 +575,7 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
 
     @_abort_on_refusal
     def FetchState(self, request: pb.FetchStateRequest, context: grpc.ServicerContext) -> Iterator:
-        data = self.engine.state_for(self.identity.silo(context), request.round_id)
+        data = self.inbox.state_for(self.identity.silo(context), request.round_id)
         return (pb.FetchStateResponse(offset=offset, data=part) for offset, part in chunks(data))
 
     @_abort_on_refusal
@@ -596,18 +590,18 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
         except WireError as exc:
             raise Malformed(f"SubmitHeader: {exc}") from None
         purpose = _purpose(header.sum)
-        limit = self.engine.upload_bytes(silo, header.round_id, purpose, kind)
+        limit = self.inbox.upload_bytes(silo, header.round_id, purpose, kind)
         if header.total_bytes > limit:
             raise BadContribution(f"header announces {header.total_bytes} bytes; the schema needs {limit}")
         payload = _payload(parts, header.total_bytes, header.sha256)
         digest = header.sha256
         upload = submitted(header, payload, layer=self._layer)
-        self.engine.upload(silo, header.round_id, purpose, upload, digest)
+        self.inbox.upload(silo, header.round_id, purpose, upload, digest)
         return pb.SubmitResponse(round_id=header.round_id, sha256=digest, accepted_unix_ms=now_ms())
 
     def _key_service(self) -> KeyServiceRelay:
         if self.relay is None:
-            layer = self.engine.config.consortium.privacy
+            layer = self.inbox.config.consortium.privacy
             raise NoKeyService(f"this consortium's privacy layer ({layer}) has no key service")
         return self.relay
 
@@ -638,7 +632,7 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
     @_abort_on_refusal
     def FetchSum(self, request: pb.FetchSumRequest, context: grpc.ServicerContext) -> Any:
         silo = self.identity.silo(context)
-        data = self.engine.download(silo, request.round_id, _purpose(request.sum))
+        data = self.inbox.download(silo, request.round_id, _purpose(request.sum))
         return (pb.FetchSumResponse(offset=offset, data=part) for offset, part in chunks(data))
 
     @_abort_on_refusal
@@ -663,7 +657,7 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
                 self.members,
                 silo,
                 attestation,
-                consortium=self.engine.config.consortium.id,
+                consortium=self.inbox.config.consortium.id,
                 round_number=header.round,
                 digest=header.state_digest,
                 counted=counted,
@@ -684,13 +678,13 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
             )
         except (ValueError, FedltError) as exc:
             raise Malformed(f"a state report that does not parse: {exc}") from None
-        self.engine.report_state(silo, header.round_id, report)
+        self.inbox.report_state(silo, header.round_id, report)
         return pb.ReportStateResponse(round_id=header.round_id)
 
     @_abort_on_refusal
     def ReportEvaluation(self, request: pb.ReportEvaluationRequest, context: grpc.ServicerContext) -> Any:
         silo = self.identity.silo(context)
-        self.engine.evaluation_reported(silo, request.round, list(request.correct), list(request.total))
+        self.inbox.evaluation_reported(silo, request.round, list(request.correct), list(request.total))
         return pb.ReportEvaluationResponse(round=request.round)
 
     def _header(
@@ -705,20 +699,20 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
 
     @_abort_on_refusal
     def Refuse(self, request: pb.RefuseRequest, context: grpc.ServicerContext) -> pb.RefuseResponse:
-        """A silo will not take part in the attempt in flight, which invites it; the engine takes it from
+        """A silo will not take part in the attempt in flight, which invites it; the inbox takes it from
         then on as gone from the attempt, and shows and audits the reason."""
         silo = self.identity.silo(context)
         problems = _refusal_problems(request)
         if problems:
             raise Malformed("a refusal the aggregator cannot take: " + "; ".join(problems))
-        self.engine.refuse(silo, request.round_id, _code_name(request.code), request.text)
+        self.inbox.refuse(silo, request.round_id, _code_name(request.code), request.text)
         return pb.RefuseResponse(round_id=request.round_id)
 
     @_abort_on_refusal
     def Disclose(self, request: pb.DiscloseRequest, context: grpc.ServicerContext) -> Any:
         silo = self.identity.silo(context)
         shape = tuple(request.shape)
-        digest = self.engine.disclose(silo, request.round_id, request.name, shape, request.values)
+        digest = self.inbox.disclose(silo, request.round_id, request.name, shape, request.values)
         return pb.DiscloseResponse(round_id=request.round_id, sha256=digest)
 
 
@@ -755,7 +749,7 @@ def _stage_message(name: str, response: type) -> Callable:
         silo = silo_id_of(cert)
         pem = context.auth_context()["x509_pem_cert"][0]  # the certificate TLS verified
         message = received(name, request, silo=silo, credential=pem, layer=self._layer)
-        self.engine.deliver(silo, request.round_id, _purpose(request.sum), message)
+        self.inbox.deliver(silo, request.round_id, _purpose(request.sum), message)
         return response(round_id=request.round_id)
 
     handler.__name__ = name
@@ -772,23 +766,23 @@ class OperatorServicer(operator_pb2_grpc.OperatorServiceServicer):
     """`warnings`: certificates that expire soon and roster problems, each with what resolves it."""
 
     def __init__(
-        self, engine: RoundEngine, identity: Identity, *, warnings: Callable[[], list[str]] = list
+        self, inbox: RoundInbox, identity: Identity, *, warnings: Callable[[], list[str]] = list
     ) -> None:
-        self.engine = engine
+        self.inbox = inbox
         self.identity = identity
         self.warnings = warnings
 
     @_abort_on_refusal
     def Status(self, request: operator_pb2.StatusRequest, context: grpc.ServicerContext) -> Any:
         operator_name_of(self.identity.certificate(context))
-        status = self.engine.status()
-        config = self.engine.config
+        status = self.inbox.status()
+        config = self.inbox.config
         return operator_pb2.StatusResponse(
             consortium_id=config.consortium.id,
             method=config.plan.method.name,
             privacy=config.consortium.privacy,
             committed_rounds=status["committed_rounds"],
-            total_rounds=self.engine.total_rounds,
+            total_rounds=self.inbox.total_rounds,
             round_id=status["round_id"],
             stage=status["stage"],
             stage_deadline_unix_ms=status["deadline_ms"],

@@ -1,8 +1,8 @@
 """The silos connected right now: one open Join stream each, its directive queue, its last heartbeat.
 
-The round engine waits on the condition it shares with this registry, so a connect, a disconnect or a message
-wakes it. The directives themselves (RoundSpec, a sum's step, abort, finished) are made here, in their
-Protobuf form, so the engine deals in rounds and sums, not in messages.
+The round driver waits on the condition this registry shares with the round table, so a connect, a
+disconnect or a message wakes it. The directives themselves (RoundSpec, a sum's step, abort, finished) are
+made here, in their Protobuf form, so the driver deals in rounds and sums, not in messages.
 """
 
 from __future__ import annotations

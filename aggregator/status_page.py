@@ -69,7 +69,7 @@ def is_loopback(host: str) -> bool:
 
 
 def snapshot(status: dict, about: dict, store: Store) -> dict:
-    """Everything the page shows, as JSON-ready values: the engine's `status()`, the run's facts (`about`:
+    """Everything the page shows, as JSON-ready values: the inbox's `status()`, the run's facts (`about`:
     consortium, method, privacy, total rounds, `dp_enabled`: whether the plan enables [dp], without which a
     silo's `privacy_remaining` is its lifetime budget, not this study's) and what the store keeps."""
     try:

@@ -64,7 +64,7 @@ CREATE TRIGGER IF NOT EXISTS audit_no_delete BEFORE DELETE ON audit
 """
 
 GENESIS = "0" * 64
-AUTOCHECKPOINT_PAGES = 10_000  # 40 MB of 4 KiB pages: a safety net between the engine's checkpoints
+AUTOCHECKPOINT_PAGES = 10_000  # 40 MB of 4 KiB pages: a safety net between the driver's checkpoints
 AUDIT_KEY_ID = b"fedlt/audit-key-id/v1"
 
 
@@ -145,7 +145,7 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         # committing a state of megabytes would pass SQLite's 4 MB checkpoint threshold inside the commit, on
-        # the round's critical path; the engine checkpoints once the next RoundSpec is out (`checkpoint`)
+        # the round's critical path; the driver checkpoints once the next RoundSpec is out (`checkpoint`)
         self._db.execute(f"PRAGMA wal_autocheckpoint={AUTOCHECKPOINT_PAGES}")
         self._db.executescript(SCHEMA)
         self._move_old_metrics()

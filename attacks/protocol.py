@@ -55,8 +55,7 @@ from fedlt.wire import schema_to_pb
 from privacy import crypto, roundspec
 from privacy.peers import KeyPeers
 from privacy.pki.signing import sign
-from privacy.prg import apply_masks
-from privacy.ring import Ring
+from privacy.ring import Ring, apply_masks
 from privacy.secagg import shamir
 from privacy.secagg.layer import SecAggSum
 from privacy.secagg.local import run_session
@@ -351,16 +350,15 @@ def _run(
     ledgers = {u: ReleaseLedger(root / u) for u in values}
     parts = {
         u: Participation(
-            signed,
             spec,
+            roundspec.sums_of(signed, spec),
             vector,
             me=u,
             side=layer.silo_side(PartyKeys(sign=partial(sign, keys[u]), peers=peers, policy=SessionPolicy())),
             gate=gate(consortium="audit", floors=Floors(), members=lambda: keys, ledger=ledgers[u]),
             trained_from=trained_from,
             ledger=ledgers[u],
-            stub=None,  # messages go straight to the aggregator below, not over gRPC
-            timeout=1.0,
+            transport=None,  # messages go straight to the aggregator below, not over gRPC
             on_sent=lambda *_: None,
         )
         for u, vector in values.items()

@@ -16,7 +16,7 @@ change up to 51 silos, `privacy.secagg.codec`).
 For each n and repeat it measures:
 - masking: one silo's `masked_input` (opening its envelopes, X25519 agreements, the self mask and n − 1
   pairwise masks), median over the silos, against `bare`: the same n × ring bytes of the masks' keystream
-  (AES-128-CTR) from cryptography's `update_into` into one reused buffer of `prg.BLOCK_BYTES`, with no
+  (AES-128-CTR) from cryptography's `update_into` into one reused buffer of `keystreams.BLOCK_BYTES`, with no
   arithmetic; ChaCha20's bare keystream on the same seeds too, in the same loop (the choice of cipher);
   also `apply_masks` alone (the n masks, no protocol) and the codec's encode and decode.
 - with `--flower PYTHON` (an interpreter of an environment of its own with flwr installed:
@@ -83,7 +83,7 @@ from aggregator.config import ConsortiumSection, TimeoutSection
 from aggregator.demo import DEMO_PLAN, RECIPE, demo_layer_settings, write_consortium
 from aggregator.store import AuditRecord
 from fedlt.aggregation import Schema
-from fedlt.aggregation.halves import AggregatorHalf, Released, SumSpec
+from fedlt.aggregation.halves import AggregatorHalf, Released, Signer, SumSpec
 from fedlt.aggregation.plaintext import to_wire
 from fedlt.data.federation import DataConfig
 from fedlt.methods.state import float_keys
@@ -91,8 +91,8 @@ from fedlt.models import MODELS
 from fedlt.plan import ModelSection, RoundPlan
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.wire import submit_stream
-from privacy import prg
-from privacy.peers import ConsortiumPeers, Signer
+from privacy import ring as keystreams
+from privacy.peers import ConsortiumPeers
 from privacy.pki.ca import init_ca, issue_server, issue_silo
 from privacy.pki.roster import Roster, draft
 from privacy.pki.signing import load_private_key, sign
@@ -190,24 +190,24 @@ def median(values: Iterable[float], digits: int = 4) -> float:
 # --- item 1: keystream floor ---------------------------------------------------------------------------
 
 
-def bare_keystream(seeds: list[bytes], nbytes: int, keystream: str = prg.MASK_KEYSTREAM) -> float:
-    """Seconds to expand len(seeds) × nbytes of `keystream` in `prg`'s blocks, no arithmetic: the floor that
-    masking is measured against."""
-    zeros = memoryview(bytes(prg.BLOCK_BYTES))
-    buffer = bytearray(prg.BLOCK_BYTES + 64)
+def bare_keystream(seeds: list[bytes], nbytes: int, keystream: str = keystreams.MASK_KEYSTREAM) -> float:
+    """Seconds to expand len(seeds) × nbytes of `keystream` in the blocks `privacy.ring` uses, no arithmetic:
+    the floor masking is measured against."""
+    zeros = memoryview(bytes(keystreams.BLOCK_BYTES))
+    buffer = bytearray(keystreams.BLOCK_BYTES + 64)
     started = time.perf_counter()
     for seed in seeds:
-        encryptor = prg.stream(seed, keystream)
-        for start in range(0, nbytes, prg.BLOCK_BYTES):
-            encryptor.update_into(zeros[: min(prg.BLOCK_BYTES, nbytes - start)], buffer)
+        encryptor = keystreams.stream(seed, keystream)
+        for start in range(0, nbytes, keystreams.BLOCK_BYTES):
+            encryptor.update_into(zeros[: min(keystreams.BLOCK_BYTES, nbytes - start)], buffer)
     return time.perf_counter() - started
 
 
 def masks_only(seeds: list[bytes], ring: Ring, vector: np.ndarray) -> float:
-    """Seconds for `prg.apply_masks` alone over all the seeds: masking without envelopes or key agreement."""
+    """Seconds for `apply_masks` alone over all the seeds: masking without envelopes or key agreement."""
     target = vector.copy()
     started = time.perf_counter()
-    prg.apply_masks(ring, target, [(seed, False) for seed in seeds])
+    keystreams.apply_masks(ring, target, [(seed, False) for seed in seeds])
     return time.perf_counter() - started
 
 
@@ -401,15 +401,16 @@ def session_costs(
     scenarios = [s for s in DROPOUTS if s == "none" or holders - 1 >= t]
     drop = participants[-1]
 
-    for keystream in prg.KEYSTREAMS:  # warm up the ciphers and the allocator
-        bare_keystream([secrets.token_bytes(prg.SEED_BYTES)], ring.nbytes, keystream)
-    bare: dict[str, list[float]] = {k: [] for k in prg.KEYSTREAMS}
+    for keystream in keystreams.KEYSTREAMS:  # warm up the ciphers and the allocator
+        bare_keystream([secrets.token_bytes(keystreams.SEED_BYTES)], ring.nbytes, keystream)
+    bare: dict[str, list[float]] = {k: [] for k in keystreams.KEYSTREAMS}
     masking, ratios, apply_only, encode, decode, masking_total, flowers = [], [], [], [], [], [], []
     unmask: dict[str, list[float]] = {s: [] for s in scenarios}
     sizes: SessionRun | None = None
     for repeat in range(repeats):
-        seeds = [secrets.token_bytes(prg.SEED_BYTES) for _ in range(holders)]  # a silo's masks: self + peers
-        for keystream in prg.KEYSTREAMS:
+        # a silo's masks: self + peers
+        seeds = [secrets.token_bytes(keystreams.SEED_BYTES) for _ in range(holders)]
+        for keystream in keystreams.KEYSTREAMS:
             bare[keystream].append(bare_keystream(seeds, ring.nbytes, keystream))
         apply_only.append(masks_only(seeds, ring, inputs[participants[0]]))
         encode.append(timed(lambda: codec.encode(flats[participants[0]]))[1])
@@ -424,7 +425,7 @@ def session_costs(
                 typical = statistics.median(run.masking_s.values())
                 masking.append(typical)
                 masking_total.append(sum(run.masking_s.values()))
-                ratios.append(typical / bare[prg.MASK_KEYSTREAM][-1])
+                ratios.append(typical / bare[keystreams.MASK_KEYSTREAM][-1])
                 sizes = run
         if flower is not None:
             flowers.append(flower_masking(flower.python, n, flower.shapes))
@@ -459,9 +460,9 @@ def session_costs(
         "repeats": repeats,
         "masking_s_median": median(masking),
         "masking_all_silos_s_median": median(masking_total),
-        "bare_keystream_s_median": median(bare[prg.MASK_KEYSTREAM]),
+        "bare_keystream_s_median": median(bare[keystreams.MASK_KEYSTREAM]),
         "bare_keystream_s_median_by_cipher": {k: median(v) for k, v in bare.items()},
-        "keystream": prg.MASK_KEYSTREAM,
+        "keystream": keystreams.MASK_KEYSTREAM,
         "ratio_masking_over_bare": median(ratios, 3),
         "ratio_samples": [round(r, 3) for r in ratios],
         "apply_mask_only_s_median": median(apply_only),

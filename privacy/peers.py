@@ -2,17 +2,22 @@
 
 Peers are consortium certificates checked against the roster (`ConsortiumPeers`), or bare keys in a
 simulation (`KeyPeers`); either refuses a signature it cannot tie to the silo named with `BadSignature`.
+
+The consistency signature travels in one RPC (`Consistency`) for every layer whose silos sign what they were
+handed (secagg's consistency round, ckks's signature over the encrypted sum): each such layer's wire lists
+`SIGNATURE_SENDERS`, `SIGNATURE_RECEIVERS` and `SIGNATURE_DRILL_NAMES` below (its `LayerWire`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from fedlt.aggregation.halves import BadMessage
+from fedlt.v1 import consortium_pb2 as pb
+from fedlt.wire import SUM_OF_PURPOSE
 from privacy.pki.errors import PkiError
 from privacy.pki.signing import verify, verify_key
 from privacy.pki.trust import MemberTrust
@@ -20,18 +25,6 @@ from privacy.pki.trust import MemberTrust
 
 class BadSignature(BadMessage):
     """A signature that does not verify, or a signer the peers do not know as the silo it claims to be."""
-
-
-class Signer(Protocol):
-    def __call__(self, data: bytes, *, context: str) -> bytes: ...
-
-
-class Peers(Protocol):
-    """Checks that `signature` over `data` was made by silo `silo`, whose credential is `credential`."""
-
-    def verify(
-        self, silo: str, credential: bytes, signature: bytes, data: bytes, *, context: str
-    ) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -78,3 +71,20 @@ class KeyPeers:
             verify_key(self.keys[silo], signature, data, context=context, signer=silo)
         except PkiError as exc:
             raise BadSignature(f"{silo}: {exc}") from None
+
+
+def send_signature(stub, round_id: str, purpose: str, signed: ConsistencySignature, timeout: float) -> object:
+    request = pb.ConsistencyRequest(
+        round_id=round_id, sum=SUM_OF_PURPOSE[purpose], signature=signed.signature
+    )
+    return stub.Consistency(request, timeout=timeout)
+
+
+def received_signature(request: pb.ConsistencyRequest, *_: object) -> ConsistencySignature:
+    """The signature alone: its silo is the caller TLS verified, its certificate what the roster pins."""
+    return ConsistencySignature(request.signature)
+
+
+SIGNATURE_SENDERS = {ConsistencySignature: send_signature}
+SIGNATURE_RECEIVERS = {"Consistency": received_signature}
+SIGNATURE_DRILL_NAMES = {ConsistencySignature: "consistency"}

@@ -10,9 +10,10 @@ silo that announced an enrollment key the roster vouches for (`privacy.keyservic
 silo fetches the envelope addressed to it when a RoundSpec names a key it lacks. A silo without the key the
 RoundSpec names refuses the round.
 
-`KeyService` is what the agent calls: the enrollment it registers with, the key holder's share at
-registration and at each heartbeat, the key a RoundSpec names fetched before the RoundSpec is checked, and
-the key a round's side encrypts, decrypts and seals states with.
+`KeyService` is what the agent's parts call: the enrollment it registers with, the key holder's share at
+registration and at each heartbeat, the key a RoundSpec names fetched once the RoundSpec is opened and before
+it is checked (`silo.admission`), and the key a round's side encrypts, decrypts and seals states with. Every
+call to the aggregator goes through the session's transport (`silo.transport`).
 """
 
 from __future__ import annotations
@@ -25,18 +26,15 @@ import grpc
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from fedlt.aggregation import record
-from fedlt.aggregation.halves import SettingsRefused
+from fedlt.aggregation.halves import SettingsRefused, Signer
 from fedlt.aggregation.registry import KeyKind, SharedSecret
 from fedlt.atomic import atomic_write, atomic_write_text
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import round_pb2
-from privacy import roundspec
 from privacy.keyservice.ceremony import CeremonyError, announce, check_announcement, open_sealed, seal
 from privacy.keyservice.wire import enrollment_from_pb, sealed_from_pb, sealed_to_pb
-from privacy.peers import Signer
-from privacy.pki.errors import PkiError
 from privacy.pki.trust import MemberTrust
-from privacy.roundspec import RoundSpecError
+from silo.transport import SiloTransport
 from silo.trust import SiloTrust
 
 log = logging.getLogger("silo")
@@ -101,13 +99,12 @@ class Keyring:
 
     def share(
         self,
-        stub,
+        transport: SiloTransport,
         *,
         consortium: str,
         me: str,
         sign: Signer,
         members: MemberTrust,
-        timeout: float,
         again: bool = True,
     ) -> None:
         """Seal the current key to every silo whose announced enrollment key the roster vouches for (with
@@ -116,7 +113,7 @@ class Keyring:
         if again:
             self._sealed_to.clear()
         sealed, recipients = [], []
-        for enrollment in stub.ListEnrollments(pb.ListEnrollmentsRequest(), timeout=timeout).enrollments:
+        for enrollment in transport.enrollments():
             announcement = enrollment_from_pb(enrollment)
             if announcement.silo == me or (secret.context_id, announcement.silo) in self._sealed_to:
                 continue
@@ -140,10 +137,7 @@ class Keyring:
             )
         if not again and not sealed:
             return
-        request = pb.ShareKeyRequest(
-            context_id=secret.context_id, public_key=secret.public_bytes(), sealed=sealed
-        )
-        stub.ShareKey(request, timeout=timeout)
+        transport.share_key(context_id=secret.context_id, public_key=secret.public_bytes(), sealed=sealed)
         self._sealed_to.update((secret.context_id, silo) for silo in recipients)
         log.info("shared %s key %s, sealed to %d silos", self.layer, secret.context_id[:16], len(sealed))
 
@@ -151,18 +145,17 @@ class Keyring:
 
     def fetch(
         self,
-        stub,
+        transport: SiloTransport,
         parameters: object,
         *,
         consortium: str,
         me: str,
         enrollment: X25519PrivateKey,
         members: MemberTrust,
-        timeout: float,
     ) -> None:
         """Fetch and open the key `parameters` name (`context_id`), sealed to this silo's `enrollment` key by
         the key holder they name (`key_holder`)."""
-        reply = stub.FetchKey(pb.FetchKeyRequest(context_id=parameters.context_id), timeout=timeout)
+        reply = transport.fetch_key(parameters.context_id)
         secret = open_sealed(
             sealed_from_pb(reply.sealed),
             consortium=consortium,
@@ -193,13 +186,11 @@ def keyrings(state_dir: Path, privacy: tuple[str, ...]) -> dict[str, Keyring]:
 
 class KeyService:
     """The key service as the agent uses it. `trust` gives the consortium and the roster's members as they
-    are now; `sign` is the silo's certificate key; `timeout` bounds each call."""
+    are now; `sign` is the silo's certificate key."""
 
-    def __init__(
-        self, state_dir: Path, privacy: tuple[str, ...], *, trust: SiloTrust, sign: Signer, timeout: float
-    ) -> None:
+    def __init__(self, state_dir: Path, privacy: tuple[str, ...], *, trust: SiloTrust, sign: Signer) -> None:
         self.keyrings: Mapping[str, Keyring] = keyrings(state_dir, privacy)
-        self._trust, self._sign, self._timeout = trust, sign, timeout
+        self._trust, self._sign = trust, sign
         self.me = ""  # the id the aggregator registered this silo under
         self._holding: Keyring | None = None  # whose key this silo makes and shares, as key holder
 
@@ -219,60 +210,51 @@ class KeyService:
         announcement = announce(self._trust.roster.consortium, me, self._enrollment_key(), self._sign)
         return pb.KeyEnrollment(public_key=announcement.public, signature=announcement.signature)
 
-    def registered(self, stub, reply: pb.RegisterResponse) -> None:
+    def registered(self, transport: SiloTransport, reply: pb.RegisterResponse) -> None:
         """After registering: as the key holder the aggregator names, seal the key to every silo enrolled."""
         self.me = reply.silo_id
         keyring = self.keyrings.get(reply.key_layer)
         self._holding = keyring if keyring is not None and reply.key_holder == self.me else None
         if self._holding is not None:
-            self._share(stub, self._holding)
+            self._share(transport, self._holding)
 
-    def heartbeat(self, stub) -> None:
+    def heartbeat(self, transport: SiloTransport) -> None:
         """As the key holder: seal the key to silos enrolled since it last did."""
         if self._holding is not None:
-            self._share(stub, self._holding, again=False)
+            self._share(transport, self._holding, again=False)
 
-    def before_round(self, stub, signed: round_pb2.SignedRoundSpec, aggregator_pem: bytes) -> None:
-        """Before checking a RoundSpec of a layer with a key service: fetch the key it names if this silo
-        lacks it (or, as its key holder, seal it to newcomers). A key that does not arrive makes the check
-        refuse the round."""
-        try:
-            spec = roundspec.open_signed(signed, self._trust.members.aggregator(aggregator_pem))
-        except (RoundSpecError, PkiError):
-            return  # the check says why
+    def before_round(self, transport: SiloTransport, spec: round_pb2.RoundSpec, parameters: object) -> None:
+        """Before checking a RoundSpec (opened, its signature verified) of a layer with a key service: fetch
+        the key its `parameters` name if this silo lacks it (or, as its key holder, seal it to newcomers). A
+        key that does not arrive makes the check refuse the round; so do parameters that do not read back
+        (None)."""
         keyring = self.keyrings.get(spec.privacy)
-        if keyring is None:
+        if keyring is None or parameters is None:
             return
         try:
-            parameters = roundspec.settings_of(spec)
-        except RoundSpecError:
-            return  # parameters that do not read back: the check refuses the round as malformed
-        try:
             if parameters.key_holder == self.me:
-                self._share(stub, keyring)
+                self._share(transport, keyring)
             elif keyring.get(parameters.context_id) is None:
                 keyring.fetch(
-                    stub,
+                    transport,
                     parameters,
                     consortium=self._trust.roster.consortium,
                     me=self.me,
                     enrollment=self._enrollment_key(),
                     members=self._trust.members,
-                    timeout=self._timeout,
                 )
         except CeremonyError as exc:
             log.error("%s: the %s key: %s", spec.round_id, spec.privacy, exc)
         except grpc.RpcError as exc:
             log.warning("%s: the %s key could not be fetched: %s", spec.round_id, spec.privacy, exc.details())
 
-    def _share(self, stub, keyring: Keyring, *, again: bool = True) -> None:
+    def _share(self, transport: SiloTransport, keyring: Keyring, *, again: bool = True) -> None:
         keyring.share(
-            stub,
+            transport,
             consortium=self._trust.roster.consortium,
             me=self.me,
             sign=self._sign,
             members=self._trust.members,
-            timeout=self._timeout,
             again=again,
         )
 
@@ -281,12 +263,13 @@ class KeyService:
         keyring = self.keyrings.get(layer)
         return None if keyring is None else keyring.secret_for
 
-    def secret(self, spec: round_pb2.RoundSpec) -> SharedSecret:
-        """The key `spec` names, which seals the state where silos step the model."""
-        keyring = self.keyrings.get(spec.privacy)
+    def secret(self, layer: str, parameters: object) -> SharedSecret:
+        """The key a round of `layer` names in its `parameters` (as signed, `RoundSums.settings`), which seals
+        the state where silos step the model."""
+        keyring = self.keyrings.get(layer)
         if keyring is None:
-            raise MissingKey(f"privacy layer {spec.privacy!r} has no key service to seal its states with")
-        return keyring.secret_for(roundspec.settings_of(spec))
+            raise MissingKey(f"privacy layer {layer!r} has no key service to seal its states with")
+        return keyring.secret_for(parameters)
 
     def held(self, layer: str) -> list[SharedSecret]:
         """Every key of `layer` this silo holds (older ones open states sealed before a rotation)."""

@@ -5,8 +5,9 @@ code the simulator runs, and every release in them passes the silo's release gat
 (`fedlt.aggregation.gate.ReleaseGate`: roster, floors, the ledger keyed by what is released); the layer's half
 is this silo's `SiloSide` for it (keys, peers, session policy). What this module adds is what a consortium
 silo must remember across restarts (`ReleaseLedger`): the census named in a RoundSpec must be the one this
-silo took part in, and a census it takes is kept. Messages go out through `privacy.wire.send`; steps come
-in as `SumStep`s.
+silo took part in, and a census it takes is kept. Messages go out through the session's transport
+(`silo.transport`, which maps each to its RPC with `privacy.wire`); steps come in as `SumStep`s. The round's
+sums are read from the RoundSpec once, by admission (`silo.admission`), and handed in.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ import torch
 from fedlt.aggregation import tail_guard
 from fedlt.aggregation.gate import ReleaseGate, Subject
 from fedlt.aggregation.halves import ReleaseNoise, SiloSide
-from fedlt.aggregation.round_sums import SiloRound
+from fedlt.aggregation.round_sums import RoundSums, SiloRound
 from fedlt.aggregation.tail_guard import Census, CensusError
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import round_pb2
-from privacy import roundspec
-from privacy.wire import fetched, send, step_from_pb
+from privacy.wire import step_from_pb
 from silo.releases import ReleaseLedger
+from silo.transport import SiloTransport
 
 log = logging.getLogger("silo")
 
@@ -35,8 +36,8 @@ log = logging.getLogger("silo")
 class Participation:
     def __init__(
         self,
-        signed: round_pb2.SignedRoundSpec,
         spec: round_pb2.RoundSpec,
+        sums: RoundSums,
         contribution: torch.Tensor,
         *,
         me: str,
@@ -44,21 +45,19 @@ class Participation:
         gate: ReleaseGate,
         trained_from: str,
         ledger: ReleaseLedger,
-        stub,
-        timeout: float,
+        transport: SiloTransport,
         on_sent: Callable[[str, object], None],
         noise: ReleaseNoise | None = None,
         records: np.ndarray | None = None,
         class_names: Sequence[str] | None = None,
     ) -> None:
-        """`trained_from` is the content digest of the state the contribution was computed from (checked
-        against the signed digest by the caller): the ledger's key for it. `records`: this silo's record
-        count per class, for the census's record floor; `class_names` the plan's, by which the census is
-        keyed."""
+        """`sums` are the round's as `spec` signs them (`privacy.roundspec.sums_of`). `trained_from` is the
+        content digest of the state the contribution was computed from (checked against the signed digest by
+        the caller): the ledger's key for it. `records`: this silo's record count per class, for the census's
+        record floor; `class_names` the plan's, by which the census is keyed."""
         self.spec, self.me, self._ledger = spec, me, ledger
-        self._stub, self._timeout, self._on_sent = stub, timeout, on_sent
+        self._transport, self._on_sent = transport, on_sent
         self._unsent: list[tuple[str, object]] = []  # of the last `_send`, until each is delivered
-        sums = roundspec.sums_of(signed, spec)
         self.sums = SiloRound(
             side,
             sums,
@@ -88,26 +87,26 @@ class Participation:
 
     def step(self, step: pb.SumStep) -> None:
         purpose, decoded = step_from_pb(step, layer=self.spec.privacy)
-        decoded = fetched(self._stub, self.spec.round_id, purpose, decoded, timeout=self._timeout)
+        decoded = self._transport.fetched(self.spec.round_id, purpose, decoded)
         self._send(self.sums.step(purpose, decoded))
 
     def _send(self, outgoing: list[tuple[str, object]]) -> None:
         self._unsent = list(outgoing)
         while self._unsent:
             purpose, message = self._unsent[0]
-            send(self._stub, self.spec.round_id, purpose, message, timeout=self._timeout)
+            self._transport.send(self.spec.round_id, purpose, message)
             del self._unsent[0]
             self._on_sent(purpose, message)
 
-    def resume(self, stub) -> None:
-        """After a reconnect, with the new session's stub: send again what the lost connection may not have
-        delivered (the same bytes: the aggregator takes a message it already holds as it is). A refusal
+    def resume(self, transport: SiloTransport) -> None:
+        """After a reconnect, with the new session's transport: send again what the lost connection may not
+        have delivered (the same bytes: the aggregator takes a message it already holds as it is). A refusal
         because the sum has moved past that stage means it had arrived."""
-        self._stub = stub
+        self._transport = transport
         unsent, self._unsent = self._unsent, []
         for purpose, message in unsent:
             try:
-                send(stub, self.spec.round_id, purpose, message, timeout=self._timeout)
+                transport.send(self.spec.round_id, purpose, message)
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
                     raise

@@ -35,6 +35,8 @@ from fedlt.aggregation import Contribution, Schema, SumLayer, evaluation_block
 from fedlt.aggregation.gate import ReleaseGate, Subject
 from fedlt.aggregation.halves import (
     EVALUATION_BOUND,
+    Peers,
+    Signer,
     SiloHalf,
     SiloSide,
     SumAborted,
@@ -50,14 +52,14 @@ from fedlt.metrics import predict
 from fedlt.plan import RoundPlan
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import round_pb2
-from fedlt.wire import chunks, schema_to_pb
+from fedlt.wire import schema_to_pb
 from privacy.crypto import transcript
-from privacy.peers import Peers, Signer
 from privacy.stepping.attestation import Attested, attest, check_attested
 from privacy.stepping.masks import zero_sum_mask
 from privacy.stepping.sealed_state import SealedStateError, open_state, seal_state
-from privacy.wire import payload_of, send
+from privacy.wire import payload_of
 from silo.participation import Participation
+from silo.transport import SiloTransport
 
 
 class StateRefused(SumAborted):
@@ -148,7 +150,7 @@ def round_contribution(
 
 
 def step_and_report(
-    stub,
+    transport: SiloTransport,
     taking_part: Participation,
     *,
     side: SiloSide,
@@ -158,7 +160,6 @@ def step_and_report(
     method: Method,
     held_out: LabeledImages | None,
     gate: ReleaseGate,
-    timeout: float,
     keep: Callable[[pb.StateReportHeader, bytes], None] | None = None,
 ) -> tuple[SiloHalf, str]:
     """Run the server step on the sum this silo read, report the sealed next state signed with the silo's
@@ -218,16 +219,15 @@ def step_and_report(
         round=spec.round,
         counted=survivors,
     )
-    parts = [pb.ReportStateRequest(header=header)] + [
-        pb.ReportStateRequest(chunk=c) for _, c in chunks(sealed)
-    ]
-    stub.ReportState(iter(parts), timeout=timeout)
+    transport.report_state(header, sealed)
     if keep is not None:
         keep(header, sealed)
     return evaluation, digest
 
 
-def report_evaluation(stub, round_number: int, evaluation: SiloHalf, step: object, timeout: float) -> bool:
+def report_evaluation(
+    transport: SiloTransport, round_number: int, evaluation: SiloHalf, step: object
+) -> bool:
     """One step of the evaluation sum, as the layer's half takes it (ckks: handed the encrypted sum, sign it
     and send the signature; handed every silo's signature, decrypt, the half's release check first); once
     read, report the per-class totals, only if they are counts: anything but the sum over every silo that
@@ -235,15 +235,12 @@ def report_evaluation(stub, round_number: int, evaluation: SiloHalf, step: objec
     outgoing = evaluation.step(step)
     if not evaluation.done:
         for message in outgoing:
-            send(stub, evaluation.spec.round_id, "evaluation", message, timeout=timeout)
+            transport.send(evaluation.spec.round_id, "evaluation", message)
         return False
     counts = np.rint(evaluation.result.numpy()).astype(np.int64)
     classes = len(counts) // 2
     correct, total = counts[:classes], counts[classes:]
     if (correct < 0).any() or (correct > total).any() or (total > EVALUATION_BOUND).any():
         raise SumAborted("the evaluation sum decrypts to no counts (masks left over): not the sum it names")
-    stub.ReportEvaluation(
-        pb.ReportEvaluationRequest(round=round_number, correct=correct.tolist(), total=total.tolist()),
-        timeout=timeout,
-    )
+    transport.report_evaluation(round_number, correct=correct.tolist(), total=total.tolist())
     return True

@@ -40,7 +40,7 @@ from privacy.pki.identity import RevocationList
 from privacy.pki.roster import Roster, RosterFile, draft
 from privacy.pki.signing import load_private_key
 from privacy.pki.trust import MemberTrust
-from silo.agent import DRILL
+from silo.finish import DRILL
 
 RECIPE = DataConfig(dataset="digits", imbalance=10.0, alpha=0.5, silos=3, min_silo_size=10, test_per_class=30)
 PLAN = RoundPlan(
@@ -177,7 +177,7 @@ class Consortium:
             self.output.append(line.rstrip("\n"))
 
     def start_silo(self, k: int, drill: str = "") -> None:
-        """`drill`: the silo freezes itself after sending that secure-aggregation message (see silo.agent)."""
+        """`drill`: the silo freezes itself after sending that secure sum's message (see silo.finish)."""
         log = (self.directory / f"silo-{k}.log").open("a")
         self.silos[k] = subprocess.Popen(
             [sys.executable, "-m", "silo", "run", "--config", str(self.silo_configs[k])],

@@ -1,9 +1,9 @@
-"""The real round engine and the silos' own `Participation`, in one process with the network left out.
+"""The real round driver and the silos' own `Participation`, in one process with the network left out.
 
-What the gRPC service would relay is handed straight to the engine (`DirectStub`, which decodes requests as
-the service does, minus certificates and streams); each `InProcessSilo` plays an agent's part on a thread: a
-`Participation` per RoundSpec, steps as directives arrive, a refusal ends its part in the attempt (as
-`silo.agent` does) and is recorded for the test to read.
+What the gRPC service would relay is handed straight to the round inbox (`DirectStub`, which decodes requests
+as the service does, minus certificates and streams); each `InProcessSilo` plays an agent's part on a thread:
+a `Participation` per RoundSpec, steps as directives arrive, a refusal ends its part in the attempt (as
+`silo.finish` does) and is recorded for the test to read.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ import numpy as np
 import torch
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from aggregator.rounds import RoundEngine
+from aggregator.inbox import RoundInbox
 from fedlt.aggregation import Schema
 from fedlt.aggregation.gate import Floors, ReleaseGate
 from fedlt.aggregation.halves import PartyKeys
 from fedlt.errors import FedltError
 from fedlt.v1 import round_pb2
 from fedlt.wire import PURPOSE_OF_SUM, schema_from_pb
+from privacy import roundspec
 from privacy.peers import KeyPeers
 from privacy.pki.signing import sign
 from privacy.secagg.layer import SecAggSum
@@ -31,26 +32,27 @@ from privacy.secagg.policy import SessionPolicy
 from privacy.wire import received, receivers, submitted
 from silo.participation import Participation
 from silo.releases import ReleaseLedger
+from silo.transport import SiloTransport
 
 # what a silo contributes to a round: its values for the schema's fields, from the round's number
 Values = Callable[[Schema, int], dict[str, torch.Tensor]]
 
 
 class DirectStub:
-    """The silo's calls handed straight to the engine, read as the gRPC service reads them (no certificates:
-    the in-process peers check bare keys)."""
+    """The silo's calls handed straight to the round inbox, read as the gRPC service reads them (no
+    certificates: the in-process peers check bare keys)."""
 
-    def __init__(self, engine: RoundEngine, silo: str) -> None:
-        self.engine, self.silo = engine, silo
+    def __init__(self, inbox: RoundInbox, silo: str) -> None:
+        self.inbox, self.silo = inbox, silo
 
     def __getattr__(self, rpc: str):
         if rpc not in receivers():
             raise AttributeError(rpc)
 
         def call(request, **_: object) -> None:
-            layer = self.engine.config.consortium.privacy
+            layer = self.inbox.config.consortium.privacy
             message = received(rpc, request, silo=self.silo, credential=b"", layer=layer)
-            self.engine.deliver(self.silo, request.round_id, PURPOSE_OF_SUM[request.sum], message)
+            self.inbox.deliver(self.silo, request.round_id, PURPOSE_OF_SUM[request.sum], message)
 
         return call
 
@@ -58,8 +60,8 @@ class DirectStub:
         first, *parts = list(stream)
         header = first.header
         payload = b"".join(part.chunk for part in parts)
-        upload = submitted(header, payload, layer=self.engine.config.consortium.privacy)
-        self.engine.upload(self.silo, header.round_id, PURPOSE_OF_SUM[header.sum], upload, header.sha256)
+        upload = submitted(header, payload, layer=self.inbox.config.consortium.privacy)
+        self.inbox.upload(self.silo, header.round_id, PURPOSE_OF_SUM[header.sum], upload, header.sha256)
 
 
 class InProcessSilo:
@@ -72,15 +74,15 @@ class InProcessSilo:
         self.errors: list[str] = []
         self.done = threading.Event()  # a contribution sum of this silo completed
 
-    def start(self, engine: RoundEngine, peers: KeyPeers, stop: threading.Event) -> threading.Thread:
+    def start(self, inbox: RoundInbox, peers: KeyPeers, stop: threading.Event) -> threading.Thread:
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        thread = threading.Thread(target=self._play, args=(engine, peers, stop), daemon=True)
+        thread = threading.Thread(target=self._play, args=(inbox, peers, stop), daemon=True)
         thread.start()
         return thread
 
-    def _play(self, engine: RoundEngine, peers: KeyPeers, stop: threading.Event) -> None:
-        session = engine.connect(self.name)
-        stub = DirectStub(engine, self.name)
+    def _play(self, inbox: RoundInbox, peers: KeyPeers, stop: threading.Event) -> None:
+        session = inbox.connect(self.name)
+        stub = DirectStub(inbox, self.name)
         taking_part: Participation | None = None
         try:
             while not stop.is_set():
@@ -101,13 +103,13 @@ class InProcessSilo:
                             self.done.set()
                     elif kind == "abort":
                         taking_part = None
-                except FedltError as exc:  # the agent's `_sum_call`: leave this attempt's sums
+                except FedltError as exc:  # the agent's `Finish.stage`: leave this attempt's sums
                     self.refusals.append(str(exc))
                     taking_part = None
         except Exception as exc:  # reported by the test thread
             self.errors.append(f"{self.name}: {exc!r}")
         finally:
-            engine.disconnect(session)
+            inbox.disconnect(session)
 
     def _participation(
         self, signed: round_pb2.SignedRoundSpec, peers: KeyPeers, stub: DirectStub
@@ -119,8 +121,8 @@ class InProcessSilo:
         sign_as = lambda data, *, context: sign(self.key, data, context=context)  # noqa: E731
         ledger = ReleaseLedger(self.state_dir)
         return Participation(
-            signed,
             spec,
+            roundspec.sums_of(signed, spec),
             schema.flatten(values),
             me=self.name,
             side=SecAggSum().silo_side(PartyKeys(sign=sign_as, peers=peers, policy=SessionPolicy())),
@@ -130,8 +132,7 @@ class InProcessSilo:
             trained_from=spec.state_digest,  # the state these silos "train" from: the one the RoundSpec signs
             ledger=ledger,
             records=self.records,
-            stub=stub,
-            timeout=30,
+            transport=SiloTransport(stub, timeout=30),
             on_sent=lambda purpose, message: None,
         )
 

@@ -1,4 +1,4 @@
-"""Auditing a real aggregator's database: stores built with the aggregator's own `Store`, as its round engine
+"""Auditing a real aggregator's database: stores built with the aggregator's own `Store`, as its round driver
 fills them, then audited from their folder.
 
 Three silos run one RedGrape round on digits: silo-0 holds one record of class 3, silo-2 alone holds class 4,
@@ -125,7 +125,7 @@ def build_store(
     guard: SumLayer | None = None,
     disclosures: dict[str, tuple[str, bytes]] | None = None,
 ) -> Path:
-    """An aggregator's database after its first round, written as `RoundEngine` writes it: initial state,
+    """An aggregator's database after its first round, written as `RoundDriver` writes it: initial state,
     attempt, the census and tail-guard record of a guarded sum, then the commit with its disclosures."""
     store = Store(folder / DATABASE, audit_key=AUDIT_KEY)
     store.save_initial_state(world.initial.digest(), pack_state(world.initial))

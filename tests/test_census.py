@@ -1,7 +1,7 @@
-"""The census and the tail guard through the real round engine and the silo's `SecureRound`, in one process.
+"""The census and the tail guard through the real round driver and the silo's `SecureRound`, in one process.
 
 FedAvg has no per-class field, so no consortium method runs the census yet; this test gives FedAvg one and
-connects the silos' protocol code to the engine directly (what the gRPC service would relay), to check that
+connects the silos' protocol code to the inbox directly (what the gRPC service would relay), to check that
 classes held by fewer than k_min silos come out of the released sum as zeros, and that the audit log names
 the classes held back and nothing about who holds them.
 """
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from aggregator.config import ConsortiumConfig, ConsortiumSection, TimeoutSection
-from aggregator.rounds import RoundEngine
+from aggregator.rounds import RoundDriver
 from aggregator.store import Store
 from fedlt.aggregation import Field, Schema
 from fedlt.aggregation.halves import PartyKeys
@@ -77,7 +77,7 @@ def test_census_holds_back_classes_fewer_than_k_min_silos_hold(tmp_path):
         model=PLAN.build_method().model_spec,
         rounds=config.consortium.rounds,
     )
-    engine = RoundEngine(
+    driver = RoundDriver(
         config=config,
         store=store,
         method=method,
@@ -88,17 +88,17 @@ def test_census_holds_back_classes_fewer_than_k_min_silos_hold(tmp_path):
         echo=lambda _: None,
     )
     stop = threading.Event()
-    threads = [silo.start(engine, peers, stop) for silo in silos]
-    driver = threading.Thread(target=engine.run, args=(stop,), daemon=True)
-    driver.start()
-    driver.join(timeout=60)
+    threads = [silo.start(driver.inbox, peers, stop) for silo in silos]
+    thread = threading.Thread(target=driver.run, args=(stop,), daemon=True)
+    thread.start()
+    thread.join(timeout=60)
     stop.set()
     for thread in threads:
         thread.join(timeout=10)
     errors = [e for silo in silos for e in silo.errors + silo.refusals]
     assert not errors
-    assert engine.failure is None
-    assert engine.held.round == 1
+    assert driver.failure is None
+    assert driver.table.held.round == 1
     (sums,) = method.sums_seen
     expected = torch.zeros(CLASSES, 2, dtype=torch.float64)
     expected[0] = torch.tensor([3.0, 1.5])  # three silos hold class 0

@@ -30,7 +30,8 @@ from hypothesis import strategies as st
 
 from aggregator.config import ConsortiumConfig, ConsortiumSection
 from aggregator.held_state import HeldState, StateReport
-from aggregator.rounds import BadContribution, RoundEngine
+from aggregator.round_table import BadContribution
+from aggregator.rounds import RoundDriver
 from aggregator.store import Store
 from attacks.ckks_sums import plus as add_plain
 from fedlt.aggregation import Field, Schema, SumLayer
@@ -67,6 +68,7 @@ from privacy.stepping.masks import zero_sum_mask
 from privacy.stepping.sealed_state import open_state, seal_state
 from privacy.wire import upload_of
 from silo.stepping import evaluation_counts, one_thread, opened_state, report_evaluation, step_and_report
+from silo.transport import SiloTransport
 from tests.consortium_harness import AUDIT_KEY, PLAN
 from tests.test_ckks import PEERS, SECRET, signer
 from tests.test_ckks_ceremony import CONSORTIUM
@@ -224,7 +226,7 @@ def test_masks_bound_to_the_stepped_state_leave_a_split_evaluation_as_no_counts(
         evaluation.receive(me, signed(evaluations[me], steps[me]))
     steps = evaluation.close()
     with pytest.raises(SumNotAgreed):
-        report_evaluation(Stub(), 1, evaluations[VICTIM], steps[VICTIM], timeout=5.0)
+        report_evaluation(SiloTransport(Stub(), timeout=5.0), 1, evaluations[VICTIM], steps[VICTIM])
     values = SECRET.decrypt(evaluation.summed, 2 * CLASSES)  # the check absent: what the masks leave
     counts = np.rint(values).astype(np.int64)
     correct, total = counts[:CLASSES], counts[CLASSES:]
@@ -240,7 +242,7 @@ def step_from(me: str, result: torch.Tensor) -> tuple[object, object, pb.StateRe
     taking_part = SimpleNamespace(spec=round_spec(1, ROUND_ID, START), me=me, sums=sums)
     stub = Stub()
     half, _ = step_and_report(
-        stub,
+        SiloTransport(stub, timeout=5.0),
         taking_part,
         side=SIDES[me],
         sign=SIDES[me].sign,
@@ -249,7 +251,6 @@ def step_from(me: str, result: torch.Tensor) -> tuple[object, object, pb.StateRe
         method=METHOD,
         held_out=HELD_OUT[me],
         gate=ReleaseGate(consortium="c", floors=Floors(2, 2), members=lambda: SIDES, ledger=MemoryLedger()),
-        timeout=5.0,
     )
     (header,) = stub.headers
     return half, upload_of(header.evaluation_kind, header.evaluation, layer="ckks"), header
@@ -285,7 +286,7 @@ def test_the_same_forced_sum_for_every_silo_passes_and_reads_no_silo_apart_from_
         evaluation.receive(me, signed(evaluations[me], steps[me]))
     steps = evaluation.close()
     stub = Stub()
-    assert report_evaluation(stub, 1, evaluations[VICTIM], steps[VICTIM], timeout=5.0)
+    assert report_evaluation(SiloTransport(stub, timeout=5.0), 1, evaluations[VICTIM], steps[VICTIM])
     reported = stub.reported()
     totals = sum(np.bincount(HELD_OUT[me].y, minlength=CLASSES) for me in SILOS)
     assert np.array_equal(reported[CLASSES:], totals)
@@ -601,15 +602,15 @@ def test_each_silo_signs_the_state_it_stepped_to_in_its_report():
 
 
 @pytest.fixture
-def engine(tmp_path):
-    """A round engine under ckks (its keys: the public context), in a round whose sum counted every silo."""
+def driver(tmp_path):
+    """A round driver under ckks (its keys: the public context), in a round whose sum counted every silo."""
     section = ConsortiumSection(id=CONSORTIUM, rounds=3, privacy="ckks")
     config = ConsortiumConfig(consortium=section, plan=PLAN)
     store = Store(tmp_path / "db.sqlite", audit_key=AUDIT_KEY)
     for silo in SILOS:
         store.register_silo(silo, "certificate digest", "v", {})
     layer = CkksSum()
-    engine = RoundEngine(
+    driver = RoundDriver(
         config=config,
         store=store,
         method=METHOD,
@@ -619,36 +620,36 @@ def engine(tmp_path):
         recorder=None,
         echo=lambda _: None,
     )
-    attempt = engine._start_attempt(list(SILOS))
+    attempt = driver._start_attempt(list(SILOS))
     attempt.contributors = SILOS
-    yield engine, attempt
+    yield driver, attempt
     store.close()
 
 
-def test_the_aggregator_refuses_a_report_signed_for_another_round_or_silo_set(engine):
-    engine, attempt = engine
+def test_the_aggregator_refuses_a_report_signed_for_another_round_or_silo_set(driver):
+    driver, attempt = driver
     digest = STATE.digest()
     with pytest.raises(BadContribution, match="round 2's"):
-        engine.report_state("a", attempt.round_id, report("a", digest, round_number=2))
+        driver.inbox.report_state("a", attempt.round_id, report("a", digest, round_number=2))
     with pytest.raises(BadContribution, match="from a sum of a, b, c"):
-        engine.report_state("a", attempt.round_id, report("a", digest, counted=SILOS[:3]))
+        driver.inbox.report_state("a", attempt.round_id, report("a", digest, counted=SILOS[:3]))
     assert attempt.reports == {}
 
 
-def test_the_aggregator_commits_no_state_a_counted_silo_did_not_report(engine):
+def test_the_aggregator_commits_no_state_a_counted_silo_did_not_report(driver):
     """A state reported by some counted silos only (one gone, say) would be refused by every silo of the next
     round; it is not committed, and the round is tried again."""
-    engine, attempt = engine
+    driver, attempt = driver
     for silo in SILOS[:3]:
-        engine.report_state(silo, attempt.round_id, report(silo, STATE.digest()))
+        driver.inbox.report_state(silo, attempt.round_id, report(silo, STATE.digest()))
     released = Released(SILOS, None)
     with pytest.raises(SumAborted, match="d reported no next state"):
-        engine._next_state(attempt, released, threading.Event())
-    engine.report_state("d", attempt.round_id, report("d", STATE.digest()))
-    held = engine._next_state(attempt, released, threading.Event())
+        driver.committer.next_state(attempt, released, threading.Event())
+    driver.inbox.report_state("d", attempt.round_id, report("d", STATE.digest()))
+    held = driver.committer.next_state(attempt, released, threading.Event())
     assert held.attested.counted == SILOS
-    engine.held = held  # as `_commit` keeps it: the next RoundSpec carries every signature
-    following = engine._start_attempt(list(SILOS))
+    driver.table.held = held  # as `commit` keeps it: the next RoundSpec carries every signature
+    following = driver._start_attempt(list(SILOS))
     spec = round_pb2.RoundSpec.FromString(following.signed.spec)
     assert Attested.from_pb(spec.attestations) == held.attested
     assert opened_state(SEALED, spec, SECRET, METHOD, **CHECKS).digest() == STATE.digest()

@@ -61,6 +61,7 @@ from privacy.stepping.sealed_state import NONCE, STATE_INFO, SealedStateError, o
 from privacy.wire import upload_of
 from silo.key_service import Keyring
 from silo.stepping import StateRefused, evaluation_counts, opened_state, report_evaluation, step_and_report
+from silo.transport import SiloTransport
 from tests.consortium_harness import PLAN
 from tests.test_ckks import PEERS, SECRET, signer
 from tests.test_ckks_ceremony import CONSORTIUM, HOLDER, ME, OTHER
@@ -172,7 +173,7 @@ def stepped(
     taking_part = SimpleNamespace(spec=round_spec(state.round + 1, round_id, state), me=me, sums=sums)
     stub = Stub()
     half, digest = step_and_report(
-        stub,
+        SiloTransport(stub, timeout=5.0),
         taking_part,
         side=SIDES[me],
         sign=SIDES[me].sign,
@@ -181,7 +182,6 @@ def stepped(
         method=METHOD,
         held_out=HELD_OUT[me],
         gate=ReleaseGate(consortium="c", floors=Floors(2, 2), members=lambda: SIDES, ledger=MemoryLedger()),
-        timeout=5.0,
     )
     assert digest == following(state, nudge).digest()
     (header,) = stub.headers
@@ -210,7 +210,7 @@ def evaluation_half(me: str, silos: tuple[str, ...], round_id: str):
 def signed(half, step: EncryptedSum) -> ConsistencySignature:
     """What `half`'s silo signs when handed `step`: `report_evaluation` sends it and reports nothing yet."""
     stub = Stub()
-    assert not report_evaluation(stub, 1, half, step, timeout=5.0)
+    assert not report_evaluation(SiloTransport(stub, timeout=5.0), 1, half, step)
     assert stub.evaluations == []
     return stub.signed()
 
@@ -224,7 +224,7 @@ def decrypted_report(half, blob: bytes, survivors: tuple[str, ...]) -> Stub:
         other = SIDES[silo].half(half.spec, silo, may_release=lambda _: None)
         signatures[silo] = Signed(signed(other, step).signature)
     stub = Stub()
-    assert report_evaluation(stub, 1, half, SumSignatures(signatures), timeout=5.0)
+    assert report_evaluation(SiloTransport(stub, timeout=5.0), 1, half, SumSignatures(signatures))
     return stub
 
 
@@ -318,7 +318,7 @@ def test_the_sum_of_any_proper_subset_is_refused_and_only_the_true_sum_is_report
     )
     for me, (half, _) in evaluation_round.items():
         stub = Stub()
-        assert report_evaluation(stub, 1, half, steps[me], timeout=5.0)
+        assert report_evaluation(SiloTransport(stub, timeout=5.0), 1, half, steps[me])
         assert np.array_equal(stub.reported(), truth)
 
 
@@ -481,7 +481,7 @@ def test_a_later_state_is_opened_from_its_seal_and_nothing_else_is_taken():
         with pytest.raises(SealedStateError):
             opened_state(data, spec, SECRET, METHOD, **CHECKS)
     # a key-holding silo can seal any state under the digest it names: opened_state does not recompute the
-    # digest, the agent's check against the signed digest (silo/agent.py `_checked_state`) does
+    # digest, the agent's check against the signed digest (silo/admission.py `starting_state`) does
     made_up = pack_state(METHOD.init_state(seed=SEED + 1))
     other = seal_state(SECRET, consortium=CONSORTIUM, round_number=1, digest=DIGEST, packed=made_up)
     assert opened_state(other, spec, SECRET, METHOD, **CHECKS).digest() != spec.state_digest

@@ -152,9 +152,9 @@ def assert_nothing_lost_or_repeated(consortium: Consortium, tmp_path: Path, roun
 
 # --- silos killed after each message of a secure sum ----------------------------------------------------
 
-# (silo, drill), one at a time: the silo is restarted to stop after sending that message (`silo.agent.DRILL`),
-# SIGKILLed once it has, and restarted without a drill. Census drills come first: after the census is kept
-# there is none to stop in.
+# (silo, drill), one at a time: the silo is restarted to stop after sending that message
+# (`silo.finish.DRILL`), SIGKILLed once it has, and restarted without a drill. Census drills come first: after
+# the census is kept there is none to stop in.
 # Keys and shares before the masked input leave too few silos and abort the attempt, which is retried; a
 # silo gone after its masked input is unmasked from its peers' shares and the round commits.
 SILO_DRILLS = (

@@ -2,7 +2,7 @@
 
 The aggregator holds the key that signs RoundSpecs, so it can sign any bytes, and make every claim agree with
 every other (a state's digest with the signed one, a plan's hash with the plan). The agent acts on what it is
-sent in `SiloAgent._follow`, where a refusal the agent knows (RefusedRound, PkiError, the FedltErrors of a
+sent in `SiloAgent.follow`, where a refusal the agent knows (RefusedRound, PkiError, the FedltErrors of a
 sum, a gRPC error that makes it reconnect) is logged and the agent goes on; any other exception
 (AttributeError, KeyError, struct.error, a RuntimeError from torch) ends the agent, which is what a hostile
 aggregator must not be able to do. Inputs are generated from the messages' descriptors (`messages`), as raw
@@ -30,10 +30,13 @@ from fedlt.methods.state import GlobalState, pack_state, unpack_state
 from fedlt.plan import RoundPlan
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import round_pb2
+from privacy import roundspec
 from privacy.pki.errors import PkiError
 from privacy.pki.signing import ROUNDSPEC_CONTEXT, load_private_key, sign
-from silo.agent import RefusedRound, SiloAgent
+from silo.admission import RefusedRound
+from silo.agent import SiloAgent
 from silo.participation import Participation
+from silo.transport import SiloTransport
 from tests.consortium_harness import PLAN, write_kit
 from tests.test_fuzz_rpc import (
     FUZZ,
@@ -219,13 +222,13 @@ def _chunked(data: bytes, cuts: list[int]) -> list[pb.FetchStateResponse]:
 
 
 def check_spec(kit: Kit, blob: bytes) -> None:
-    """A signed RoundSpec is accepted or refused with RefusedRound or PkiError, which `_round` logs."""
+    """A signed RoundSpec is accepted or refused with RefusedRound or PkiError, which `take_round` logs."""
     try:
-        spec, plan = kit.agent._check_spec(kit.signed(blob))
+        admitted = kit.agent.admission.check(SiloTransport(Stub()), kit.signed(blob))
     except (RefusedRound, PkiError):
         return
-    assert isinstance(plan, RoundPlan)
-    assert spec.SerializeToString() == round_pb2.RoundSpec.FromString(blob).SerializeToString()
+    assert isinstance(admitted.plan, RoundPlan)
+    assert admitted.spec.SerializeToString() == round_pb2.RoundSpec.FromString(blob).SerializeToString()
 
 
 def follow(kit: Kit, directives: list[pb.JoinResponse], resign: bool) -> None:
@@ -234,17 +237,18 @@ def follow(kit: Kit, directives: list[pb.JoinResponse], resign: bool) -> None:
         if resign and directive.HasField("round_spec"):
             directive.round_spec.CopyFrom(kit.signed(directive.round_spec.spec))
     with contextlib.suppress(Unreachable):
-        assert kit.agent._follow(Stub(), iter(directives)) in (True, False)
+        assert kit.agent.follow(SiloTransport(Stub()), iter(directives)) in (True, False)
 
 
 def work(kit: Kit, data: bytes, parts: list[pb.FetchStateResponse] | None = None) -> bytes | None:
     """What the agent makes of a first round whose state is `data` (streamed as `parts`, by default whole)."""
     spec = _described(kit, data)
-    plan = RoundPlan.from_toml(spec.method_config, "the fuzzed RoundSpec")
     chunks = [pb.FetchStateResponse(offset=0, data=data)] if parts is None else parts
-    stub = Stub(chunks)
-    checked = kit.agent._checked_state(stub, spec, plan)
-    return None if checked is None else kit.agent._work(stub, spec, plan, True, *checked)
+    transport = SiloTransport(Stub(chunks))
+    admitted = kit.agent.admission.check(transport, kit.signed(spec.SerializeToString()))
+    assert admitted.trains
+    started = kit.agent.admission.starting_state(transport, admitted)
+    return None if started is None else kit.agent.work.train(transport, started)
 
 
 def take_state(kit: Kit, data: bytes, parts: list[pb.FetchStateResponse]) -> None:
@@ -257,16 +261,15 @@ def participation(kit: Kit) -> tuple[Participation, Stub]:
     """silo-0's part in the sums of the accepted round, started: its keys are advertised (to the stub)."""
     stub = Stub()
     taking_part = Participation(
-        kit.signed(kit.base.SerializeToString()),
         kit.base,
+        roundspec.sums_of(kit.signed(kit.base.SerializeToString()), kit.base),
         torch.zeros(SIZE, dtype=torch.float64),
         me=SILOS[0],
-        side=kit.agent.sides["secagg"],
-        gate=kit.agent.gate,
+        side=kit.agent.admission.sides["secagg"],
+        gate=kit.agent.admission.gate,
         trained_from=kit.base.state_digest,
         ledger=kit.agent.ledger,
-        stub=stub,
-        timeout=10.0,
+        transport=SiloTransport(stub, timeout=10.0),
         on_sent=lambda purpose, message: None,
     )
     taking_part.start()
@@ -274,7 +277,7 @@ def participation(kit: Kit) -> tuple[Participation, Stub]:
 
 
 def take_step(kit: Kit, step: pb.SumStep, with_own_keys: bool) -> None:
-    """A sum step is taken or refused with a FedltError, which the agent's `_sum_call` logs (a gRPC error,
+    """A sum step is taken or refused with a FedltError, which the agent's `Finish.stage` logs (a gRPC error,
     here from fetching an announced sum, makes the agent reconnect)."""
     taking_part, stub = participation(kit)
     if with_own_keys and step.WhichOneof("step") == "keys":
@@ -372,23 +375,25 @@ def test_a_state_that_is_not_the_plans_model_is_refused_not_a_stopped_agent(
     kit, caplog, change, value, logged
 ):
     """The aggregator signs the digest of whatever it streams, and these keep the schema's size: loading the
-    renamed tensor raised torch's RuntimeError out of `_work`, training on NaN a ContributionError; either
-    stopped the agent. A retyped tensor trained, on weights the network had rounded: not the ones signed."""
+    renamed tensor raised torch's RuntimeError out of `Work.train`, training on NaN a ContributionError;
+    either stopped the agent. A retyped tensor trained, on weights the network had rounded: not the ones
+    signed."""
     assert work(kit, _alien(change, value)) is None
     assert logged in caplog.text
 
 
 def test_weights_that_train_to_infinity_are_no_contribution_not_a_stopped_agent(kit, caplog):
     """Finite, so the state is the plan's model; the schema refused the contribution they train to with a
-    ContributionError, which `_work` let out, and the agent stopped."""
+    ContributionError, which `Work.train` let out, and the agent stopped."""
     assert work(kit, _alien("filled", BIGGEST, tensor="encoder.0.weight")) is None
     assert f"not training: field 'delta' has {SIZE - 1} non-finite values" in caplog.text
 
 
 def test_a_sum_step_that_carries_no_step_makes_the_silo_leave_the_round(kit, caplog):
-    """It raised WireError, a ValueError, past `_sum_call` (which catches FedltErrors): the agent stopped."""
-    kit.agent._taking_part, _ = participation(kit)
+    """It raised WireError, a ValueError, past `Finish.stage` (which catches FedltErrors): the agent
+    stopped."""
+    kit.agent.finish.taking_part, _ = participation(kit)
     empty = pb.SumStep(round_id=kit.base.round_id, sum=pb.SECURE_SUM_CONTRIBUTION)
-    kit.agent._sum_step(Stub(), empty)
-    assert kit.agent._taking_part is None
+    kit.agent.finish.sum_step(SiloTransport(Stub()), empty)
+    assert kit.agent.finish.taking_part is None
     assert "leaving the round's sums: a SumStep with step None" in caplog.text

@@ -22,7 +22,6 @@ from fedlt.aggregation import record
 from fedlt.aggregation.registry import KeyKind
 from fedlt.config import read_toml, render_toml
 from fedlt.v1 import consortium_pb2 as pb
-from fedlt.v1 import round_pb2
 from privacy.ckks.settings import CkksSettings
 from privacy.keyservice.ceremony import ANNOUNCE_CONTEXT, Announcement
 from privacy.pki.identity import RevocationList, read_certificate
@@ -33,6 +32,7 @@ from silo import key_service
 from silo.__main__ import main as silo_main
 from silo.config import load_silo_config
 from silo.key_service import KeyService, MissingKey
+from silo.transport import SiloTransport
 from tests.consortium_harness import write_kit
 
 KEY_CALLS = {
@@ -197,7 +197,6 @@ def service(root: Path, privacy: tuple[str, ...]) -> KeyService:
         privacy,
         trust=trust,
         sign=lambda data, *, context: sign(key, data, context=context),
-        timeout=5.0,
     )
 
 
@@ -223,16 +222,17 @@ def test_the_key_holder_shares_only_the_key_of_the_layer_the_aggregator_runs(kit
         pb.RegisterResponse(silo_id="silo-0"),  # a layer without a key service
     ):
         stub = KeyStub()
-        keys.registered(stub, named)
-        keys.heartbeat(stub)
+        keys.registered(SiloTransport(stub), named)
+        keys.heartbeat(SiloTransport(stub))
         assert stub.shared == []
     stub = KeyStub()
-    keys.registered(stub, pb.RegisterResponse(silo_id="silo-0", key_holder="silo-0", key_layer="secagg"))
+    named = pb.RegisterResponse(silo_id="silo-0", key_holder="silo-0", key_layer="secagg")
+    keys.registered(SiloTransport(stub), named)
     (shared,) = stub.shared
     current = (root / "state" / "secagg" / "current").read_text()
     assert (shared.context_id, shared.public_key) == (current, b"public of " + current.encode())
     assert not (root / "state" / "ckks" / "current").exists()
-    keys.heartbeat(stub)  # nobody enrolled since: nothing sealed, nothing sent
+    keys.heartbeat(SiloTransport(stub))  # nobody enrolled since: nothing sealed, nothing sent
     assert len(stub.shared) == 1
 
 
@@ -243,7 +243,7 @@ def test_a_round_of_a_layer_without_a_key_service_has_no_key_to_seal_states_with
     assert keys.enrollment("silo-0") is None  # nothing to announce at registration
     assert keys.secret_for("secagg") is None
     with pytest.raises(MissingKey, match="'secagg' has no key service"):
-        keys.secret(round_pb2.RoundSpec(privacy="secagg"))
+        keys.secret("secagg", None)
 
 
 def with_policy(config: Path, privacy: list[str]) -> Path:

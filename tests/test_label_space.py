@@ -17,9 +17,9 @@ from PIL import Image
 from fedlt.config import read_toml, render_toml
 from fedlt.data.files import load_image_folder, load_npz
 from fedlt.errors import DataError
-from silo.agent import RefusedRound
+from silo.admission import RefusedRound
 from tests.consortium_harness import PLAN, write_kit
-from tests.test_silo_refusals import agent_of, signed_spec
+from tests.test_silo_refusals import agent_of, check, signed_spec
 
 DIGITS = tuple(str(d) for d in range(10))
 
@@ -104,9 +104,9 @@ def test_an_agent_without_a_class_takes_part_in_the_plans_label_space(kit):
     np.savez(path, x=np.zeros((6, 8, 8), dtype=np.uint8), y=np.array([0, 1, 2, 3, 4, 8]))
     use_files(kit, path)
     agent = agent_of(kit)
-    _, plan = agent._check_spec(signed_spec(root))
-    assert plan.model.classes == DIGITS
-    assert agent.data.class_counts().tolist() == [1, 1, 1, 1, 1, 0, 0, 0, 1, 0]
+    admitted = check(agent, signed_spec(root))
+    assert admitted.plan.model.classes == DIGITS
+    assert admitted.data.class_counts().tolist() == [1, 1, 1, 1, 1, 0, 0, 0, 1, 0]
 
 
 def test_an_agent_with_a_class_the_plan_does_not_name_refuses_the_round_saying_which(kit):
@@ -117,7 +117,7 @@ def test_an_agent_with_a_class_the_plan_does_not_name_refuses_the_round_saying_w
     use_files(kit, path)
     agent = agent_of(kit)
     with pytest.raises(RefusedRound, match=r"classes \['10'\] that the plan does not name"):
-        agent._check_spec(signed_spec(root))
+        check(agent, signed_spec(root))
 
 
 def test_a_plan_naming_a_class_twice_is_refused(kit):
@@ -126,7 +126,7 @@ def test_a_plan_naming_a_class_twice_is_refused(kit):
     assert plan != PLAN.to_toml()
     signed = signed_spec(root, method_config=plan, config_sha256=hashlib.sha256(plan.encode()).hexdigest())
     with pytest.raises(RefusedRound, match=r"model.classes: names \['1'\] more than once"):
-        agent_of(kit)._check_spec(signed)
+        check(agent_of(kit), signed)
 
 
 def test_whether_a_silo_refuses_says_nothing_of_which_classes_it_holds(tmp_path):

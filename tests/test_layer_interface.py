@@ -1,5 +1,5 @@
 """One interface, every layer: the conformance suite each privacy layer passes, and the check that nothing
-above the layers (round driver, round engine, service, silo agent) looks at a layer's name."""
+above the layers (round driver, round driver and inbox, service, silo agent) looks at a layer's name."""
 
 from __future__ import annotations
 

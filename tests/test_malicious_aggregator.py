@@ -20,8 +20,7 @@ from hypothesis import strategies as st
 from privacy import crypto
 from privacy.peers import KeyPeers
 from privacy.pki.signing import sign
-from privacy.prg import apply_masks
-from privacy.ring import Ring
+from privacy.ring import Ring, apply_masks
 from privacy.secagg import shamir
 from privacy.secagg.policy import PolicyRefusal, SessionPolicy
 from privacy.secagg.protocol import (

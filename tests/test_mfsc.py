@@ -31,9 +31,11 @@ from fedlt.sim.run import CHECKPOINT, run_simulation
 from fedlt.v1 import round_pb2
 from fedlt.wire import schema_to_pb
 from privacy.pki.signing import ROUNDSPEC_CONTEXT, sign
-from silo.agent import RefusedRound, SiloAgent
+from silo.admission import RefusedRound
+from silo.agent import SiloAgent
 from silo.config import load_silo_config
 from tests.consortium_harness import AUDIT_KEY, PLAN, write_kit
+from tests.test_silo_refusals import check
 
 CLASSES, DIM = 6, 32
 
@@ -324,8 +326,8 @@ def test_a_silo_refuses_a_round_asking_for_a_disclosure_its_policy_does_not_allo
     plan = replace(PLAN, method=MethodChoice("dflfs", METHODS["dflfs"].Options()))
     silo_configs = write_kit(tmp_path, consortium_id="c", plan=plan)
     agent = SiloAgent(load_silo_config(silo_configs[0]))
-    agent.silo_id = "silo-0"
-    agent.aggregator_pem = (tmp_path / "pki" / "aggregator.pem").read_bytes()
+    agent.standing.silo_id = "silo-0"
+    agent.standing.aggregator_pem = (tmp_path / "pki" / "aggregator.pem").read_bytes()
     plan_toml = plan.to_toml()
     spec = round_pb2.RoundSpec(
         consortium_id="c",
@@ -346,19 +348,19 @@ def test_a_silo_refuses_a_round_asking_for_a_disclosure_its_policy_does_not_allo
         spec=blob, signature=sign(tmp_path / "pki" / "aggregator.key", blob, context=ROUNDSPEC_CONTEXT)
     )
     with pytest.raises(RefusedRound, match=r"disclosures \['mfsc'\] are not allowed by policy.disclosures"):
-        agent._check_spec(signed)
+        check(agent, signed)
     allowing = replace(agent.config, policy=replace(agent.config.policy, disclosures=("mfsc",)))
-    agent.config = allowing
-    checked, _ = agent._check_spec(signed)
+    agent.admission.config = allowing
+    checked = check(agent, signed).spec
     assert list(checked.disclosers) == ["silo-0", "silo-1", "silo-2"]
 
 
 def test_a_silos_mask_secret_is_its_own_kept_and_private(tmp_path):
     silo_configs = write_kit(tmp_path, consortium_id="c")
     first, second = (SiloAgent(load_silo_config(c)) for c in silo_configs[:2])
-    secret = first._mask_secret()
+    secret = first.work.mask_secret()
     assert len(secret) == 32
-    assert secret != second._mask_secret()
+    assert secret != second.work.mask_secret()
     first.state_lock.release()  # the first agent stops: its directory is free for the restart
-    assert SiloAgent(load_silo_config(silo_configs[0]))._mask_secret() == secret  # kept across restarts
+    assert SiloAgent(load_silo_config(silo_configs[0])).work.mask_secret() == secret  # kept across restarts
     assert (first.state_dir / "mask.secret").stat().st_mode & 0o077 == 0

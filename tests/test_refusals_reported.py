@@ -34,7 +34,8 @@ from aggregator.config import (
     load_consortium_config,
 )
 from aggregator.demo import point_silos_at
-from aggregator.rounds import NotParticipant, RoundEngine, Stage, WrongRound
+from aggregator.round_table import NotParticipant, Stage, WrongRound
+from aggregator.rounds import RoundDriver
 from aggregator.server import serve
 from aggregator.service import (
     REFUSAL_TEXT_CHARS,
@@ -48,7 +49,8 @@ from fedlt.aggregation.plaintext import PlaintextSum
 from fedlt.config import read_toml, render_toml
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc, operator_pb2, operator_pb2_grpc
-from silo.agent import SiloAgent, _one_line
+from silo.admission import one_line
+from silo.agent import SiloAgent
 from silo.config import load_silo_config
 from tests.consortium_harness import AUDIT_KEY, PLAN, Consortium, code_of, servicer_channel
 from tests.test_rounds import payload, submit
@@ -61,7 +63,7 @@ WORDS = "method 'fedavg' is not allowed by policy.methods"
 _T = TypeVar("_T")
 
 
-def make_engine(tmp_path: Path, *, min_silos: int) -> RoundEngine:
+def make_driver(tmp_path: Path, *, min_silos: int) -> RoundDriver:
     config = ConsortiumConfig(
         consortium=ConsortiumSection(rounds=1, min_silos=min_silos, privacy="plaintext"),
         timeouts=TimeoutSection(gather=0.0, round=DEADLINE),
@@ -70,7 +72,7 @@ def make_engine(tmp_path: Path, *, min_silos: int) -> RoundEngine:
     store = Store(tmp_path / "db.sqlite", audit_key=AUDIT_KEY)
     for silo in SILOS:
         store.register_silo(silo, "c", "v", {})
-    return RoundEngine(
+    return RoundDriver(
         config=config,
         store=store,
         method=config.plan.build_method(),
@@ -83,29 +85,30 @@ def make_engine(tmp_path: Path, *, min_silos: int) -> RoundEngine:
 
 
 @contextmanager
-def driving(engine: RoundEngine) -> Iterator[None]:
-    """The engine's round driver on a thread, stopped (and its store closed) when the test ends."""
+def driving(driver: RoundDriver) -> Iterator[None]:
+    """The round driver on a thread, stopped (and its store closed) when the test ends."""
     stop = threading.Event()
-    driver = threading.Thread(target=engine.run, args=(stop,), daemon=True)
-    driver.start()
+    thread = threading.Thread(target=driver.run, args=(stop,), daemon=True)
+    thread.start()
     try:
         yield
     finally:
         stop.set()
-        driver.join(30)
-        engine.store.close()
-    assert not driver.is_alive()
-    assert engine.failure is None
+        thread.join(30)
+        driver.store.close()
+    assert not thread.is_alive()
+    assert driver.failure is None
 
 
-def until(engine: RoundEngine, value: Callable[[], _T], what: str, seconds: float = BOUND) -> _T:
-    """`value()` once it is truthy, waiting on the engine's condition (woken by every message it takes)."""
+def until(driver: RoundDriver, value: Callable[[], _T], what: str, seconds: float = BOUND) -> _T:
+    """`value()` once it is truthy, waiting on the round table's condition (woken by every message the
+    inbox takes)."""
     limit = time.monotonic() + seconds
-    with engine._lock:
+    with driver.table.lock:
         while not (found := value()):
             if time.monotonic() > limit:
                 raise AssertionError(f"no {what} within {seconds:g} s")
-            engine._lock.wait(0.1)
+            driver.table.lock.wait(0.1)
     return found
 
 
@@ -119,22 +122,24 @@ def refusals(store: Store) -> list[dict]:
     return [r.detail for r in store.audit_log() if r.event == "round_refused"]
 
 
-# --- the round engine ---------------------------------------------------------------------------------
+# --- the round driver ---------------------------------------------------------------------------------
 
 
 def test_a_refusal_that_leaves_the_attempt_short_of_its_floor_ends_it_at_once(tmp_path):
     """min_silos 3 of 3: with one refusing, the attempt cannot complete. It ends at once (not at the 600 s
     deadline), the silo is left out while its refusal stands, and a reconnect (with another policy,
     perhaps) brings it back."""
-    engine = make_engine(tmp_path, min_silos=3)
-    sessions = {silo: engine.connect(silo) for silo in SILOS}
-    with driving(engine):
-        attempt = until(engine, lambda: engine.attempt, "attempt")
-        engine.refuse("a", attempt.round_id, "policy", WORDS)
+    driver = make_driver(tmp_path, min_silos=3)
+    sessions = {silo: driver.inbox.connect(silo) for silo in SILOS}
+    with driving(driver):
+        attempt = until(driver, lambda: driver.table.attempt, "attempt")
+        driver.inbox.refuse("a", attempt.round_id, "policy", WORDS)
         until(
-            engine, lambda: engine.attempt is None and engine.stage == Stage.GATHERING, "end of the attempt"
+            driver,
+            lambda: driver.table.attempt is None and driver.table.stage == Stage.GATHERING,
+            "end of the attempt",
         )
-        status, started, ended, reason = attempt_row(engine.store, attempt.round_id)
+        status, started, ended, reason = attempt_row(driver.store, attempt.round_id)
         assert status == "aborted"
         assert ended - started < 1000 * BOUND < 1000 * DEADLINE
         assert (
@@ -143,10 +148,10 @@ def test_a_refusal_that_leaves_the_attempt_short_of_its_floor_ends_it_at_once(tm
         )
         abort = [d for d in _drained(sessions["b"]) if d.HasField("abort")]
         assert abort[0].abort.reason == reason  # the other silos learn the code, not the refuser's words
-        assert refusals(engine.store) == [
+        assert refusals(driver.store) == [
             {"round_id": attempt.round_id, "silo": "a", "code": "policy", "text": WORDS}
         ]
-        shown = {s["silo_id"]: s.get("refusal") for s in engine.status()["silos"]}
+        shown = {s["silo_id"]: s.get("refusal") for s in driver.inbox.status()["silos"]}
         assert shown["a"] is not None
         assert (shown["a"]["round_id"], shown["a"]["code"], shown["a"]["text"]) == (
             attempt.round_id,
@@ -154,70 +159,71 @@ def test_a_refusal_that_leaves_the_attempt_short_of_its_floor_ends_it_at_once(tm
             WORDS,
         )
         assert (shown["b"], shown["c"]) == (None, None)
-        with engine._lock:
-            assert engine._ready() == ["b", "c"]  # asked again, "a" would refuse again: the round waits
-        engine.connect("a")  # its administrator changed the policy and restarted the agent
-        retry = until(engine, lambda: engine.attempt, "second attempt")
+        with driver.table.lock:
+            assert driver.table.ready() == ["b", "c"]  # asked again, "a" would refuse again: the round waits
+        driver.inbox.connect("a")  # its administrator changed the policy and restarted the agent
+        retry = until(driver, lambda: driver.table.attempt, "second attempt")
         assert retry.round_id != attempt.round_id
         assert retry.participants == list(SILOS)
-        assert "refusal" not in next(s for s in engine.status()["silos"] if s["silo_id"] == "a")
+        assert "refusal" not in next(s for s in driver.inbox.status()["silos"] if s["silo_id"] == "a")
 
 
 def test_a_refusal_that_leaves_enough_silos_lets_the_rest_commit_without_waiting(tmp_path):
     """min_silos 2 of 3: the attempt goes on without the silo that said no, and no stage waits for it."""
-    engine = make_engine(tmp_path, min_silos=2)
+    driver = make_driver(tmp_path, min_silos=2)
     for silo in SILOS:
-        engine.connect(silo)
-    with driving(engine):
-        attempt = until(engine, lambda: engine.attempt, "attempt")
-        engine.refuse("c", attempt.round_id, "budget", "the round would spend more budget than is left")
+        driver.inbox.connect(silo)
+    with driving(driver):
+        attempt = until(driver, lambda: driver.table.attempt, "attempt")
+        driver.inbox.refuse("c", attempt.round_id, "budget", "the round would spend more budget than is left")
         for silo in ("a", "b"):
-            submit(engine, silo, attempt.round_id, *payload(engine, 1.0))
-        until(engine, lambda: engine.stage == Stage.FINISHED, "commit")
-        status, started, ended, _ = attempt_row(engine.store, attempt.round_id)
+            submit(driver, silo, attempt.round_id, *payload(driver, 1.0))
+        until(driver, lambda: driver.table.stage == Stage.FINISHED, "commit")
+        status, started, ended, _ = attempt_row(driver.store, attempt.round_id)
         assert status == "committed"
         assert ended - started < 1000 * BOUND
-        committed = engine.store._db.execute("SELECT contributors FROM states WHERE round = 1").fetchone()
+        committed = driver.store._db.execute("SELECT contributors FROM states WHERE round = 1").fetchone()
         assert json.loads(committed[0]) == ["a", "b"]
-        assert "refusal" not in json.dumps(engine.status()["silos"])  # a new state: no refusal of it stands
+        # a new state: no refusal of it stands
+        assert "refusal" not in json.dumps(driver.inbox.status()["silos"])
 
 
 def test_only_an_invited_silo_refuses_only_the_attempt_in_flight_and_its_first_words_stand(tmp_path):
-    engine = make_engine(tmp_path, min_silos=2)
+    driver = make_driver(tmp_path, min_silos=2)
     for silo in SILOS:
-        engine.connect(silo)
-    attempt = engine._start_attempt(["a", "b"])
+        driver.inbox.connect(silo)
+    attempt = driver._start_attempt(["a", "b"])
     with pytest.raises(WrongRound):
-        engine.refuse("a", "r1.a9.deadbeef", "policy", WORDS)  # an attempt not in flight
+        driver.inbox.refuse("a", "r1.a9.deadbeef", "policy", WORDS)  # an attempt not in flight
     with pytest.raises(NotParticipant):
-        engine.refuse("c", attempt.round_id, "policy", WORDS)
-    engine.refuse("a", attempt.round_id, "policy", WORDS)
-    engine.refuse("a", attempt.round_id, "other", "said again, otherwise")
-    assert refusals(engine.store) == [
+        driver.inbox.refuse("c", attempt.round_id, "policy", WORDS)
+    driver.inbox.refuse("a", attempt.round_id, "policy", WORDS)
+    driver.inbox.refuse("a", attempt.round_id, "other", "said again, otherwise")
+    assert refusals(driver.store) == [
         {"round_id": attempt.round_id, "silo": "a", "code": "policy", "text": WORDS}
     ]
     assert (
-        engine._short_of_floor(attempt)
+        driver.table.short_of_floor(attempt)
         == "refused by a (policy): 1 of 2 participants left, fewer than min_silos 2"
     )
-    engine.store.close()
+    driver.store.close()
 
 
 def test_a_refusal_stands_for_its_state_its_session_and_the_rounds_timeout_only(tmp_path):
     """A refusal for a passing reason (a CKKS key not fetched yet) must not keep a silo out forever."""
-    engine = make_engine(tmp_path, min_silos=2)
+    driver = make_driver(tmp_path, min_silos=2)
     for silo in SILOS:
-        engine.connect(silo)
-    attempt = engine._start_attempt(list(SILOS))
-    engine.refuse("a", attempt.round_id, "policy", WORDS)
-    refusal = engine._refusals["a"]
-    with engine._lock:
-        assert engine._ready() == ["b", "c"]
-        engine._refusals["a"] = replace(refusal, at_ms=refusal.at_ms - int(1000 * DEADLINE) - 1)
-        assert engine._ready() == list(SILOS)
-        engine._refusals["a"] = replace(refusal, state_digest="another state")
-        assert engine._ready() == list(SILOS)
-    engine.store.close()
+        driver.inbox.connect(silo)
+    attempt = driver._start_attempt(list(SILOS))
+    driver.inbox.refuse("a", attempt.round_id, "policy", WORDS)
+    refusal = driver.table.refusals["a"]
+    with driver.table.lock:
+        assert driver.table.ready() == ["b", "c"]
+        driver.table.refusals["a"] = replace(refusal, at_ms=refusal.at_ms - int(1000 * DEADLINE) - 1)
+        assert driver.table.ready() == list(SILOS)
+        driver.table.refusals["a"] = replace(refusal, state_digest="another state")
+        assert driver.table.ready() == list(SILOS)
+    driver.store.close()
 
 
 def _drained(session) -> list[pb.JoinResponse]:
@@ -231,15 +237,18 @@ def _drained(session) -> list[pb.JoinResponse]:
 
 
 @pytest.fixture
-def refuse_as_silo(tmp_path) -> Iterator[tuple[Callable, RoundEngine, str]]:
-    """The real servicer behind the certificate gate, over mutual TLS on 127.0.0.1, before a real engine
-    whose attempt in flight invites silo-0 and silo-1; (call Refuse as silo-0, the engine, the round id)."""
-    engine = make_engine(tmp_path, min_silos=2)
+def refuse_as_silo(tmp_path) -> Iterator[tuple[Callable, RoundDriver, str]]:
+    """The real servicer behind the certificate gate, over mutual TLS on 127.0.0.1, before the inbox of a
+    real round driver whose attempt in flight invites silo-0 and silo-1; (call Refuse as silo-0, the
+    driver, the round id)."""
+    driver = make_driver(tmp_path, min_silos=2)
     for silo in ("silo-0", "silo-1"):
-        engine.connect(silo)
-    attempt = engine._start_attempt(["silo-0", "silo-1"])
+        driver.inbox.connect(silo)
+    attempt = driver._start_attempt(["silo-0", "silo-1"])
     try:
-        with servicer_channel(tmp_path, engine, engine.store, gated=True, submit_seconds=60.0) as channel:
+        with servicer_channel(
+            tmp_path, driver.inbox, driver.store, gated=True, submit_seconds=60.0
+        ) as channel:
             stub = consortium_pb2_grpc.ConsortiumServiceStub(channel)
             raw = channel.unary_unary("/fedlt.v1.ConsortiumService/Refuse")
 
@@ -248,13 +257,13 @@ def refuse_as_silo(tmp_path) -> Iterator[tuple[Callable, RoundEngine, str]]:
                     return raw(request, timeout=30)
                 return stub.Refuse(request, timeout=30)
 
-            yield refuse, engine, attempt.round_id
+            yield refuse, driver, attempt.round_id
     finally:
-        engine.store.close()
+        driver.store.close()
 
 
 def test_malformed_refusals_are_rejected_and_change_nothing(refuse_as_silo):
-    refuse, engine, round_id = refuse_as_silo
+    refuse, driver, round_id = refuse_as_silo
     good = {"round_id": round_id, "code": pb.REFUSAL_CODE_POLICY, "text": WORDS}
     malformed = {
         "no round id": {**good, "round_id": ""},
@@ -274,20 +283,20 @@ def test_malformed_refusals_are_rejected_and_change_nothing(refuse_as_silo):
     code, details = code_of(lambda: refuse(pb.RefuseRequest(**{**good, "round_id": "r1.a7.00000000"})))
     assert code == grpc.StatusCode.FAILED_PRECONDITION
     assert "no attempt 'r1.a7.00000000' in flight" in details
-    assert refusals(engine.store) == []
-    assert engine.attempt is not None
-    assert not engine.attempt.refused
+    assert refusals(driver.store) == []
+    assert driver.table.attempt is not None
+    assert not driver.table.attempt.refused
     assert refuse(pb.RefuseRequest(**good)).round_id == round_id
-    assert refusals(engine.store) == [
+    assert refusals(driver.store) == [
         {"round_id": round_id, "silo": "silo-0", "code": "policy", "text": WORDS}
     ]
 
 
 @given(st.text(max_size=2 * REFUSAL_TEXT_CHARS))
 def test_whatever_a_silo_has_to_say_it_words_so_the_aggregator_takes_it(text):
-    """The silo's side (`_one_line`) and the aggregator's (`_refusal_problems`) agree on every input: a
+    """The silo's side (`one_line`) and the aggregator's (`_refusal_problems`) agree on every input: a
     refusal is never lost to a newline or a long message."""
-    request = pb.RefuseRequest(round_id="r1.a1.x", code=pb.REFUSAL_CODE_OTHER, text=_one_line(text))
+    request = pb.RefuseRequest(round_id="r1.a1.x", code=pb.REFUSAL_CODE_OTHER, text=one_line(text))
     assert _refusal_problems(request) == []
 
 

@@ -46,12 +46,14 @@ from privacy.pki.signing import load_private_key, sign
 from privacy.pki.trust import MemberTrust
 from privacy.roundspec import RoundSpecError
 from privacy.secagg.wire import ENVELOPE, KEYS
-from silo.agent import RefusedRound, SiloAgent
+from silo.admission import RefusedRound
+from silo.agent import SiloAgent
 from silo.key_service import Keyring
+from silo.transport import SiloTransport
 from tests.consortium_harness import write_kit
 from tests.plugins.fedlt_toy_layer import ToySettings, ToySum
 from tests.test_key_service import Caller, Refused
-from tests.test_silo_refusals import RecordingStub, agent_of, signed_spec
+from tests.test_silo_refusals import RecordingStub, agent_of, check, signed_spec
 from tests.toy import toy_installed
 
 CONSORTIUM = "test-consortium"
@@ -173,16 +175,16 @@ def silo_listing(kit: tuple[Path, list[Path]], layer: str) -> SiloAgent:
 
 
 def servicer(root: Path, privacy: str, delivered: list[tuple]) -> ConsortiumServicer:
-    """The service of a consortium running `privacy`, over an engine that records what it is handed."""
+    """The service of a consortium running `privacy`, over an inbox that records what it is handed."""
     pki = root / "pki"
     identity = Identity(RevocationList.load(pki / "ca" / "ca.pem", pki / "ca" / "crl.pem"))
     roster = RosterFile(pki / "roster.json")
     consortium = SimpleNamespace(id=CONSORTIUM, privacy=privacy)
-    engine = SimpleNamespace(
+    inbox = SimpleNamespace(
         config=SimpleNamespace(consortium=consortium), deliver=lambda *handed: delivered.append(handed)
     )
     return ConsortiumServicer(
-        engine,
+        inbox,
         SimpleNamespace(),
         identity,
         b"",
@@ -212,7 +214,7 @@ def layer_message(type_name: str, **values: layer_pb2.Value) -> layer_pb2.LayerM
 def test_send_refuses_a_message_the_layer_takes_only_as_a_sized_upload(toy, kit):
     """A malicious silo sends its upload (the toy layer's Shares) through the unary Send RPC instead of a
     Submit stream: the service never asks the half's `upload_bytes` (Submit refuses any announced size above
-    it before reading a byte) and never records the contribution's digest for the audit (`RoundEngine.upload`
+    it before reading a byte) and never records the contribution's digest for the audit (`RoundInbox.upload`
     does, `deliver` does not). Only gRPC's 4 MiB default bounds it, and the half gets shares 8 KiB long where
     the schema's are 8 bytes a value. Attack succeeds: the Shares are decoded and delivered."""
     delivered: list[tuple] = []
@@ -249,7 +251,7 @@ def test_a_silo_reads_a_step_only_as_a_message_of_its_rounds_layer(install):
 
 def test_the_aggregator_reads_a_send_only_as_a_message_of_its_consortiums_layer(install, kit):
     """A silo of a secagg consortium sends a message of another installed layer through Send: the service
-    decodes it against every installed layer's types and hands it to the engine (the round's half refuses
+    decodes it against every installed layer's types and hands it to the inbox (the round's half refuses
     it only then). Attack succeeds: built and delivered."""
     install("probe")
     CONSTRUCTED.clear()
@@ -269,7 +271,7 @@ def test_the_aggregator_reads_a_send_only_as_a_message_of_its_consortiums_layer(
 def test_a_message_its_dataclass_refuses_with_any_error_is_a_refused_message():
     """`from_entries` turns only TypeError and ValueError from the dataclass into BadLayerMessage. A hostile
     index makes Picky raise IndexError, which escapes: at the aggregator an INTERNAL error with a traceback
-    in its log, at a silo past `SiloAgent._sum_call` (it catches FedltError and RpcError only), ending the
+    in its log, at a silo past `Finish.stage` (it catches FedltError and RpcError only), ending the
     agent's run. Attack succeeds: IndexError."""
     hostile = layer_message("review.Picky", index=layer_pb2.Value(int_value=7))
     with pytest.raises(BadLayerMessage, match="does not hold"):
@@ -279,7 +281,7 @@ def test_a_message_its_dataclass_refuses_with_any_error_is_a_refused_message():
 def test_a_refusal_quotes_a_hostile_field_name_cut_short():
     """A message with an unknown field named by a megabyte: the refusal quotes the name whole (the type name
     is cut to 64 characters, the field name is not), and the silo logs the refusal of an aggregator's step
-    in full (`_sum_call`), a megabyte a line. Attack succeeds: the whole name is in the refusal."""
+    in full (`Finish.stage`), a megabyte a line. Attack succeeds: the whole name is in the refusal."""
     hostile = layer_message("review.Probe", **{"x" * 2**20: layer_pb2.Value(bool_value=True)})
     with pytest.raises(BadLayerMessage) as refused:
         decode(hostile, {"review.Probe": Probe})
@@ -291,9 +293,9 @@ def test_malformed_parameters_of_a_layer_with_a_key_service_are_a_refused_round_
 ):
     """The aggregator signs a RoundSpec of a layer with the key service (carried by name through the generic
     codec) whose parameters do not read back: `KeyService.before_round` runs before the RoundSpec is checked,
-    reads them with `roundspec.settings_of` and lets its RoundSpecError out of `SiloAgent._round`, and
+    reads them with `roundspec.settings_of` and lets its RoundSpecError out of `SiloAgent.take_round`, and
     `SiloAgent.run` catches only gRPC and OS errors: the agent stops instead of refusing the round. Attack
-    succeeds: RoundSpecError out of `_round`."""
+    succeeds: RoundSpecError out of `take_round`."""
     install("keyed")
     agent = silo_listing(kit, "keyed")
     parameters = layer_pb2.Entries(
@@ -303,7 +305,8 @@ def test_malformed_parameters_of_a_layer_with_a_key_service_are_a_refused_round_
         }
     )
     stub = RecordingStub()
-    agent._round(stub, signed_spec(kit[0] / "kit", privacy="keyed", secagg=None, layer_parameters=parameters))
+    signed = signed_spec(kit[0] / "kit", privacy="keyed", secagg=None, layer_parameters=parameters)
+    agent.take_round(SiloTransport(stub), signed)
     assert stub.calls == ["Refuse"]
     assert "malformed" in stub.refusals[0].text
 
@@ -349,13 +352,12 @@ def test_a_key_sealed_for_one_layer_does_not_open_as_another_layers_key(kit):
     twin = Keyring(kit[0] / "state", "twin", RAW_KIND)
     with contextlib.suppress(CeremonyError):
         twin.fetch(
-            stub,
+            SiloTransport(stub, timeout=5.0),
             SimpleNamespace(context_id=keyed_key.context_id, key_holder="silo-1"),
             consortium=CONSORTIUM,
             me="silo-0",
             enrollment=enrollment,
             members=members,
-            timeout=5.0,
         )
     assert twin.get(keyed_key.context_id) is None, "layer keyed's key was kept as layer twin's"
 
@@ -403,11 +405,11 @@ def test_a_silo_refuses_a_tail_guard_carried_by_name_below_its_policy(toy, kit):
     with pytest.raises(
         RefusedRound, match=r"its sums are malformed: the toy parameters: toy\.k_min: must be >= 0"
     ):
-        agent._check_spec(signed)
+        check(agent, signed)
 
 
 MODULE_PATHS = st.sampled_from(
-    ["os.system", "subprocess.Popen", "privacy.secagg.record.LAYER", "fedlt.aggregation.registry.LayerRecord"]
+    ["os.system", "subprocess.Popen", "privacy.secagg.layer.LAYER", "fedlt.aggregation.registry.LayerRecord"]
 )
 
 

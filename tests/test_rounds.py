@@ -1,4 +1,4 @@
-"""The round engine without a network: submissions, refusals, status, and failures that must not kill it."""
+"""The round driver without a network: submissions, refusals, status, and failures that must not kill it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from aggregator.config import ConsortiumConfig, ConsortiumSection, TimeoutSection
-from aggregator.rounds import AlreadySubmitted, NotParticipant, RoundEngine, Stage, WrongRound
+from aggregator.round_table import AlreadySubmitted, NotParticipant, Stage, WrongRound
+from aggregator.rounds import RoundDriver
 from aggregator.store import Store
 from fedlt.aggregation.halves import PartyKeys, SumAborted
 from fedlt.aggregation.plaintext import PlaintextSum, Upload, to_wire
@@ -24,14 +25,14 @@ from privacy.secagg.protocol import MaskedInput
 from tests.consortium_harness import AUDIT_KEY, PLAN
 
 
-def plaintext_engine(tmp_path, config: ConsortiumConfig, roster: tuple[str, ...]) -> RoundEngine:
-    """A plaintext engine over a new store in which silos a and b registered (as after their first start);
-    what it echoes is kept in `engine.lines`."""
+def plaintext_driver(tmp_path, config: ConsortiumConfig, roster: tuple[str, ...]) -> RoundDriver:
+    """A plaintext driver over a new store in which silos a and b registered (as after their first start);
+    what it echoes is kept in `driver.lines`."""
     store = Store(tmp_path / "db.sqlite", audit_key=AUDIT_KEY)
     for silo in ("a", "b"):
         store.register_silo(silo, "c", "v", {})
     lines: list[str] = []
-    engine = RoundEngine(
+    driver = RoundDriver(
         config=config,
         store=store,
         method=PLAN.build_method(),
@@ -42,51 +43,51 @@ def plaintext_engine(tmp_path, config: ConsortiumConfig, roster: tuple[str, ...]
         echo=lines.append,
         roster=lambda: roster,
     )
-    engine.lines = lines
-    return engine
+    driver.lines = lines
+    return driver
 
 
 @pytest.fixture
-def engine(tmp_path):
+def driver(tmp_path):
     config = ConsortiumConfig(
         consortium=ConsortiumSection(rounds=2, min_silos=2, privacy="plaintext"), plan=PLAN
     )
-    engine = plaintext_engine(tmp_path, config, ("a", "b"))
-    yield engine
-    engine.store.close()
+    driver = plaintext_driver(tmp_path, config, ("a", "b"))
+    yield driver
+    driver.store.close()
 
 
-def payload(engine: RoundEngine, n: float) -> tuple[bytes, str]:
-    vector = torch.zeros(engine.held.schema.size, dtype=torch.float64)
+def payload(driver: RoundDriver, n: float) -> tuple[bytes, str]:
+    vector = torch.zeros(driver.table.held.schema.size, dtype=torch.float64)
     vector[-1] = n
-    data = to_wire(engine.held.schema, vector)
+    data = to_wire(driver.table.held.schema, vector)
     return data, hashlib.sha256(data).hexdigest()
 
 
-def submit(engine: RoundEngine, silo: str, round_id: str, data: bytes, digest: str) -> str:
+def submit(driver: RoundDriver, silo: str, round_id: str, data: bytes, digest: str) -> str:
     """What the service does with a plaintext Submit stream whose size and SHA-256 it checked."""
-    return engine.upload(silo, round_id, "contribution", Upload(data), digest)
+    return driver.inbox.upload(silo, round_id, "contribution", Upload(data), digest)
 
 
-def test_submissions_are_checked_against_the_attempt(engine):
+def test_submissions_are_checked_against_the_attempt(driver):
     for silo in ("a", "b"):
-        engine.connect(silo)
-    attempt = engine._start_attempt(["a", "b"])
-    data, digest = payload(engine, 3.0)
-    assert submit(engine, "a", attempt.round_id, data, digest) == digest
-    assert submit(engine, "a", attempt.round_id, data, digest) == digest  # an identical resend is idempotent
-    other, other_digest = payload(engine, 4.0)
+        driver.inbox.connect(silo)
+    attempt = driver._start_attempt(["a", "b"])
+    data, digest = payload(driver, 3.0)
+    assert submit(driver, "a", attempt.round_id, data, digest) == digest
+    assert submit(driver, "a", attempt.round_id, data, digest) == digest  # an identical resend is idempotent
+    other, other_digest = payload(driver, 4.0)
     with pytest.raises(SumAborted, match="already uploaded other values"):
-        submit(engine, "a", attempt.round_id, other, other_digest)
+        submit(driver, "a", attempt.round_id, other, other_digest)
     with pytest.raises(NotParticipant):
-        submit(engine, "c", attempt.round_id, data, digest)
+        submit(driver, "c", attempt.round_id, data, digest)
     with pytest.raises(WrongRound):
-        submit(engine, "b", "r1.a9.other", data, digest)
+        submit(driver, "b", "r1.a9.other", data, digest)
     with pytest.raises(ContributionError, match="schema needs"):
-        submit(engine, "b", attempt.round_id, data[:-8], digest)
+        submit(driver, "b", attempt.round_id, data[:-8], digest)
     with pytest.raises(SumAborted, match="takes plaintext uploads"):
-        engine.upload_bytes("b", attempt.round_id, "contribution", MaskedInput)
-    status = engine.status()
+        driver.inbox.upload_bytes("b", attempt.round_id, "contribution", MaskedInput)
+    status = driver.inbox.status()
     assert status["submitted"] == ["a"]
     assert status["participants"] == ["a", "b"]
     assert {s["silo_id"]: s["connected"] for s in status["silos"]} == {"a": True, "b": True}
@@ -99,41 +100,41 @@ def test_submissions_are_checked_against_the_attempt(engine):
     }
 
 
-def test_a_participants_reconnect_gets_the_round_again(engine):
-    session = engine.connect("a")
-    engine.connect("b")
-    attempt = engine._start_attempt(["a", "b"])
+def test_a_participants_reconnect_gets_the_round_again(driver):
+    session = driver.inbox.connect("a")
+    driver.inbox.connect("b")
+    attempt = driver._start_attempt(["a", "b"])
     first = session.directives.get_nowait()
     assert first.round_spec == attempt.signed
-    again = engine.connect("a")
+    again = driver.inbox.connect("a")
     assert again.directives.get_nowait().round_spec == attempt.signed
 
 
-def test_unusable_sums_abort_the_attempt_instead_of_stopping_the_aggregator(engine):
+def test_unusable_sums_abort_the_attempt_instead_of_stopping_the_aggregator(driver):
     """Contributions that sum to zero samples cannot be averaged: the round is retried, not fatal."""
     stop = threading.Event()
-    driver = threading.Thread(target=engine.run, args=(stop,))
-    engine.connect("a")
-    engine.connect("b")
-    driver.start()
+    thread = threading.Thread(target=driver.run, args=(stop,))
+    driver.inbox.connect("a")
+    driver.inbox.connect("b")
+    thread.start()
     try:
         for _ in range(2):
             deadline = threading.Event()
-            while engine.attempt is None or engine.stage != Stage.COLLECTING:
+            while driver.table.attempt is None or driver.table.stage != Stage.COLLECTING:
                 deadline.wait(0.05)
-            attempt = engine.attempt
+            attempt = driver.table.attempt
             for silo in ("a", "b"):
-                data, digest = payload(engine, 0.0)
-                submit(engine, silo, attempt.round_id, data, digest)
-            while engine.attempt is attempt:
+                data, digest = payload(driver, 0.0)
+                submit(driver, silo, attempt.round_id, data, digest)
+            while driver.table.attempt is attempt:
                 deadline.wait(0.05)
-        assert engine.store.attempt_statuses()[:2] == ["aborted", "aborted"]
-        assert engine.failure is None
-        assert engine.held.round == 0
+        assert driver.store.attempt_statuses()[:2] == ["aborted", "aborted"]
+        assert driver.failure is None
+        assert driver.table.held.round == 0
     finally:
         stop.set()
-        driver.join(10)
-    assert not driver.is_alive()
+        thread.join(10)
+    assert not thread.is_alive()
 
 
 def test_a_round_committed_without_metrics_is_evaluated_at_start_up(tmp_path):
@@ -160,7 +161,7 @@ def test_a_round_committed_without_metrics_is_evaluated_at_start_up(tmp_path):
         tmp_path / "run", title="t", test=test, train_counts=None, thresholds=ShotThresholds(), header={}
     )
     lines: list[str] = []
-    engine = RoundEngine(
+    driver = RoundDriver(
         config=config,
         store=store,
         method=method,
@@ -170,109 +171,109 @@ def test_a_round_committed_without_metrics_is_evaluated_at_start_up(tmp_path):
         recorder=recorder,
         echo=lines.append,
     )
-    engine.evaluator.shutdown()
+    driver.evaluator.shutdown()
     assert [m["round"] for m in store.metrics_history()] == [1]
     assert lines[0].startswith("round    1/2")
     store.close()
 
 
-def test_disclosures_are_taken_only_from_silos_an_attempt_asks(engine):
+def test_disclosures_are_taken_only_from_silos_an_attempt_asks(driver):
     """A disclosure is refused outside its attempt, from a silo the attempt does not ask, when altered after
     it was accepted, and when the attempt asks for none; an identical resend is idempotent."""
     for silo in ("a", "b"):
-        engine.connect(silo)
-    shape = engine.picker.shape
+        driver.inbox.connect(silo)
+    shape = driver.picker.shape
     values = np.random.default_rng(0).random(shape).astype("<f8").tobytes()
-    plain = engine._start_attempt(["a", "b"])
+    plain = driver._start_attempt(["a", "b"])
     with pytest.raises(NotParticipant, match="does not ask"):
-        engine.disclose("a", plain.round_id, "mfsc", shape, values)
-    engine.attempt = None
-    attempt = engine._start_attempt(["a"], disclosers=["a", "b"])
-    assert engine.state_for("b", attempt.round_id)  # a discloser fetches the state it computes means on
-    digest = engine.disclose("b", attempt.round_id, "mfsc", shape, values)
-    assert engine.disclose("b", attempt.round_id, "mfsc", shape, values) == digest
+        driver.inbox.disclose("a", plain.round_id, "mfsc", shape, values)
+    driver.table.attempt = None
+    attempt = driver._start_attempt(["a"], disclosers=["a", "b"])
+    assert driver.inbox.state_for("b", attempt.round_id)  # a discloser fetches the state it computes means on
+    digest = driver.inbox.disclose("b", attempt.round_id, "mfsc", shape, values)
+    assert driver.inbox.disclose("b", attempt.round_id, "mfsc", shape, values) == digest
     altered = np.random.default_rng(1).random(shape).astype("<f8").tobytes()
     with pytest.raises(AlreadySubmitted):
-        engine.disclose("b", attempt.round_id, "mfsc", shape, altered)
+        driver.inbox.disclose("b", attempt.round_id, "mfsc", shape, altered)
     with pytest.raises(WrongRound):
-        engine.disclose("a", plain.round_id, "mfsc", shape, values)  # replayed into a finished attempt
+        driver.inbox.disclose("a", plain.round_id, "mfsc", shape, values)  # replayed into a finished attempt
     with pytest.raises(NotParticipant):
-        engine.disclose("c", attempt.round_id, "mfsc", shape, values)
+        driver.inbox.disclose("c", attempt.round_id, "mfsc", shape, values)
     with pytest.raises(NotParticipant):
-        submit(engine, "b", attempt.round_id, *payload(engine, 1.0))  # disclosing is not training
+        submit(driver, "b", attempt.round_id, *payload(driver, 1.0))  # disclosing is not training
 
 
-def test_a_disclosure_counts_only_once_its_round_commits(engine):
+def test_a_disclosure_counts_only_once_its_round_commits(driver):
     """An aborted attempt's disclosures are audited but not kept, so its retry picks as it did; the
     committed round's are kept in the book and in the store, with the round's picks, for a restart."""
     for silo in ("a", "b"):
-        engine.connect(silo)
-    shape = engine.picker.shape
+        driver.inbox.connect(silo)
+    shape = driver.picker.shape
     first = np.random.default_rng(0).random(shape).astype("<f8").tobytes()
-    attempt = engine._start_attempt(["a", "b"], disclosers=["a", "b"])
-    engine.disclose("b", attempt.round_id, "mfsc", shape, first)
-    submit(engine, "a", attempt.round_id, *payload(engine, 1.0))
-    engine._abort(attempt, "a deadline passed")
-    assert engine.picker.book.disclosures == {}
-    assert engine.store.disclosures("mfsc") == {}
-    assert engine._let_down == {"b"}  # invited to train, gave nothing: a retry picks around it
-    retry = engine._start_attempt(["a", "b"], disclosers=["a", "b"])
-    engine.disclose("b", retry.round_id, "mfsc", shape, first)
+    attempt = driver._start_attempt(["a", "b"], disclosers=["a", "b"])
+    driver.inbox.disclose("b", attempt.round_id, "mfsc", shape, first)
+    submit(driver, "a", attempt.round_id, *payload(driver, 1.0))
+    driver._abort(attempt, "a deadline passed")
+    assert driver.picker.book.disclosures == {}
+    assert driver.store.disclosures("mfsc") == {}
+    assert driver.table.let_down == {"b"}  # invited to train, gave nothing: a retry picks around it
+    retry = driver._start_attempt(["a", "b"], disclosers=["a", "b"])
+    driver.inbox.disclose("b", retry.round_id, "mfsc", shape, first)
     for silo in ("a", "b"):
-        submit(engine, silo, retry.round_id, *payload(engine, 1.0))
+        submit(driver, silo, retry.round_id, *payload(driver, 1.0))
     running = threading.Event()
-    engine._commit(retry, engine._next_state(retry, engine._sums(retry, running), running))
-    engine.evaluator.shutdown()
-    kept = engine.picker.book.disclosures["b"].flatten()
+    driver.committer.commit(retry, driver.committer.next_state(retry, driver._sums(retry, running), running))
+    driver.evaluator.shutdown()
+    kept = driver.picker.book.disclosures["b"].flatten()
     assert torch.equal(kept, torch.from_numpy(np.frombuffer(first).copy()))
-    assert engine.store.disclosures("mfsc") == {"b": first}
-    assert engine.store.last_picked() == {"a": 1, "b": 1} == engine.picker.book.last_picked
-    assert engine._let_down == set()
-    received = [r.detail["round_id"] for r in engine.store.audit_log() if r.event == "disclosure_received"]
+    assert driver.store.disclosures("mfsc") == {"b": first}
+    assert driver.store.last_picked() == {"a": 1, "b": 1} == driver.picker.book.last_picked
+    assert driver.table.let_down == set()
+    received = [r.detail["round_id"] for r in driver.store.audit_log() if r.event == "disclosure_received"]
     assert received == [attempt.round_id, retry.round_id]
 
 
-def _gathering_engine(tmp_path, *, roster: tuple[str, ...], gather: float) -> RoundEngine:
+def _gathering_driver(tmp_path, *, roster: tuple[str, ...], gather: float) -> RoundDriver:
     """Silos a and b registered, a roster naming `roster`, nothing committed."""
     config = ConsortiumConfig(
         consortium=ConsortiumSection(rounds=1, min_silos=2, privacy="plaintext"),
         plan=PLAN,
         timeouts=TimeoutSection(gather=gather),
     )
-    return plaintext_engine(tmp_path, config, roster)
+    return plaintext_driver(tmp_path, config, roster)
 
 
-def _first_attempt(engine: RoundEngine, limit: float) -> tuple[float, list[str]]:
+def _first_attempt(driver: RoundDriver, limit: float) -> tuple[float, list[str]]:
     """Run the driver with a and b connected until round 1's RoundSpec goes out (or `limit` passes): the
     seconds it took and whom it invited."""
     stop = threading.Event()
     for silo in ("a", "b"):
-        engine.connect(silo)
+        driver.inbox.connect(silo)
     started = time.monotonic()
-    driver = threading.Thread(target=engine.run, args=(stop,))
-    driver.start()
+    thread = threading.Thread(target=driver.run, args=(stop,))
+    thread.start()
     try:
-        while engine.attempt is None and time.monotonic() - started < limit:
+        while driver.table.attempt is None and time.monotonic() - started < limit:
             stop.wait(0.05)
-        attempt = engine.attempt
+        attempt = driver.table.attempt
         return time.monotonic() - started, attempt.participants if attempt else []
     finally:
         stop.set()
-        driver.join()
-        engine.store.close()
+        thread.join()
+        driver.store.close()
 
 
 def test_round_one_starts_once_every_roster_silo_is_connected(tmp_path):
     """The walkthrough's round 1 waited the whole `timeouts.gather` with every member connected."""
-    engine = _gathering_engine(tmp_path, roster=("a", "b"), gather=600.0)
-    seconds, invited = _first_attempt(engine, limit=120.0)
+    driver = _gathering_driver(tmp_path, roster=("a", "b"), gather=600.0)
+    seconds, invited = _first_attempt(driver, limit=120.0)
     assert invited == ["a", "b"]
     assert seconds < 120.0
 
 
 def test_round_one_waits_the_gather_window_for_a_roster_silo_not_yet_connected(tmp_path):
     """Silo c, which the roster names, may still be starting: round 1 gives it the gather window."""
-    engine = _gathering_engine(tmp_path, roster=("a", "b", "c"), gather=2.0)
-    seconds, invited = _first_attempt(engine, limit=120.0)
+    driver = _gathering_driver(tmp_path, roster=("a", "b", "c"), gather=2.0)
+    seconds, invited = _first_attempt(driver, limit=120.0)
     assert invited == ["a", "b"]
     assert seconds >= 2.0

@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 
 from fedlt.aggregation import Field, Schema
 from privacy.dp.noise import SecureRandom
-from privacy.prg import BLOCK_BYTES, MASK_KEYSTREAM, apply_masks, keystream_bytes, mask
-from privacy.ring import Ring
+from privacy.ring import BLOCK_BYTES, MASK_KEYSTREAM, Ring, apply_masks, keystream_bytes, mask
 from privacy.secagg import shamir
 from privacy.secagg.codec import FixedPointCodec, OverflowRisk, choose_encoding
 

@@ -23,8 +23,7 @@ from fedlt.aggregation import Field, Schema, make_layer
 from privacy import crypto
 from privacy.peers import KeyPeers
 from privacy.pki.signing import sign
-from privacy.prg import BLOCK_BYTES
-from privacy.ring import Ring
+from privacy.ring import BLOCK_BYTES, Ring
 from privacy.secagg import shamir
 from privacy.secagg.codec import FixedPointCodec
 from privacy.secagg.layer import SecAggSum

@@ -22,6 +22,7 @@ from fedlt.methods.state import flatten, float_keys
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc, round_pb2
 from fedlt.wire import schema_from_pb, submit_stream
+from privacy import roundspec
 from privacy.peers import ConsortiumPeers
 from privacy.pki.roster import Roster
 from privacy.pki.signing import load_private_key, sign
@@ -31,6 +32,7 @@ from privacy.secagg.policy import SessionPolicy
 from privacy.secagg.protocol import KEYS_CONTEXT
 from silo.participation import Participation
 from silo.releases import ReleaseLedger
+from silo.transport import SiloTransport
 from tests.consortium_harness import PLAN, Consortium, channel, code_of, read_all, register
 
 CODE = grpc.StatusCode
@@ -103,8 +105,8 @@ def test_a_secure_round_played_by_hand_refuses_tampering_and_sums_right(tmp_path
                 ledgers.append(ReleaseLedger(tmp_path / f"silo-{k}"))
             rounds = [
                 Participation(
-                    signed[k],
                     spec,
+                    roundspec.sums_of(signed[k], spec),
                     contributions[k],
                     me=f"silo-{k}",
                     side=SecAggSum().silo_side(
@@ -122,8 +124,7 @@ def test_a_secure_round_played_by_hand_refuses_tampering_and_sums_right(tmp_path
                     ),
                     trained_from=spec.state_digest,
                     ledger=ledgers[k],
-                    stub=stubs[k],
-                    timeout=30,
+                    transport=SiloTransport(stubs[k], timeout=30),
                     on_sent=lambda purpose, message: None,
                 )
                 for k in (0, 1)

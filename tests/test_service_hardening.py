@@ -155,7 +155,7 @@ def test_a_well_formed_registration_is_kept(live, tmp_path):
 # --- 3. Submit streams that never end ----------------------------------------------------------------
 
 
-class RecordingEngine(PayloadEngine):
+class RecordingInbox(PayloadEngine):
     """Takes one payload size and remembers every contribution the servicer hands on."""
 
     def __init__(self, payload: bytes) -> None:
@@ -196,12 +196,12 @@ PAYLOAD = bytes(range(16))  # two float64 values
 
 @contextmanager
 def _submit_server(directory: Path, *, seconds: float, workers: int = 4) -> Iterator[tuple]:
-    """A Submit stub as silo-0 to the real servicer, bounded to `seconds`, and the engine behind it."""
-    engine = RecordingEngine(PAYLOAD)
+    """A Submit stub as silo-0 to the real servicer, bounded to `seconds`, and the inbox behind it."""
+    inbox = RecordingInbox(PAYLOAD)
 
     def add(server, identity):
         servicer = ConsortiumServicer(
-            engine, None, identity, b"", **no_members(directory, identity), submit_seconds=seconds
+            inbox, None, identity, b"", **no_members(directory, identity), submit_seconds=seconds
         )
         consortium_pb2_grpc.add_ConsortiumServiceServicer_to_server(servicer, server)
 
@@ -213,13 +213,13 @@ def _submit_server(directory: Path, *, seconds: float, workers: int = 4) -> Iter
             certificate_chain=(directory / "silo-0.pem").read_bytes(),
         )
         with grpc.secure_channel(f"127.0.0.1:{port}", client) as ch:
-            yield consortium_pb2_grpc.ConsortiumServiceStub(ch).Submit, engine
+            yield consortium_pb2_grpc.ConsortiumServiceStub(ch).Submit, inbox
 
 
 @pytest.fixture
 def submit(tmp_path):
-    with _submit_server(tmp_path, seconds=SUBMIT_SECONDS) as call_and_engine:
-        yield call_and_engine
+    with _submit_server(tmp_path, seconds=SUBMIT_SECONDS) as call_and_inbox:
+        yield call_and_inbox
 
 
 def _plaintext_header() -> pb.SubmitRequest:
@@ -235,7 +235,7 @@ def _plaintext_header() -> pb.SubmitRequest:
 
 
 def test_an_empty_chunk_is_refused(submit):
-    call, engine = submit
+    call, inbox = submit
 
     def endless_empty_chunks():
         yield _plaintext_header()
@@ -245,11 +245,11 @@ def test_an_empty_chunk_is_refused(submit):
     code, details = code_of(lambda: call(endless_empty_chunks(), timeout=30))
     assert code == CODE.INVALID_ARGUMENT
     assert "empty chunk" in details
-    assert engine.accepted == []
+    assert inbox.accepted == []
 
 
 def test_a_submit_that_stalls_after_its_header_ends_at_the_servers_bound(submit):
-    call, engine = submit
+    call, inbox = submit
     released = threading.Event()
 
     def stalled():
@@ -264,7 +264,7 @@ def test_a_submit_that_stalls_after_its_header_ends_at_the_servers_bound(submit)
     assert code == CODE.DEADLINE_EXCEEDED, details
     assert SUBMIT_SECONDS <= time.monotonic() - started < 30
     assert f"{SUBMIT_SECONDS:g} s" in details
-    assert engine.accepted == []
+    assert inbox.accepted == []
     for reader in [t for t in threading.enumerate() if t.name == "client-stream"]:
         reader.join(timeout=10)  # the thread that read the stalled stream ends with the RPC
         assert not reader.is_alive()
@@ -272,7 +272,7 @@ def test_a_submit_that_stalls_after_its_header_ends_at_the_servers_bound(submit)
 
 def test_a_submit_that_trickles_bytes_ends_at_the_servers_bound(submit):
     """Each byte arrives well within the bound; the whole stream does not."""
-    call, engine = submit
+    call, inbox = submit
     released = threading.Event()
 
     def trickle():
@@ -287,25 +287,25 @@ def test_a_submit_that_trickles_bytes_ends_at_the_servers_bound(submit):
     finally:
         released.set()
     assert code == CODE.DEADLINE_EXCEEDED
-    assert engine.accepted == []
+    assert inbox.accepted == []
 
 
 def test_a_stream_grpc_cuts_off_frees_its_worker_at_once(tmp_path):
     """An oversized message ends the RPC inside gRPC; the handler must notice, not hold the only worker until
     its bound, while the next upload waits."""
-    with _submit_server(tmp_path, seconds=120.0, workers=1) as (call, engine):
+    with _submit_server(tmp_path, seconds=120.0, workers=1) as (call, inbox):
         oversized = [_plaintext_header(), pb.SubmitRequest(chunk=bytes(5 << 20))]
         code, _ = code_of(lambda: call(iter(oversized), timeout=30))
         assert code == CODE.RESOURCE_EXHAUSTED
         receipt = call(iter([_plaintext_header(), pb.SubmitRequest(chunk=PAYLOAD)]), timeout=20)
-    assert engine.accepted == [receipt.sha256]
+    assert inbox.accepted == [receipt.sha256]
 
 
 def test_a_prompt_submit_is_accepted(submit):
-    call, engine = submit
+    call, inbox = submit
     parts = [_plaintext_header(), pb.SubmitRequest(chunk=PAYLOAD[:4]), pb.SubmitRequest(chunk=PAYLOAD[4:])]
     receipt = call(iter(parts), timeout=30)
-    assert engine.accepted == [receipt.sha256] == [hashlib.sha256(PAYLOAD).hexdigest()]
+    assert inbox.accepted == [receipt.sha256] == [hashlib.sha256(PAYLOAD).hexdigest()]
 
 
 # --- 4. health and reflection behind the same certificate check as every fedlt RPC -------------------

@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+from collections import Counter
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import grpc
@@ -25,15 +27,19 @@ from fedlt.methods.state import pack_state
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import round_pb2
 from fedlt.wire import schema_to_pb
+from privacy import roundspec
 from privacy.ckks.keys import SecretContext
 from privacy.dp import BudgetExceeded
 from privacy.pki.ca import issue_silo
 from privacy.pki.errors import PkiError
 from privacy.pki.signing import ROUNDSPEC_CONTEXT, sign
-from silo.agent import TOLD, Fatal, RefusedRound, SiloAgent, _fetch_state
+from silo.admission import TOLD, AdmittedRound, AdmittedSpec, RefusedRound, fetched_state
+from silo.agent import SiloAgent
 from silo.budget import ledger_path
 from silo.config import load_silo_config
+from silo.connection import Fatal
 from silo.releases import LEDGER, LedgerMissing
+from silo.transport import SiloTransport
 from tests.consortium_harness import PLAN, write_kit
 
 SILOS = ["silo-0", "silo-1", "silo-2"]
@@ -51,10 +57,13 @@ def kit(tmp_path):
 
 
 def agent_of(kit) -> SiloAgent:
+    """silo-0's agent as registration leaves it: its id and the aggregator's certificate known."""
     root, configs = kit
     agent = SiloAgent(load_silo_config(configs[0]))
-    agent.silo_id = "silo-0"
-    agent.aggregator_pem = (root / "pki" / "aggregator.pem").read_bytes()
+    agent.standing.silo_id = "silo-0"
+    agent.standing.aggregator_pem = (root / "pki" / "aggregator.pem").read_bytes()
+    registered = pb.RegisterResponse(silo_id="silo-0")  # naming no key holder: the key service sends nothing
+    agent.keys.registered(SiloTransport(RecordingStub()), registered)
     return agent
 
 
@@ -104,10 +113,15 @@ class RecordingStub:
         return call
 
 
+def check(agent: SiloAgent, signed: round_pb2.SignedRoundSpec, stub: object | None = None) -> AdmittedSpec:
+    """`agent`'s admission of `signed`, over `stub` (by default one that takes nothing but refusals)."""
+    return agent.admission.check(SiloTransport(stub or RecordingStub()), signed)
+
+
 def test_the_default_policy_accepts_only_secure_aggregation(kit):
     agent = agent_of(kit)
     assert agent.config.policy.privacy == ("secagg",)
-    spec, _ = agent._check_spec(signed_spec(kit[0]))
+    spec = check(agent, signed_spec(kit[0])).spec
     assert spec.privacy == "secagg"
 
 
@@ -118,9 +132,9 @@ def test_a_roundspec_asking_for_a_layer_the_silo_does_not_implement_or_allow_sen
     """The critical finding: `ckks` once made the agent upload its contribution in the clear."""
     agent = agent_of(kit)
     with pytest.raises(RefusedRound, match="privacy layer"):
-        agent._check_spec(signed_spec(kit[0], privacy=layer))
+        check(agent, signed_spec(kit[0], privacy=layer))
     stub = RecordingStub()
-    agent._round(stub, signed_spec(kit[0], privacy=layer))
+    agent.take_round(SiloTransport(stub), signed_spec(kit[0], privacy=layer))
     assert stub.calls == ["Refuse"]  # the refusal, so that the aggregator waits for nothing; nothing else
     (told,) = stub.refusals
     assert (told.round_id, told.code) == ("r1.a1.x", pb.REFUSAL_CODE_POLICY)
@@ -130,7 +144,9 @@ def test_a_roundspec_asking_for_a_layer_the_silo_does_not_implement_or_allow_sen
 
 def test_every_layer_a_policy_may_list_has_its_own_side_and_only_those_it_lists(kit):
     agent = agent_of(kit)
-    assert set(agent.sides) == {"secagg"}  # the default policy: the plaintext layer is not even built
+    assert set(agent.admission.sides) == {
+        "secagg"
+    }  # the default policy: the plaintext layer is not even built
     keys = PartyKeys(secret=SecretContext.new())  # only ckks takes it
     sides = {name: make_layer(name).silo_side(keys) for name in layer_names()}
     assert all(isinstance(side, SiloSide) for side in sides.values())
@@ -163,7 +179,7 @@ def test_a_policy_cannot_name_a_layer_the_agent_does_not_implement(kit):
 )
 def test_weakened_secure_sums_and_misaddressed_rounds_are_refused_by_default(kit, changes, refusal):
     with pytest.raises(RefusedRound, match=refusal):
-        agent_of(kit)._check_spec(signed_spec(kit[0], **changes))
+        check(agent_of(kit), signed_spec(kit[0], **changes))
 
 
 def test_an_agent_whose_release_ledger_was_lost_refuses_to_start(kit):
@@ -190,28 +206,28 @@ def test_a_malformed_plan_is_a_refused_round_not_a_stopped_agent(kit, caplog):
     signed = signed_spec(kit[0], method_config=bad, config_sha256=hashlib.sha256(bad.encode()).hexdigest())
     agent = agent_of(kit)
     with pytest.raises(RefusedRound, match="method_config is not a plan this silo can run"):
-        agent._check_spec(signed)
-    agent._round(RecordingStub(), signed)  # logs and goes on
+        check(agent, signed)
+    agent.take_round(SiloTransport(RecordingStub()), signed)  # logs and goes on
     assert "refusing a round" in caplog.text
     garbage = round_pb2.SignedRoundSpec(
         spec=b"\xff\xff",
         signature=sign(kit[0] / "pki" / "aggregator.key", b"\xff\xff", context=ROUNDSPEC_CONTEXT),
     )
     with pytest.raises(RefusedRound, match="does not parse"):
-        agent._check_spec(garbage)
+        check(agent, garbage)
 
 
 def test_only_the_rosters_aggregator_may_sign_roundspecs(kit, tmp_path):
     """A silo's certificate, or one the CA issued for the occasion, is not the aggregator, however valid."""
     root, _ = kit
     agent = agent_of(kit)
-    agent.aggregator_pem = (root / "pki" / "silo-1.pem").read_bytes()
+    agent.standing.aggregator_pem = (root / "pki" / "silo-1.pem").read_bytes()
     with pytest.raises(PkiError, match="does not name this certificate"):
-        agent._check_spec(signed_spec(root, key="silo-1"))
+        check(agent, signed_spec(root, key="silo-1"))
     issue_silo(root / "pki" / "ca", tmp_path, silo_id="aggregator")  # CA-issued, named like the aggregator
-    agent.aggregator_pem = (tmp_path / "aggregator.pem").read_bytes()
+    agent.standing.aggregator_pem = (tmp_path / "aggregator.pem").read_bytes()
     with pytest.raises(PkiError, match="does not name this certificate"):
-        agent._check_spec(signed_spec(root))
+        check(agent, signed_spec(root))
 
 
 class RegisteringStub:
@@ -230,7 +246,7 @@ def test_registration_checks_the_tls_endpoint_and_the_signer_against_the_roster(
     good = pb.RegisterResponse(
         silo_id="silo-0", consortium_id="test-consortium", aggregator_certificate=aggregator
     )
-    agent._register(RegisteringStub(good), aggregator)
+    agent.connection.register(SiloTransport(RegisteringStub(good)), aggregator)
     cases = {
         "a TLS endpoint the roster does not name": (good, silo),
         "a signer the roster does not name": (replace_reply(good, aggregator_certificate=silo), aggregator),
@@ -238,7 +254,7 @@ def test_registration_checks_the_tls_endpoint_and_the_signer_against_the_roster(
     }
     for reply, tls in cases.values():
         with pytest.raises(Fatal, match="is not this consortium's"):
-            agent._register(RegisteringStub(reply), tls)
+            agent.connection.register(SiloTransport(RegisteringStub(reply)), tls)
 
 
 def replace_reply(reply: pb.RegisterResponse, **changes) -> pb.RegisterResponse:
@@ -263,13 +279,30 @@ class StreamingStub:
 def test_a_state_stream_is_read_only_as_far_as_the_signed_size():
     spec = round_pb2.RoundSpec(round_id="r", state_bytes=8)
     endless = StreamingStub(pb.FetchStateResponse(offset=8 * i, data=bytes(8)) for i in itertools.count())
-    assert _fetch_state(endless, spec) is None
+    assert fetched_state(SiloTransport(endless), spec) is None
     assert endless.read == 2  # it stopped at the first chunk beyond the signed size
-    assert _fetch_state(StreamingStub([pb.FetchStateResponse(offset=4, data=bytes(8))]), spec) is None
-    assert _fetch_state(StreamingStub([pb.FetchStateResponse(offset=0, data=bytes(4))]), spec) is None
-    assert (
-        _fetch_state(StreamingStub([pb.FetchStateResponse(offset=0, data=b"12345678")]), spec) == b"12345678"
-    )
+    out_of_order = StreamingStub([pb.FetchStateResponse(offset=4, data=bytes(8))])
+    assert fetched_state(SiloTransport(out_of_order), spec) is None
+    short = StreamingStub([pb.FetchStateResponse(offset=0, data=bytes(4))])
+    assert fetched_state(SiloTransport(short), spec) is None
+    whole = StreamingStub([pb.FetchStateResponse(offset=0, data=b"12345678")])
+    assert fetched_state(SiloTransport(whole), spec) == b"12345678"
+
+
+class NoKeyStub(RecordingStub):
+    """An aggregator that holds no key sealed to this silo: the silo asks for the key a RoundSpec names."""
+
+    def FetchKey(self, request: pb.FetchKeyRequest, timeout=None):  # noqa: N802 (gRPC's)
+        self.calls.append("FetchKey")
+        raise NoSuchKey()
+
+
+class NoSuchKey(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.NOT_FOUND
+
+    def details(self) -> str:
+        return "no key sealed to silo-0 under that id"
 
 
 def test_a_ckks_round_naming_a_key_this_silo_does_not_hold_is_refused_and_sends_nothing(kit):
@@ -281,17 +314,22 @@ def test_a_ckks_round_naming_a_key_this_silo_does_not_hold_is_refused_and_sends_
     held = agent.keys.keyrings["ckks"].rotate()  # a key this silo does hold, as key holder
     made_up = SecretContext.new().context_id
     ckks = {"privacy": "ckks", "secagg": None}
+    stub = NoKeyStub()
     with pytest.raises(RefusedRound, match="does not hold the ckks key"):
-        agent._check_spec(
-            signed_spec(kit[0], **ckks, ckks=round_pb2.CkksParameters(k_min=2, context_id=made_up))
+        check(
+            agent,
+            signed_spec(kit[0], **ckks, ckks=round_pb2.CkksParameters(k_min=2, context_id=made_up)),
+            stub,
         )
-    spec, _ = agent._check_spec(
-        signed_spec(kit[0], **ckks, ckks=round_pb2.CkksParameters(k_min=2, context_id=held.context_id))
-    )
+    assert stub.calls == ["FetchKey"]  # the key asked for, and nothing else
+    spec = check(
+        agent, signed_spec(kit[0], **ckks, ckks=round_pb2.CkksParameters(k_min=2, context_id=held.context_id))
+    ).spec
     assert spec.ckks.context_id == held.context_id
     with pytest.raises(RefusedRound, match="tail guard k_min 1"):
-        agent._check_spec(
-            signed_spec(kit[0], **ckks, ckks=round_pb2.CkksParameters(k_min=1, context_id=held.context_id))
+        check(
+            agent,
+            signed_spec(kit[0], **ckks, ckks=round_pb2.CkksParameters(k_min=1, context_id=held.context_id)),
         )
 
 
@@ -301,9 +339,9 @@ def test_a_ckks_round_naming_a_key_this_silo_does_not_hold_is_refused_and_sends_
 def test_a_roundspec_another_certificate_signed_is_refused_as_such_to_the_aggregator(kit):
     root, _ = kit
     agent = agent_of(kit)
-    agent.aggregator_pem = (root / "pki" / "silo-1.pem").read_bytes()
+    agent.standing.aggregator_pem = (root / "pki" / "silo-1.pem").read_bytes()
     stub = RecordingStub()
-    agent._round(stub, signed_spec(root, key="silo-1"))
+    agent.take_round(SiloTransport(stub), signed_spec(root, key="silo-1"))
     (told,) = stub.refusals
     assert (told.round_id, told.code) == ("r1.a1.x", pb.REFUSAL_CODE_SIGNATURE)
     assert "does not name this certificate" in told.text
@@ -326,7 +364,7 @@ class RefusingStub:
 
 def test_a_refusal_the_aggregator_does_not_take_leaves_the_agent_going(kit, caplog):
     caplog.set_level(logging.WARNING, logger="silo")
-    agent_of(kit)._round(RefusingStub(), signed_spec(kit[0], privacy="ckks"))  # returns: no crash
+    agent_of(kit).take_round(SiloTransport(RefusingStub()), signed_spec(kit[0], privacy="ckks"))  # no crash
     assert "refusing a round: r1.a1.x: privacy layer 'ckks'" in caplog.text
     assert "the aggregator did not take this refusal (FAILED_PRECONDITION" in caplog.text
 
@@ -344,10 +382,11 @@ def test_a_state_that_is_not_the_signed_one_is_refused_to_the_aggregator(kit):
     """It was only logged ("not training"), and the round waited for this silo until its deadline."""
     packed = pack_state(PLAN.build_method().init_state(seed=0))
     signed = signed_spec(kit[0], state_digest="ab" * 32, state_bytes=len(packed))
-    spec = round_pb2.RoundSpec.FromString(signed.spec)
     stub = StateStub(packed)
     agent = agent_of(kit)
-    assert agent._checked_state(stub, spec, PLAN) is None
+    admitted = check(agent, signed)
+    assert admitted.plan == PLAN
+    assert agent.admission.starting_state(SiloTransport(stub), admitted) is None
     (told,) = stub.refusals
     assert told.code == pb.REFUSAL_CODE_STATE
     assert told.text == "the state received does not match the signed digest; not training"
@@ -363,11 +402,12 @@ def test_a_budget_refusal_tells_the_aggregator_no_figure_of_the_silos_budget(kit
     def over_budget(*args, **kwargs):
         raise BudgetExceeded(spent)
 
-    spec = round_pb2.RoundSpec.FromString(signed_spec(kit[0]).spec)
     stub = RecordingStub()
     agent = agent_of(kit)
     method = SimpleNamespace(local_round=over_budget)
-    assert agent._work(stub, spec, PLAN, True, None, method) is None
+    admitted = AdmittedRound.starting_from(check(agent, signed_spec(kit[0])), state=None, method=method)
+    assert (admitted.plan, admitted.trains) == (PLAN, True)
+    assert agent.work.train(SiloTransport(stub), admitted) is None
     (told,) = stub.refusals
     assert told.code == pb.REFUSAL_CODE_BUDGET
     assert told.text == TOLD[pb.REFUSAL_CODE_BUDGET]
@@ -384,7 +424,8 @@ def test_a_budget_refusal_tells_the_aggregator_no_figure_of_the_silos_budget(kit
 )
 def test_a_data_refusal_tells_the_aggregator_no_fact_of_the_local_data(kit, caplog, local):
     stub = RecordingStub()
-    agent_of(kit)._refuse(stub, "r1.a1.x", RefusedRound(f"r1.a1.x: {local}", code=pb.REFUSAL_CODE_DATA))
+    refusal = RefusedRound(f"r1.a1.x: {local}", code=pb.REFUSAL_CODE_DATA)
+    agent_of(kit).admission.refuse(SiloTransport(stub), "r1.a1.x", refusal)
     (told,) = stub.refusals
     assert (told.code, told.text) == (pb.REFUSAL_CODE_DATA, TOLD[pb.REFUSAL_CODE_DATA])
     assert local in caplog.text
@@ -396,7 +437,7 @@ def test_data_that_does_not_fit_the_plan_is_refused_without_telling_the_aggregat
     assert plan != PLAN.to_toml()
     signed = signed_spec(kit[0], method_config=plan, config_sha256=hashlib.sha256(plan.encode()).hexdigest())
     stub = RecordingStub()
-    agent_of(kit)._round(stub, signed)
+    agent_of(kit).take_round(SiloTransport(stub), signed)
     (told,) = stub.refusals
     assert told.code == pb.REFUSAL_CODE_DATA
     assert "(1, 8, 8)" not in told.text
@@ -406,9 +447,55 @@ def test_the_activity_status_shows_is_idle_once_a_silo_refuses_or_leaves_a_round
     """Found walking through the operator guide: silos that had left or refused a round still showed
     `training` while the aggregator gathered the next one."""
     agent = agent_of(kit)
-    agent.activity = pb.SILO_ACTIVITY_TRAINING
-    agent._refuse(RefusingStub(), "r1.a1.x", RefusedRound("r1.a1.x: not allowed"))
-    assert agent.activity == pb.SILO_ACTIVITY_IDLE
-    agent.activity = pb.SILO_ACTIVITY_UPLOADING
-    agent._sum_call("r1.a1.x", lambda: (_ for _ in ()).throw(RefusedRound("a step this silo refuses")))
-    assert agent.activity == pb.SILO_ACTIVITY_IDLE
+    agent.standing.activity = pb.SILO_ACTIVITY_TRAINING
+    agent.admission.refuse(SiloTransport(RefusingStub()), "r1.a1.x", RefusedRound("r1.a1.x: not allowed"))
+    assert agent.standing.activity == pb.SILO_ACTIVITY_IDLE
+    agent.standing.activity = pb.SILO_ACTIVITY_UPLOADING
+    agent.finish.stage("r1.a1.x", lambda: (_ for _ in ()).throw(RefusedRound("a step this silo refuses")))
+    assert agent.standing.activity == pb.SILO_ACTIVITY_IDLE
+
+
+# --- one admission per RoundSpec (issue 32) -----------------------------------------------------------
+
+
+class TakingStub(StateStub):
+    """Serves the round's state and takes every message of its sums."""
+
+    def __getattr__(self, name: str):
+        def call(*args, **kwargs) -> None:
+            self.calls.append(name)
+
+        return call
+
+
+def counting(reads: Counter, name: str, read: Callable) -> Callable:
+    def counted(*args, **kwargs):
+        reads[name] += 1
+        return read(*args, **kwargs)
+
+    return counted
+
+
+@pytest.mark.parametrize("layer", ["secagg", "ckks"])
+def test_a_roundspec_is_opened_and_its_parameters_read_once_per_round(kit, layer, monkeypatch):
+    """The agent verified the signed RoundSpec twice and read its layer's parameters three times (five under
+    ckks, six with the server step): admission now reads it once, into the one object later steps read."""
+    _, configs = kit
+    configs[0].write_text(configs[0].read_text() + f'\n[policy]\nprivacy = ["{layer}"]\n')
+    agent = agent_of(kit)
+    state = PLAN.build_method().init_state(seed=0)
+    packed = pack_state(state)
+    changes = {"state_digest": state.digest(), "state_bytes": len(packed)}
+    if layer == "ckks":
+        held = agent.keys.keyrings["ckks"].rotate()
+        parameters = round_pb2.CkksParameters(k_min=2, context_id=held.context_id, key_holder="silo-1")
+        changes |= {"privacy": "ckks", "secagg": None, "ckks": parameters}
+    reads: Counter = Counter()
+    for name in ("open_signed", "settings_of"):
+        monkeypatch.setattr(roundspec, name, counting(reads, name, getattr(roundspec, name)))
+    stub = TakingStub(packed)
+    agent.take_round(SiloTransport(stub), signed_spec(kit[0], **changes))
+    assert stub.refusals == []
+    assert agent.finish.taking_part is not None  # trained, and in the round's sums
+    assert stub.calls  # their first message sent
+    assert reads == {"open_signed": 1, "settings_of": 1}

@@ -2,7 +2,7 @@
 
 A silo's contribution depends only on the round, so every attempt carries the same vector. The attack: run
 round r over {a, b, c}, learn the sum, abort instead of committing, and run it again over {a, b, c, v}; the
-difference is v's contribution, with no colluder at all. It is mounted here with the real round engine and
+difference is v's contribution, with no colluder at all. It is mounted here with the real round driver and
 the silos' own `Participation`, first against silos that forget what they signed (it works), then against
 silos that keep their ledger (it does not).
 """
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from aggregator.config import ConsortiumConfig, ConsortiumSection, TimeoutSection
-from aggregator.rounds import RoundEngine
+from aggregator.rounds import RoundDriver
 from aggregator.store import Store
 from fedlt.aggregation import Field, Schema, Sums
 from fedlt.aggregation.gate import Floors, ReleaseGate, Subject
@@ -24,6 +24,7 @@ from fedlt.aggregation.halves import PartyKeys, SumAborted
 from fedlt.aggregation.tail_guard import Census, CensusError
 from fedlt.v1 import round_pb2
 from fedlt.wire import schema_to_pb
+from privacy import roundspec
 from privacy.secagg.layer import SecAggSum
 from privacy.secagg.policy import SessionPolicy
 from silo.participation import Participation
@@ -77,7 +78,7 @@ class Subtraction:
         self.store = Store(tmp_path / "db.sqlite", audit_key=AUDIT_KEY)
         for silo in self.silos:
             self.store.register_silo(silo, "c", "v", {})
-        self.engine = RoundEngine(
+        self.driver = RoundDriver(
             config=config,
             store=self.store,
             method=PLAN.build_method(),
@@ -90,10 +91,10 @@ class Subtraction:
         self.sums: list[tuple[Sums, list[str]]] = []
         self.summed = threading.Event()
         self.aborted = threading.Event()
-        step, self.engine._next_state = self.engine._next_state, self._abort_first
+        step, self.driver.committer.next_state = self.driver.committer.next_state, self._abort_first
         self._next_state = step
         # it ignores the survivor set it asked silos to release for (an honest aggregator retries over it)
-        self.engine._pinned = lambda round_number, stop: []
+        self.driver._pinned = lambda round_number, stop: []
         self.stop = threading.Event()
 
     def _abort_first(self, attempt, sums: Sums, stop: threading.Event):
@@ -107,11 +108,11 @@ class Subtraction:
         return self._next_state(attempt, sums, stop)
 
     def run(self) -> None:
-        threads = [self.silos[s].start(self.engine, self.peers, self.stop) for s in FIRST]
-        driver = threading.Thread(target=self.engine.run, args=(self.stop,), daemon=True)
+        threads = [self.silos[s].start(self.driver.inbox, self.peers, self.stop) for s in FIRST]
+        driver = threading.Thread(target=self.driver.run, args=(self.stop,), daemon=True)
         driver.start()
         assert self.summed.wait(60), "the first attempt was never summed"
-        threads.append(self.silos[LATE].start(self.engine, self.peers, self.stop))
+        threads.append(self.silos[LATE].start(self.driver.inbox, self.peers, self.stop))
         try:
             self._wait_for_second_attempt()
         finally:
@@ -181,16 +182,15 @@ def census_round(tmp_path, census: Census, *, holds: list[int]) -> Participation
     )
     ledger = ReleaseLedger(tmp_path)
     return Participation(
-        round_pb2.SignedRoundSpec(spec=spec.SerializeToString()),
         spec,
+        roundspec.sums_of(round_pb2.SignedRoundSpec(spec=spec.SerializeToString()), spec),
         CENSUS_SCHEMA.flatten({"n": torch.tensor(1.0, dtype=torch.float64), "rows": rows}),
         me="a",
         side=SecAggSum().silo_side(PartyKeys(policy=SessionPolicy())),
         gate=ReleaseGate(consortium="c", floors=Floors(), members=lambda: "abcd", ledger=ledger),
         trained_from="state",
         ledger=ledger,
-        stub=None,
-        timeout=1,
+        transport=None,
         on_sent=lambda purpose, message: None,
     )
 

@@ -20,6 +20,7 @@ from fedlt.dp import DPSettings
 from fedlt.metrics import ShotThresholds
 from fedlt.recorder import RunRecorder
 from fedlt.v1 import operator_pb2
+from silo.admission import PlanCache
 from silo.agent import SiloAgent
 from silo.config import load_silo_config
 from tests.consortium_harness import AUDIT_KEY, PLAN, write_kit
@@ -102,8 +103,8 @@ def test_a_silo_logs_its_dp_once_per_plan_and_the_sigma_it_chose_once_known(tmp_
     plan = replace(PLAN, dp=DPSettings(enabled=True, epsilon=6.0))
     digest = plan.sha256()
     caplog.set_level(logging.INFO, logger="silo")
-    privacy = agent._privacy_for(plan, digest)
-    agent._privacy_for(plan, digest)  # the same plan's next round
+    privacy = agent.plans.privacy(plan, digest)
+    agent.plans.privacy(plan, digest)  # the same plan's next round
     (built,) = [r.getMessage() for r in caplog.records if "differential privacy on" in r.getMessage()]
     assert built.startswith(f"plan {digest[:16]}…: differential privacy on: ε 6 at δ 1e-05 for the plan")
     assert "DP-SGD σ chosen at its first training" in built
@@ -113,11 +114,10 @@ def test_a_silo_logs_its_dp_once_per_plan_and_the_sigma_it_chose_once_known(tmp_
     caplog.clear()
     for _ in range(2):  # two rounds' training: σ is announced after the first only
         sigma = privacy.admit_sgd(sample_rate=0.1, steps=10)
-        agent._announce_sigma(plan, digest)
+        agent.plans.announce_sigma(plan, digest)
     (announced,) = [r.getMessage() for r in caplog.records if "DP-SGD σ" in r.getMessage()]
     assert f"DP-SGD σ {sigma:.4g}, the smallest that keeps the plan within ε 6" in announced
 
     caplog.clear()
-    agent._privacy = None  # as after a restart: σ is known from the ledger
-    agent._privacy_for(plan, digest)
+    PlanCache(agent.privacy_ledger).privacy(plan, digest)  # as after a restart: σ is known from the ledger
     assert f"DP-SGD σ {round(sigma, 4):.4g}, clipping" in caplog.text

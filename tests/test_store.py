@@ -200,8 +200,8 @@ def test_a_shorter_retention_after_a_restart_blanks_what_it_no_longer_keeps(tmp_
 
 
 def test_a_committed_state_waits_in_the_log_until_the_checkpoint(tmp_path):
-    """SQLite would copy a multi-megabyte state into the file inside the commit; the engine checkpoints later,
-    and a crash before then loses nothing: the reopened store reads the state from the log."""
+    """SQLite would copy a multi-megabyte state into the file inside the commit; the round driver checkpoints
+    later, and a crash before then loses nothing: the reopened store reads the state from the log."""
     path = tmp_path / "db.sqlite"
     s = Store(path, audit_key=AUDIT_KEY)
     s.save_initial_state("d0", b"")

@@ -13,9 +13,8 @@ from hypothesis import strategies as st
 from fedlt.aggregation.schema import Field, Schema
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import layer_pb2
-from fedlt.wire import schema_from_pb, schema_to_pb
+from fedlt.wire import Mapped, schema_from_pb, schema_to_pb
 from fedlt.wire.codec import BadLayerMessage, WireError, decode, encode, entries_of, from_entries
-from fedlt.wire.fields import Mapped
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -201,17 +201,34 @@ class AggregatorHalf(ABC):
         raise WrongStage(f"the {self.stage!r} stage of this sum has nothing to download")
 
 
-@dataclass(frozen=True)
-class PartyKeys:
-    """What a consortium party brings to any layer's side: how it signs, how it checks other members'
-    signatures, and (a silo) its policy for sessions; a layer takes what it needs."""
+class Signer(Protocol):
+    """How a party signs: its certificate's key, over `data` under a domain-separating `context`."""
 
-    sign: Callable[..., bytes] | None = None
-    peers: object = None
-    policy: object = None
-    secret: object = (
-        None  # a layer's key material: the ckks context (secret at a silo, public at the aggregator)
-    )
+    def __call__(self, data: bytes, *, context: str) -> bytes: ...
+
+
+class Peers(Protocol):
+    """Checks that `signature` over `data` was made by silo `silo`, whose credential is `credential`."""
+
+    def verify(
+        self, silo: str, credential: bytes, signature: bytes, data: bytes, *, context: str
+    ) -> None: ...
+
+
+PolicyT = TypeVar("PolicyT")
+SecretT = TypeVar("SecretT")
+
+
+@dataclass(frozen=True)
+class PartyKeys(Generic[PolicyT, SecretT]):
+    """What a consortium party brings to any layer's side: how it signs, how it checks other members'
+    signatures, (a silo) the layer's reading of its policy (`LayerRecord.policy`), and the layer's key
+    material; each layer names the two last types it takes (e.g. `PartyKeys[SessionPolicy, None]`)."""
+
+    sign: Signer | None = None
+    peers: Peers | None = None
+    policy: PolicyT | None = None
+    secret: SecretT | None = None  # e.g. ckks's context: secret at a silo, public at the aggregator
 
 
 class SiloSide(ABC):

@@ -175,10 +175,10 @@ class PlaintextSum(SumLayer):
     def describe(self) -> str:
         return "plaintext (the aggregator sees every silo's contribution)"
 
-    def silo_side(self, keys: PartyKeys) -> SiloSide:
+    def silo_side(self, keys: PartyKeys[None, None]) -> SiloSide:
         return PlaintextSiloSide()
 
-    def aggregator_side(self, keys: PartyKeys) -> AggregatorSide:
+    def aggregator_side(self, keys: PartyKeys[None, None]) -> AggregatorSide:
         return PlaintextAggregatorSide()
 
     def in_process(self, silos: Sequence[str]) -> tuple[Mapping[str, SiloSide], AggregatorSide]:

@@ -38,8 +38,10 @@ from fedlt.aggregation.halves import (
     AggregatorHalf,
     AggregatorSide,
     BadMessage,
+    Peers,
     Released,
     SettingsRefused,
+    Signer,
     SiloHalf,
     SiloSide,
     SumAborted,
@@ -51,7 +53,7 @@ from privacy.ckks.keys import CkksKeyError, PublicContext, SecretContext, cipher
 from privacy.ckks.settings import CkksParameters
 from privacy.crypto import transcript
 from privacy.keyservice.relay import KeyRelay, NoKeyYet
-from privacy.peers import ConsistencySignature, Peers, Signed, Signer
+from privacy.peers import ConsistencySignature, Signed
 
 UPLOAD, SIGN, DELIVERED, DONE = "upload", "sign", "delivered", "done"
 CONSISTENCY_CONTEXT = "fedlt/ckks/consistency/v1"

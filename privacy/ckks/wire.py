@@ -4,7 +4,7 @@ An encrypted upload is a Submit stream of kind CKKS. The encrypted sum is too la
 so its `SumStep` only announces it (`SumReady`: who it counts, its size and SHA-256) and the silo fetches it
 through the FetchSum RPC (`fetch_sum`), reading no more than announced and checking the hash before it signs
 anything. A silo's consistency signature goes out through the Consistency RPC as secagg's does
-(`privacy.consistency`); the survivors' signatures come back in one `SumStep`, each with the certificate its
+(`privacy.peers`); the survivors' signatures come back in one `SumStep`, each with the certificate its
 silo enrolled with. The key ceremony's messages are the key service's (`privacy.keyservice.wire`).
 """
 
@@ -17,9 +17,8 @@ from fedlt.aggregation.halves import BadMessage
 from fedlt.aggregation.registry import LayerWire
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.wire import SUM_OF_PURPOSE, submit_stream
-from privacy import consistency
 from privacy.ckks.halves import EncryptedSum, EncryptedUpload, SumSignatures
-from privacy.peers import Signed
+from privacy.peers import SIGNATURE_DRILL_NAMES, SIGNATURE_RECEIVERS, SIGNATURE_SENDERS, Signed
 
 
 @dataclass(frozen=True)
@@ -77,13 +76,13 @@ def signatures_from_pb(step: pb.SumStep) -> SumSignatures:
 
 
 WIRE = LayerWire(
-    senders={EncryptedUpload: _submit_encrypted, **consistency.SENDERS},
+    senders={EncryptedUpload: _submit_encrypted, **SIGNATURE_SENDERS},
     step_encoders={EncryptedSum: ready_to_pb, SumSignatures: signatures_to_pb},
     step_decoders={"encrypted_sum": ready_from_pb, "ckks_signatures": signatures_from_pb},
     uploads={pb.CONTRIBUTION_KIND_CKKS: (EncryptedUpload, EncryptedUpload)},
     fetchers={SumReady: fetch_sum},
-    receivers=consistency.RECEIVERS,
-    drill_names=consistency.DRILL_NAMES,
+    receivers=SIGNATURE_RECEIVERS,
+    drill_names=SIGNATURE_DRILL_NAMES,
     # an upload sent inside another message (a state report's evaluation counts)
     payloads={EncryptedUpload: (pb.CONTRIBUTION_KIND_CKKS, lambda upload: upload.blob)},
 )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fedlt.v1 import consortium_pb2 as pb
-from fedlt.wire.fields import Mapped
+from fedlt.wire import Mapped
 from privacy.keyservice.ceremony import Announcement, SealedContext
 
 SEALED = Mapped(SealedContext, pb.SealedContext, {"ephemeral": "ephemeral_key"})

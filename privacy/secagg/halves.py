@@ -20,8 +20,17 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
-from fedlt.aggregation.halves import AggregatorHalf, AggregatorSide, Released, SiloHalf, SiloSide, SumSpec
-from privacy.peers import ConsistencySignature, Peers, Signer
+from fedlt.aggregation.halves import (
+    AggregatorHalf,
+    AggregatorSide,
+    Peers,
+    Released,
+    Signer,
+    SiloHalf,
+    SiloSide,
+    SumSpec,
+)
+from privacy.peers import ConsistencySignature
 from privacy.secagg.codec import FixedPointCodec
 from privacy.secagg.policy import SessionPolicy
 from privacy.secagg.protocol import (

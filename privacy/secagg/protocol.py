@@ -50,12 +50,11 @@ from functools import cached_property
 
 import numpy as np
 
-from fedlt.aggregation.halves import BadMessage, SumAborted, WrongStage
+from fedlt.aggregation.halves import BadMessage, Peers, Signer, SumAborted, WrongStage
 from fedlt.errors import FedltError
 from privacy import crypto
-from privacy.peers import BadSignature, Peers, Signer
-from privacy.prg import apply_masks
-from privacy.ring import Ring
+from privacy.peers import BadSignature
+from privacy.ring import Ring, apply_masks
 from privacy.secagg import shamir
 
 KEYS_CONTEXT = "fedlt/secagg/keys/v1"

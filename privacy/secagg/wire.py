@@ -17,9 +17,8 @@ import numpy as np
 
 from fedlt.aggregation.registry import LayerWire
 from fedlt.v1 import consortium_pb2 as pb
-from fedlt.wire import SUM_OF_PURPOSE, submit_stream
-from fedlt.wire.fields import Mapped
-from privacy import consistency
+from fedlt.wire import SUM_OF_PURPOSE, Mapped, submit_stream
+from privacy.peers import SIGNATURE_DRILL_NAMES, SIGNATURE_RECEIVERS, SIGNATURE_SENDERS
 from privacy.secagg.protocol import (
     AdvertisedKeys,
     Envelope,
@@ -197,7 +196,7 @@ SENDERS: dict[type, Send] = {
     Shares: _share,
     MaskedInput: _submit_masked,
     Reveal: _unmask,
-    **consistency.SENDERS,
+    **SIGNATURE_SENDERS,
 }
 
 
@@ -211,7 +210,7 @@ RECEIVERS: dict[str, Callable[[object, str, bytes], object]] = {
     "AdvertiseKeys": _advertised,
     "ShareKeys": lambda request, *_: Shares(envelopes_from_pb(request.shares)),
     "Unmask": lambda request, *_: reveal_from_pb(request),
-    **consistency.RECEIVERS,
+    **SIGNATURE_RECEIVERS,
 }
 
 # what operators call the messages in dropout drills (FEDLT_DRILL_STOP_AFTER)
@@ -220,7 +219,7 @@ DRILL_NAMES: dict[type, str] = {
     Shares: "shares",
     MaskedInput: "masked",
     Reveal: "unmask",
-    **consistency.DRILL_NAMES,
+    **SIGNATURE_DRILL_NAMES,
 }
 # a Submit stream's kind: the upload it carries, and how to read it; what its header adds to it
 UPLOADS = {pb.CONTRIBUTION_KIND_MASKED: (MaskedInput, masked_of)}

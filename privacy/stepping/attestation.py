@@ -17,11 +17,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from fedlt.aggregation.halves import BadMessage
+from fedlt.aggregation.halves import BadMessage, Peers
 from fedlt.errors import FedltError
 from fedlt.v1 import round_pb2
 from privacy.crypto import transcript
-from privacy.peers import ConsortiumPeers, Peers, Signed
+from privacy.peers import ConsortiumPeers, Signed
 from privacy.pki.trust import MemberTrust
 
 # named for ckks, the first layer to use them: domain separators, so new names would void every signed state

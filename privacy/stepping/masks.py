@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fedlt.aggregation.registry import SharedSecret
-from privacy import prg
+from privacy import ring
 from privacy.crypto import transcript
 
 # named for ckks, the first layer to use it: a domain separator, so a new name would change every mask
@@ -41,7 +41,7 @@ def zero_sum_mask(secret: SharedSecret, sum_id: str, me: str, silos: Sequence[st
             continue
         low, high = sorted((me, other))
         seed = hmac.new(key, transcript(sum_id, members, low, high), hashlib.sha256).digest()
-        words = prg.mask(seed, size) % np.uint64(2 * MASK_RANGE + 1)
+        words = ring.mask(seed, size) % np.uint64(2 * MASK_RANGE + 1)
         pair = words.astype(np.int64) - MASK_RANGE
         total += pair if me == low else -pair
     return total.astype(np.float64)

@@ -1,0 +1,217 @@
+"""What the round driver and the inbox share, and the attendance rules both read from it.
+
+One lock guards it all: the silos' sessions, the attempt in flight and its stage, the state held, each silo's
+latest refusal, who contributed when, and the last round's evaluation sum where silos compute it. The lock is
+a Condition: the inbox (`aggregator.inbox`) notifies it whenever it takes a message, and the sessions
+whenever a silo connects or disconnects, so the driver (`aggregator.rounds`), which waits on it (`wait`),
+wakes to every change. The attendance rules say whom a round may invite (`ready`), whose refusals still
+hold (`standing`), when a stage has heard from everyone it waits for (`all_in`), and when refusals leave an
+attempt unable to complete (`short_of_floor`).
+
+The attempt of a round, the stages the aggregator goes through, and what it refuses of what silos send:
+
+Both sides of the round machine use these: the inbox (`aggregator.inbox`) checks what the service hands in
+against the `Attempt` in flight and raises a `Refusal`, which the service maps to a gRPC status code; the
+driver (`aggregator.rounds`) opens attempts, moves the `Stage` on, and ends an attempt that silos' refusals
+(`SiloRefusal`) leave short of its floor (`AttemptRefused`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from aggregator.config import ConsortiumConfig
+from aggregator.evaluation_sum import EvaluationSum
+from aggregator.held_state import HeldState, StateReport
+from aggregator.sessions import Session, Sessions
+from aggregator.store import Store, now_ms
+from fedlt.aggregation import Schema, evaluation_block
+from fedlt.aggregation.evaluation_block import HeldOutCounts
+from fedlt.aggregation.round_sums import AggregatorRound
+from fedlt.errors import FedltError
+from fedlt.v1 import round_pb2
+
+
+class Stage(StrEnum):
+    GATHERING = "gathering"
+    COLLECTING = "collecting"
+    COMMITTING = "committing"
+    FINISHED = "finished"
+
+
+class Refusal(FedltError):
+    """A request the round machine refuses; the service maps each kind to a gRPC status code."""
+
+
+class WrongRound(Refusal):
+    """The request names an attempt that is not the one in flight."""
+
+
+class NotParticipant(Refusal):
+    """The caller was not invited to the attempt in flight."""
+
+
+class BadContribution(Refusal):
+    """The payload does not fit the round's schema."""
+
+
+class AlreadySubmitted(Refusal):
+    """A different contribution was already accepted from this silo for this attempt."""
+
+
+class AttemptRefused(FedltError):
+    """Silos refused the attempt, and those left cannot reach the floor of silos its sum must count."""
+
+
+@dataclass(frozen=True)
+class SiloRefusal:
+    """A silo's refusal of an attempt, in the words it sent; whether it still stands is the round table's
+    `standing`: for the state it refused to train from, from the session it still has."""
+
+    round_id: str
+    code: str
+    text: str
+    at_ms: int
+    state_digest: str
+    session: Session | None = field(compare=False, repr=False)
+
+    def shown(self) -> dict:
+        return {"round_id": self.round_id, "code": self.code, "text": self.text, "at_unix_ms": self.at_ms}
+
+
+@dataclass
+class Attempt:
+    round: int
+    round_id: str
+    signed: round_pb2.SignedRoundSpec
+    schema: Schema
+    participants: list[str]
+    deadline_ms: int
+    state_bytes: bytes
+    sums: AggregatorRound
+    started: float = field(default_factory=time.perf_counter)
+    disclosers: list[str] = field(default_factory=list)  # asked for the MFSC disclosure
+    disclosed: dict[str, bytes] = field(default_factory=dict)  # silo -> its disclosure, kept if committed
+    contributors: tuple[str, ...] = ()  # whom the contribution sum counted
+    reports: dict[str, StateReport] = field(default_factory=dict)  # where silos step the model
+    evaluation: HeldOutCounts | None = None  # the held-out counts of the starting state, summed with the rest
+    refused: dict[str, SiloRefusal] = field(default_factory=dict)  # silo -> its refusal of this attempt
+
+    def invites(self, silo_id: str) -> bool:
+        return silo_id in self.participants or silo_id in self.disclosers
+
+    @property
+    def only_evaluates(self) -> bool:
+        """The round after the last, with held-out evaluation: silos sum their counts and train nothing."""
+        return evaluation_block.only_evaluates(self.schema)
+
+
+class RoundTable:
+    """`eligible`: whether the layer can take a connected silo (ckks: once the key holder has sealed the key
+    to it); `roster`: the silo ids the roster in force names (None: no roster, only the silos registered so
+    far are known). Read and write every field with `lock` held."""
+
+    def __init__(
+        self,
+        *,
+        config: ConsortiumConfig,
+        store: Store,
+        held: HeldState,
+        eligible: Callable[[str], bool],
+        roster: Callable[[], Collection[str]] | None = None,
+    ) -> None:
+        self.config, self.store, self.eligible, self.roster = config, store, eligible, roster
+        self.lock = threading.Condition()
+        self.sessions = Sessions(self.lock)
+        self.held = held
+        self.attempt: Attempt | None = None
+        self.stage = Stage.GATHERING
+        self.last_contributed: dict[str, int] = {}
+        self.let_down: set[str] = set()  # invited to train in an aborted attempt of this round, gave nothing
+        self.refusals: dict[str, SiloRefusal] = {}  # each silo's latest refusal (`standing`: which hold)
+        self.evaluation: EvaluationSum | None = None  # the last round's, where only silos hold the model
+
+    @property
+    def total_rounds(self) -> int:
+        """Committed rounds plus those the method still needs (training rounds, then any closing phase)."""
+        return self.held.round + self.held.remaining
+
+    def invited(self, silo_id: str, round_id: str, *, disclosing: bool = False) -> Attempt:
+        """The attempt in flight, if it invites `silo_id` (to train, or also only to disclose)."""
+        attempt = self.attempt
+        if attempt is None or attempt.round_id != round_id:
+            current = attempt.round_id if attempt else "none"
+            raise WrongRound(f"no attempt {round_id!r} in flight (current: {current})")
+        if silo_id not in attempt.participants and not (disclosing and silo_id in attempt.disclosers):
+            raise NotParticipant(f"{silo_id} is not a participant of {round_id}")
+        return attempt
+
+    def ready(self) -> list[str]:
+        """Connected silos the layer can take (ckks: those the key holder has sealed the key to), less those
+        whose refusal of the round stands: asked again, they would refuse again at once."""
+        refused = self.standing()
+        return sorted(s for s in self.sessions.connected() if self.eligible(s) and s not in refused)
+
+    def standing(self) -> dict[str, SiloRefusal]:
+        """The refusals that still hold: of the state the next attempt trains from (the plan is the run's
+        own, so the same state is the same ask), by a silo still on the session it refused from (one that
+        reconnects may have a new policy), and younger than `timeouts.round` (a refusal for a passing reason,
+        a CKKS key not yet fetched, is asked again then; a lasting one costs one short attempt a timeout)."""
+        since = now_ms() - int(1000 * self.config.timeouts.round)
+        return {
+            silo: r
+            for silo, r in self.refusals.items()
+            if r.state_digest == self.held.digest
+            and r.at_ms > since
+            and self.sessions.current(silo) is r.session
+        }
+
+    def all_in(self, expected: Collection[str], answered: Collection[str]) -> bool:
+        """Every silo expected has answered, or is no longer connected (no one waits for the gone)."""
+        return not (set(expected) - set(answered)) & self.sessions.connected()
+
+    def short_of_floor(self, attempt: Attempt) -> str:
+        """Why the attempt cannot complete once too few participants are left that did not refuse it ("" while
+        enough are): it could only wait for its deadline and fail. A layer whose own threshold is higher fails
+        its stage as soon as the silos left have answered. The reason names codes, not the silos' words: it
+        goes to every participant in the Abort."""
+        floor = self.config.consortium.min_silos
+        left = [s for s in attempt.participants if s not in attempt.refused]
+        if not attempt.refused or len(left) >= floor:
+            return ""
+        refused = ", ".join(f"{s} ({r.code})" for s, r in sorted(attempt.refused.items()))
+        return (
+            f"refused by {refused}: {len(left)} of {len(attempt.participants)} participants left, "
+            f"fewer than min_silos {floor}"
+        )
+
+    def everyone_ready(self) -> bool:
+        """Every silo the roster names is ready, or, once a round is committed, every registered one. Before
+        the first commit silos may still be starting and registering, so the silos registered so far being
+        all connected ends no wait; later a roster member that never registered is not waited for each round.
+        """
+        ready = set(self.ready())
+        if self.roster is not None and set(self.roster()) <= ready:
+            return True
+        return self.held.round > 0 and set(self.store.silos()) <= ready
+
+    def evaluations_in(self) -> bool:
+        """Every silo sent the last evaluation sum has reported its decryption, or is gone."""
+        return self.evaluation is None or self.all_in(self.evaluation.waiting_for, ())
+
+    def wait(
+        self, stop: threading.Event, predicate: Callable[[], bool], *, until: float | None = None
+    ) -> bool:
+        """Wait on the lock (held by the caller) until `predicate`, `stop`, or `until` (monotonic)."""
+        while not predicate():
+            if stop.is_set():
+                return False
+            left = 0.5 if until is None else min(0.5, until - time.monotonic())
+            if left <= 0:
+                return False
+            self.lock.wait(left)
+        return True
