@@ -2,21 +2,22 @@
 
 A newcomer following a round reads every file it crosses; issue 32 asks that a round cross clearly fewer.
 This starts a real consortium on this machine (an aggregator and three silo agents, one round of FedAvg on
-the small digits recipe) with each process under coverage.py (a dev dependency), and counts the project
-files (fedlt/, privacy/, silo/, aggregator/; not the generated fedlt/v1) in which a function ran (a file
-only imported does not count): in the aggregator, and in one silo. The count covers the whole one-round run,
-start-up included, so it is an upper bound on what the round itself needs; compare counts of one command.
+the small digits recipe), each process under a profiling hook (`sys.setprofile`, every thread), and counts
+the project files (fedlt/, privacy/, silo/, aggregator/; not the generated fedlt/v1) in which a function was
+called (a module merely imported does not count), in the aggregator and in one silo: over the whole run
+(start-up, the round, the shutdown) and from the round's start on (the aggregator building its RoundSpec,
+the silo opening it: `privacy.roundspec.build` / `open_signed`, the same functions in every version since
+issue 30) to the process's exit.
 
     python benchmarks/round_files.py [--privacy secagg ckks] [--tree DIR] [--list]
 
 `--tree DIR` runs the processes from another checkout (a `git worktree` of an older commit, for "before"),
-with this checkout writing the configuration files; `--list` prints the files.
+with this checkout writing the configuration files; `--list` prints the files counted from the round on.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import subprocess
@@ -36,44 +37,31 @@ PLAN = RoundPlan(
     train=TrainConfig(local_epochs=1, batch_size=16, lr=0.05, momentum=0.9),
 )
 PROJECT = ("fedlt", "privacy", "silo", "aggregator")
+ROUND_STARTS = {"aggregator": "roundspec.py:build", "silo": "roundspec.py:open_signed"}
 
 
-def traced(module: str, config: Path, data: Path, tree: Path) -> list[str]:
-    """`python -m <module> serve|run --config <config>` under coverage.py, its data in `data`."""
+def traced(module: str, config: Path, out: Path) -> list[str]:
+    """`python -m <module> serve|run --config <config>` under `trace`, its files written to `out`."""
     verb = "serve" if module == "aggregator" else "run"
-    measure = ["-m", "coverage", "run", f"--data-file={data}", f"--include={tree.resolve()}/*"]
-    return [sys.executable, *measure, "-m", module, verb, "--config", str(config)]
+    tracer = Path(__file__).with_name("trace_calls.py")
+    return [sys.executable, str(tracer), str(out), ROUND_STARTS[module], module, verb, f"--config={config}"]
 
 
-def project_files(data: Path, tree: Path) -> set[str]:
-    """The project files in which a line ran, relative to `tree`."""
-    report = data.with_suffix(".json")
-    subprocess.run(
-        [sys.executable, "-m", "coverage", "json", f"--data-file={data}", "-o", str(report), "-q"], check=True
-    )
+def project_files(out: Path, tree: Path, part: str) -> set[str]:
+    """The project files of one traced process, relative to `tree`: `part` "whole" or "round"."""
     found = set()
-    for path, facts in json.loads(report.read_text())["files"].items():
-        relative = Path(path).resolve().relative_to(tree.resolve())
-        if relative.parts[0] not in PROJECT or relative.parts[:2] == ("fedlt", "v1"):
-            continue
-        if set(facts["executed_lines"]) & function_lines(Path(path)):
+    for path in json.loads(out.read_text())[part]:
+        try:
+            relative = Path(path).resolve().relative_to(tree.resolve())
+        except ValueError:
+            continue  # a library's file
+        if relative.parts[0] in PROJECT and relative.parts[:2] != ("fedlt", "v1"):
             found.add(str(relative))
     return found
 
 
-def function_lines(path: Path) -> set[int]:
-    """The lines of a module's function bodies: a file counts only if one of its functions ran, not when it
-    was merely imported (its module-level lines run then)."""
-    lines = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
-            body = node.body if isinstance(node.body, list) else [node.body]
-            for statement in body:
-                lines.update(range(statement.lineno, (statement.end_lineno or statement.lineno) + 1))
-    return lines
-
-
-def one_round(privacy: str, tree: Path, work: Path) -> tuple[set[str], set[str]]:
+def one_round(privacy: str, tree: Path, work: Path) -> dict[str, Path]:
+    """Run the consortium's round; the trace file of the aggregator and of each silo."""
     consortium, silo_configs = write_consortium(
         work,
         recipe=RECIPE,
@@ -86,9 +74,9 @@ def one_round(privacy: str, tree: Path, work: Path) -> tuple[set[str], set[str]]
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
     names = ("aggregator", "silo-0", "silo-1", "silo-2")
     outputs = {name: (work / f"{name}.log").open("w") for name in names}
-    data = {name: work / f"{name}.coverage" for name in names}
+    data = {name: work / f"{name}.json" for name in names}
     aggregator = subprocess.Popen(
-        traced("aggregator", consortium, data["aggregator"], tree),
+        traced("aggregator", consortium, data["aggregator"]),
         cwd=tree,
         env=env,
         stdout=outputs["aggregator"],
@@ -100,7 +88,7 @@ def one_round(privacy: str, tree: Path, work: Path) -> tuple[set[str], set[str]]
         for k, path in enumerate(silo_configs):
             silos.append(
                 subprocess.Popen(
-                    traced("silo", path, data[f"silo-{k}"], tree),
+                    traced("silo", path, data[f"silo-{k}"]),
                     cwd=tree,
                     env=env,
                     stdout=outputs[f"silo-{k}"],
@@ -117,23 +105,33 @@ def one_round(privacy: str, tree: Path, work: Path) -> tuple[set[str], set[str]]
                 process.kill()
         for out in outputs.values():
             out.close()
-    return project_files(data["aggregator"], tree), project_files(data["silo-0"], tree)
+    return data
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--privacy", nargs="+", default=["secagg", "ckks"])
     parser.add_argument("--tree", type=Path, default=Path(__file__).resolve().parent.parent)
-    parser.add_argument("--list", action="store_true", help="print the files too")
+    parser.add_argument("--list", action="store_true", help="print the files counted from the round on")
     args = parser.parse_args()
     print(f"tree: {args.tree}")
     for privacy in args.privacy:
         with tempfile.TemporaryDirectory() as work:
-            aggregator, silo = one_round(privacy, args.tree, Path(work))
-        print(f"{privacy}: aggregator {len(aggregator)} files, silo {len(silo)} files")
+            data = one_round(privacy, args.tree, Path(work))
+            counted = {
+                side: {part: project_files(data[name], args.tree, part) for part in ("whole", "round")}
+                for side, name in (("aggregator", "aggregator"), ("silo", "silo-0"))
+            }
+        (agg_round, agg_whole), (silo_round, silo_whole) = (
+            (len(parts["round"]), len(parts["whole"])) for parts in counted.values()
+        )
+        print(
+            f"{privacy}: from the round's start, aggregator {agg_round} files, silo {silo_round}; "
+            f"over the whole run {agg_whole} and {silo_whole}"
+        )
         if args.list:
-            for side, files in (("aggregator", aggregator), ("silo", silo)):
-                print(f"  {side}: {', '.join(sorted(files))}")
+            for side, parts in counted.items():
+                print(f"  {side}: {', '.join(sorted(parts['round']))}")
     return 0
 
 
