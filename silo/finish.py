@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -39,8 +40,8 @@ from silo.work import PendingContribution
 log = logging.getLogger("silo")
 
 # Dropout drills (operators rehearsing, and the tests): the agent freezes itself right after sending the named
-# message (`privacy.wire.drill_name`) of a contribution sum, or of a census sum as "census:<name>", so a
-# dropout can be placed at an exact stage.
+# message (`privacy.wire.drill_name`) of a contribution sum, or of a census or evaluation sum as
+# "census:<name>" or "evaluation:<name>", so a dropout can be placed at an exact stage.
 DRILL = "FEDLT_DRILL_STOP_AFTER"
 
 
@@ -179,7 +180,8 @@ class Finish:
         self._evaluating = None
         purpose, announced = step_from_pb(step, layer=spec.privacy)
         summed = transport.fetched(spec.round_id, purpose, announced)
-        if not report_evaluation(transport, spec.round, evaluation, summed):
+        sent = partial(self._sent, spec, "evaluation")
+        if not report_evaluation(transport, spec.round, evaluation, summed, on_sent=sent):
             self._evaluating = joined  # signed: every silo's signature is next
             return
         log.info("round %d: reported the consortium's evaluation counts", spec.round)

@@ -226,16 +226,23 @@ def step_and_report(
 
 
 def report_evaluation(
-    transport: SiloTransport, round_number: int, evaluation: SiloHalf, step: object
+    transport: SiloTransport,
+    round_number: int,
+    evaluation: SiloHalf,
+    step: object,
+    on_sent: Callable[[object], None] | None = None,
 ) -> bool:
     """One step of the evaluation sum, as the layer's half takes it (ckks: handed the encrypted sum, sign it
     and send the signature; handed every silo's signature, decrypt, the half's release check first); once
     read, report the per-class totals, only if they are counts: anything but the sum over every silo that
-    masked its counts, all having stepped to the same state, still carries masks. True once reported."""
+    masked its counts, all having stepped to the same state, still carries masks. True once reported.
+    `on_sent` is handed each message once sent (drills stop there)."""
     outgoing = evaluation.step(step)
     if not evaluation.done:
         for message in outgoing:
             transport.send(evaluation.spec.round_id, "evaluation", message)
+            if on_sent is not None:
+                on_sent(message)
         return False
     counts = np.rint(evaluation.result.numpy()).astype(np.int64)
     classes = len(counts) // 2
