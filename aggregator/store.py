@@ -224,7 +224,8 @@ class Store:
         if row[0] != fingerprint:
             raise StoreError(
                 "this data directory holds a consortium run with other settings; "
-                "use a new data_dir for a new run"
+                "use a new data_dir for a new run (a run an earlier fedlt version started resumes only "
+                "under that version: docs/deploy.md, Upgrades)"
             )
         return False
 

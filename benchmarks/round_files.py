@@ -6,8 +6,8 @@ the small digits recipe), each process under a profiling hook (`sys.setprofile`,
 the project files (fedlt/, privacy/, silo/, aggregator/; not the generated fedlt/v1) in which a function was
 called (a module merely imported does not count), in the aggregator and in one silo: over the whole run
 (start-up, the round, the shutdown) and from the round's start on (the aggregator building its RoundSpec,
-the silo opening it: `privacy.roundspec.build` / `open_signed`, the same functions in every version since
-issue 30) to the process's exit.
+the silo opening it: `privacy.roundspec.build` / `open_signed`, the same functions in 8bf3e2b, the
+end of issue 31) to the process's exit.
 
     python benchmarks/round_files.py [--privacy secagg ckks] [--tree DIR] [--list]
 
