@@ -21,11 +21,11 @@ from aggregator.round_table import (
     BadContribution,
     NotParticipant,
     RoundTable,
+    Session,
     SiloRefusal,
     Stage,
     WrongRound,
 )
-from aggregator.sessions import Session
 from aggregator.store import now_ms
 from fedlt.selection import DISCLOSURE
 

@@ -17,9 +17,8 @@ from pathlib import Path
 
 from fedlt.errors import FedltError
 from privacy.pki.errors import PkiError
-from privacy.pki.identity import RevocationList
+from privacy.pki.identity import RevocationList, RevokedSerials
 from privacy.pki.roster import DEFAULT_QUORUM_ABOVE, Revocations, Roster, draft, minimum_quorum
-from privacy.pki.trust import RevokedSerials
 
 
 def add_roster_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -47,11 +47,16 @@ from fedlt.seeding import derive_seed
 from fedlt.v1 import consortium_pb2, consortium_pb2_grpc, operator_pb2, operator_pb2_grpc
 from privacy.peers import ConsortiumPeers
 from privacy.pki.errors import PkiError
-from privacy.pki.identity import RevocationList, check_issued_by, check_valid_now, load_certificate
+from privacy.pki.identity import (
+    MemberTrust,
+    RevocationList,
+    check_issued_by,
+    check_valid_now,
+    load_certificate,
+)
 from privacy.pki.renewal import ExpiryWatch, Watched, aggregator_renewal, ca_watch, roster_watch
 from privacy.pki.roster import RosterFile
 from privacy.pki.signing import ROUNDSPEC_CONTEXT, load_private_key, sign
-from privacy.pki.trust import MemberTrust
 
 log = logging.getLogger("aggregator")
 

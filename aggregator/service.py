@@ -41,6 +41,7 @@ from privacy.keyservice.ceremony import Announcement
 from privacy.keyservice.wire import enrollment_to_pb, sealed_from_pb, sealed_to_pb
 from privacy.pki.errors import PkiError
 from privacy.pki.identity import (
+    MemberTrust,
     RevocationList,
     describe,
     load_certificate,
@@ -48,7 +49,6 @@ from privacy.pki.identity import (
     silo_id_of,
 )
 from privacy.pki.roster import RosterFile
-from privacy.pki.trust import MemberTrust
 from privacy.stepping.attestation import Attestation, NotAttested, check_report
 from privacy.wire import (
     WireError,

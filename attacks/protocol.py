@@ -59,7 +59,6 @@ from privacy.ring import Ring, apply_masks
 from privacy.secagg import shamir
 from privacy.secagg.layer import SecAggSum
 from privacy.secagg.local import run_session
-from privacy.secagg.policy import PolicyRefusal, SessionPolicy
 from privacy.secagg.protocol import (
     CONSISTENCY_CONTEXT,
     ENVELOPE_PURPOSE,
@@ -72,6 +71,7 @@ from privacy.secagg.protocol import (
     SessionSpec,
     pair_seed,
 )
+from privacy.secagg.settings import PolicyRefusal, SessionPolicy
 from silo.participation import Participation
 from silo.releases import LEDGER, ReleaseLedger
 

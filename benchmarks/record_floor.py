@@ -61,7 +61,7 @@ from fedlt.errors import FedltError
 from fedlt.methods import SiloContext
 from fedlt.methods.heads import extract_features
 from fedlt.metrics import ShotThresholds
-from privacy.secagg.codec import FixedPointCodec
+from privacy.ring import FixedPointCodec
 
 ROOT = Path(__file__).resolve().parent.parent
 MIN_ATTACKER_IMAGES = 20  # per victim class left to the attacker, for its prior and its decoder

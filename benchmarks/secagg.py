@@ -12,7 +12,7 @@ server, consortium certificates as credentials, and every message in its Protobu
 (`privacy.secagg.wire`).
 The vector is the FedAvg contribution of the model on the embedded 1×28×28 data: its float entries and n
 (1,229,131 numbers for ResNet-8), in the ring the codec chooses for n silos (32-bit words for the model
-change up to 51 silos, `privacy.secagg.codec`).
+change up to 51 silos, `privacy.ring`).
 For each n and repeat it measures:
 - masking: one silo's `masked_input` (opening its envelopes, X25519 agreements, the self mask and n − 1
   pairwise masks), median over the silos, against `bare`: the same n × ring bytes of the masks' keystream
@@ -94,11 +94,10 @@ from fedlt.wire import submit_stream
 from privacy import ring as keystreams
 from privacy.peers import ConsortiumPeers
 from privacy.pki.ca import init_ca, issue_server, issue_silo
+from privacy.pki.identity import MemberTrust, RevokedSerials
 from privacy.pki.roster import Roster, draft
 from privacy.pki.signing import load_private_key, sign
-from privacy.pki.trust import MemberTrust, RevokedSerials
-from privacy.ring import Ring
-from privacy.secagg.codec import FixedPointCodec
+from privacy.ring import FixedPointCodec, Ring
 from privacy.secagg.halves import SecAggAggregatorSide, SecAggSiloSide
 from privacy.secagg.local import STAGES
 from privacy.secagg.protocol import Inbox, KeyList

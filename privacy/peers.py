@@ -19,8 +19,8 @@ from fedlt.aggregation.halves import BadMessage
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.wire import SUM_OF_PURPOSE
 from privacy.pki.errors import PkiError
+from privacy.pki.identity import MemberTrust
 from privacy.pki.signing import verify, verify_key
-from privacy.pki.trust import MemberTrust
 
 
 class BadSignature(BadMessage):

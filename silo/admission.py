@@ -160,7 +160,8 @@ class Admission:
         RefusedRound, or PkiError where the roster's aggregator did not sign it."""
         spec = self._opened(signed)
         sums = self._read_sums(signed, spec)
-        self.keys.before_round(transport, spec, _key_parameters(spec, sums))
+        if spec.privacy in self.keys.keyrings:  # only a layer with the key service names a key to fetch
+            self.keys.before_round(transport, spec, _key_parameters(spec, sums))
         problems = self._spec_problems(spec) + ([] if sums is None else self._sum_problems(spec, sums))
         if problems or not isinstance(sums, RoundSums):  # no sums read back: `problems` says why
             raise RefusedRound(f"{spec.round_id}: " + "; ".join(problems))

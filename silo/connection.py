@@ -290,7 +290,8 @@ class Connection:
                 self.trust.offer_roster(reply.roster)  # a running silo adopts a newer roster here
                 if self.certificate.renewal_due(self.trust):
                     return  # the stream is cancelled; the next session presents the renewed certificate
-                self.keys.heartbeat(transport)
+                if self.keys.keyrings:  # a layer with the key service: as its key holder, seal to newcomers
+                    self.keys.heartbeat(transport)
             except grpc.RpcError:
                 return
 

@@ -33,7 +33,7 @@ from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import round_pb2
 from privacy.keyservice.ceremony import CeremonyError, announce, check_announcement, open_sealed, seal
 from privacy.keyservice.wire import enrollment_from_pb, sealed_from_pb, sealed_to_pb
-from privacy.pki.trust import MemberTrust
+from privacy.pki.identity import MemberTrust
 from silo.transport import SiloTransport
 from silo.trust import SiloTrust
 
@@ -224,12 +224,12 @@ class KeyService:
             self._share(transport, self._holding, again=False)
 
     def before_round(self, transport: SiloTransport, spec: round_pb2.RoundSpec, parameters: object) -> None:
-        """Before checking a RoundSpec (opened, its signature verified) of a layer with a key service: fetch
-        the key its `parameters` name if this silo lacks it (or, as its key holder, seal it to newcomers). A
-        key that does not arrive makes the check refuse the round; so do parameters that do not read back
-        (None)."""
-        keyring = self.keyrings.get(spec.privacy)
-        if keyring is None or parameters is None:
+        """Before checking a RoundSpec (opened, its signature verified) of a layer with a key service (one of
+        `keyrings`: admission asks for no other): fetch the key its `parameters` name if this silo lacks it
+        (or, as its key holder, seal it to newcomers). A key that does not arrive makes the check refuse the
+        round; so do parameters that do not read back (None)."""
+        keyring = self.keyrings[spec.privacy]
+        if parameters is None:
             return
         try:
             if parameters.key_holder == self.me:

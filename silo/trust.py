@@ -34,6 +34,8 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 from fedlt.atomic import atomic_write, atomic_write_text
 from privacy.pki.errors import PkiError
 from privacy.pki.identity import (
+    MemberTrust,
+    RevokedSerials,
     check_issued_by,
     check_valid_now,
     describe,
@@ -45,7 +47,6 @@ from privacy.pki.identity import (
 from privacy.pki.renewal import Watched, ca_watch, silo_self_renewal
 from privacy.pki.roster import DEFAULT_QUORUM_ABOVE, SILO, Roster, fingerprint, minimum_quorum
 from privacy.pki.signing import load_private_key
-from privacy.pki.trust import MemberTrust, RevokedSerials
 
 log = logging.getLogger("silo")
 

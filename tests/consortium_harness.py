@@ -36,10 +36,9 @@ from fedlt.plan import ModelSection, RoundPlan
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc
 from privacy.pki.ca import init_ca, issue_server, issue_silo
-from privacy.pki.identity import RevocationList
+from privacy.pki.identity import MemberTrust, RevocationList
 from privacy.pki.roster import Roster, RosterFile, draft
 from privacy.pki.signing import load_private_key
-from privacy.pki.trust import MemberTrust
 from silo.finish import DRILL
 
 RECIPE = DataConfig(dataset="digits", imbalance=10.0, alpha=0.5, silos=3, min_silo_size=10, test_per_class=30)

@@ -28,7 +28,7 @@ from privacy import roundspec
 from privacy.peers import KeyPeers
 from privacy.pki.signing import sign
 from privacy.secagg.layer import SecAggSum
-from privacy.secagg.policy import SessionPolicy
+from privacy.secagg.settings import SessionPolicy
 from privacy.wire import received, receivers, submitted
 from silo.participation import Participation
 from silo.releases import ReleaseLedger

@@ -15,7 +15,7 @@ from attacks import protocol
 from attacks.audit import Finding
 from attacks.ckks_sums import SILOS, chosen_sums
 from privacy.peers import KeyPeers
-from privacy.secagg.policy import SessionPolicy
+from privacy.secagg.settings import SessionPolicy
 from silo.releases import ReleaseLedger
 
 

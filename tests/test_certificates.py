@@ -38,11 +38,10 @@ from privacy.pki.ca import (
     renew_silo,
     revoke,
 )
-from privacy.pki.identity import RevocationList, read_certificate, verify_chain
+from privacy.pki.identity import MemberTrust, RevocationList, read_certificate, verify_chain
 from privacy.pki.renewal import ExpiryWatch, Watched, certificate_request, expiry_warnings
 from privacy.pki.roster import SILO, Roster, RosterFile, draft
 from privacy.pki.signing import load_private_key
-from privacy.pki.trust import MemberTrust
 from silo.__main__ import main as silo_main
 from silo.trust import OwnCertificate, SiloTrust, switch_due
 from tests.consortium_harness import Consortium, channel, code_of, register, write_kit

@@ -43,10 +43,9 @@ from privacy.keyservice.ceremony import (
     seal,
 )
 from privacy.pki.ca import issue_silo, revoke
-from privacy.pki.identity import read_certificate, revoked_serials
+from privacy.pki.identity import MemberTrust, read_certificate, revoked_serials
 from privacy.pki.roster import Roster
 from privacy.pki.signing import sign, verify
-from privacy.pki.trust import MemberTrust
 from tests.test_roster import SILOS, key, pem, trust
 from tests.test_roster import consortium as consortium  # the module-scoped fixture: CA, 4 silos, roster
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from aggregator.sessions import Sessions
+from aggregator.round_table import Sessions
 from aggregator.status import render
 from fedlt.dp import DPSettings
 from fedlt.methods import METHODS, ModelSpec

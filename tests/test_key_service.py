@@ -24,10 +24,9 @@ from fedlt.config import read_toml, render_toml
 from fedlt.v1 import consortium_pb2 as pb
 from privacy.ckks.settings import CkksSettings
 from privacy.keyservice.ceremony import ANNOUNCE_CONTEXT, Announcement
-from privacy.pki.identity import RevocationList, read_certificate
+from privacy.pki.identity import MemberTrust, RevocationList, read_certificate
 from privacy.pki.roster import RosterFile
 from privacy.pki.signing import load_private_key, sign, verify
-from privacy.pki.trust import MemberTrust
 from silo import key_service
 from silo.__main__ import main as silo_main
 from silo.config import load_silo_config

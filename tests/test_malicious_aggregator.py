@@ -22,7 +22,6 @@ from privacy.peers import KeyPeers
 from privacy.pki.signing import sign
 from privacy.ring import Ring, apply_masks
 from privacy.secagg import shamir
-from privacy.secagg.policy import PolicyRefusal, SessionPolicy
 from privacy.secagg.protocol import (
     CONSISTENCY_CONTEXT,
     Inbox,
@@ -34,6 +33,7 @@ from privacy.secagg.protocol import (
     default_threshold,
     pair_seed,
 )
+from privacy.secagg.settings import PolicyRefusal, SessionPolicy
 
 RING = Ring(8)
 

@@ -34,14 +34,13 @@ from aggregator.config import (
     load_consortium_config,
 )
 from aggregator.demo import point_silos_at
-from aggregator.round_table import NotParticipant, Stage, WrongRound
+from aggregator.round_table import TAKEOVERS, NotParticipant, Sessions, Stage, WrongRound
 from aggregator.rounds import RoundDriver
 from aggregator.server import serve
 from aggregator.service import (
     REFUSAL_TEXT_CHARS,
     _refusal_problems,
 )
-from aggregator.sessions import TAKEOVERS, Sessions
 from aggregator.status import render
 from aggregator.store import Store
 from fedlt.aggregation.halves import PartyKeys

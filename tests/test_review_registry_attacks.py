@@ -40,10 +40,9 @@ from fedlt.wire.codec import BadLayerMessage, WireError, decode, encode, entries
 from privacy import roundspec, wire
 from privacy.keyservice.ceremony import Announcement, CeremonyError, seal
 from privacy.keyservice.wire import ENROLLMENT, SEALED, sealed_to_pb
-from privacy.pki.identity import RevocationList
+from privacy.pki.identity import MemberTrust, RevocationList
 from privacy.pki.roster import RosterFile
 from privacy.pki.signing import load_private_key, sign
-from privacy.pki.trust import MemberTrust
 from privacy.roundspec import RoundSpecError
 from privacy.secagg.wire import ENVELOPE, KEYS
 from silo.admission import RefusedRound

@@ -15,10 +15,16 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from privacy.peers import BadSignature, ConsortiumPeers
 from privacy.pki.ca import init_ca, issue_server, issue_silo, revoke
 from privacy.pki.errors import PkiError
-from privacy.pki.identity import RevocationList, load_certificate, read_certificate, revoked_serials
+from privacy.pki.identity import (
+    MemberTrust,
+    RevocationList,
+    RevokedSerials,
+    load_certificate,
+    read_certificate,
+    revoked_serials,
+)
 from privacy.pki.roster import AGGREGATOR, SILO, Roster, draft, fingerprint
 from privacy.pki.signing import load_private_key, sign
-from privacy.pki.trust import MemberTrust, RevokedSerials
 from privacy.secagg.protocol import KEYS_CONTEXT
 from silo.trust import SiloTrust
 

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from privacy.pki.ca import init_ca, issue_server, issue_silo, revoke
 from privacy.pki.errors import PkiError
-from privacy.pki.identity import RevocationList
+from privacy.pki.identity import RevocationList, RevokedSerials
 from privacy.pki.renewal import certificate_request
 from privacy.pki.roster import (
     DEFAULT_QUORUM_ABOVE,
@@ -35,7 +35,6 @@ from privacy.pki.roster import (
     draft,
 )
 from privacy.pki.signing import load_private_key
-from privacy.pki.trust import RevokedSerials
 from silo.agent import SiloAgent
 from silo.config import PolicySection, load_silo_config
 from silo.trust import SiloTrust

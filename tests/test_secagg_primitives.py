@@ -13,9 +13,18 @@ from hypothesis import strategies as st
 
 from fedlt.aggregation import Field, Schema
 from privacy.dp.noise import SecureRandom
-from privacy.ring import BLOCK_BYTES, MASK_KEYSTREAM, Ring, apply_masks, keystream_bytes, mask
+from privacy.ring import (
+    BLOCK_BYTES,
+    MASK_KEYSTREAM,
+    FixedPointCodec,
+    OverflowRisk,
+    Ring,
+    apply_masks,
+    choose_encoding,
+    keystream_bytes,
+    mask,
+)
 from privacy.secagg import shamir
-from privacy.secagg.codec import FixedPointCodec, OverflowRisk, choose_encoding
 
 
 def test_chacha20_keystream_known_answer_rfc8439_zero_key():

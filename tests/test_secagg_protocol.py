@@ -23,9 +23,8 @@ from fedlt.aggregation import Field, Schema, make_layer
 from privacy import crypto
 from privacy.peers import KeyPeers
 from privacy.pki.signing import sign
-from privacy.ring import BLOCK_BYTES, Ring
+from privacy.ring import BLOCK_BYTES, FixedPointCodec, Ring
 from privacy.secagg import shamir
-from privacy.secagg.codec import FixedPointCodec
 from privacy.secagg.layer import SecAggSum
 from privacy.secagg.local import STAGES, run_session
 from privacy.secagg.protocol import (

@@ -24,12 +24,12 @@ from fedlt.v1 import consortium_pb2_grpc, round_pb2
 from fedlt.wire import schema_from_pb, submit_stream
 from privacy import roundspec
 from privacy.peers import ConsortiumPeers
+from privacy.pki.identity import MemberTrust, RevokedSerials
 from privacy.pki.roster import Roster
 from privacy.pki.signing import load_private_key, sign
-from privacy.pki.trust import MemberTrust, RevokedSerials
 from privacy.secagg.layer import SecAggSum
-from privacy.secagg.policy import SessionPolicy
 from privacy.secagg.protocol import KEYS_CONTEXT
+from privacy.secagg.settings import SessionPolicy
 from silo.participation import Participation
 from silo.releases import ReleaseLedger
 from silo.transport import SiloTransport

@@ -26,7 +26,7 @@ from fedlt.v1 import round_pb2
 from fedlt.wire import schema_to_pb
 from privacy import roundspec
 from privacy.secagg.layer import SecAggSum
-from privacy.secagg.policy import SessionPolicy
+from privacy.secagg.settings import SessionPolicy
 from silo.participation import Participation
 from silo.releases import LEDGER, ReleaseLedger, RepeatedRelease
 from tests.consortium_harness import AUDIT_KEY, PLAN

@@ -5,7 +5,7 @@ paper's rule. Averaged are all floating-point entries of the model's state (para
 statistics, as CReFF's official code does). Each element of Δw_k is clipped to `delta_bound` before weighting.
 
 Weighting by n_k / N_r ≤ 1 rather than by n_k keeps the summed field's range at `delta_bound`, not N times
-it, so secure aggregation carries it in 32-bit words (`privacy.secagg.codec`). The price is absolute
+it, so secure aggregation carries it in 32-bit words (`privacy.ring`). The price is absolute
 precision: a silo's Δw_k is resolved to about 2^−f · N_r / n_k, so N_r should be near the silos' sizes. It is
 `max_silo_samples` in the first round, then twice the samples the previous round summed (kept in the state,
 `WEIGHT_SCALE`, which every silo verifies): about 2K · 2^−f for K silos of any size. Where a silo holds more

@@ -28,8 +28,8 @@ from fedlt.aggregation.registry import SharedSecret
 from fedlt.errors import FedltError
 from privacy.crypto import transcript
 from privacy.pki.errors import PkiError
+from privacy.pki.identity import MemberTrust
 from privacy.pki.signing import verify
-from privacy.pki.trust import MemberTrust
 
 # named for ckks, the first layer with a key service: a domain separator, so a new name would refuse every
 # enrollment key silos announced before

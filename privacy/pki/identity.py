@@ -1,8 +1,14 @@
-"""What the aggregator and the silos check about a peer: who it is, who issued it, whether it is revoked.
+"""What the aggregator and the silos check about a peer: who it is, who issued it, whether it is revoked, and
+whether the consortium accepts it as a member.
 
 TLS checks the chain of a connection's peer but knows nothing of consortium identities or of the CRL, so a
 handler reads the identity here (from the certificate, never from a message) and asks the revocation list.
 Certificates that arrive inside messages (the aggregator's signing certificate) get `verify_chain` as well.
+
+Whom a party accepts as a consortium member (`MemberTrust`): issued by the CA, valid now, not revoked, named
+by the roster. All four questions are asked at every use. Parsing a certificate and checking the CA's
+signature on it are cached (they cannot change); validity dates, the revocation list and the roster can, so
+they are not.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import re
 import threading
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
@@ -21,8 +27,12 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from privacy.pki.errors import PkiError
 
-SILO = "silo"
-OPERATOR = "operator"
+if TYPE_CHECKING:  # the roster reads its certificates with this module: only its types come back here
+    from privacy.pki.roster import Member, Revocations, Roster
+
+SILO = "silo"  # a roster role, and the kind of a silo's client certificate (`identity_uri`)
+AGGREGATOR = "aggregator"  # a roster role: the TLS endpoint and RoundSpec signer
+OPERATOR = "operator"  # the kind of an operator's client certificate
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 ID_RULE = "1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"
 _URI_SCHEME = "fedlt://"
@@ -181,6 +191,72 @@ def revoked_serials(pem: bytes, ca_cert: x509.Certificate, *, source: str) -> fr
     if not crl.is_signature_valid(ca_cert.public_key()):
         raise PkiError(f"the signature of {source} does not verify with the consortium CA's key")
     return frozenset(entry.serial_number for entry in crl)
+
+
+class Rosters(Protocol):
+    """Where the roster in force comes from: a fixed `Roster`, a silo's pinned one, the aggregator's file."""
+
+    def current(self) -> Roster: ...
+
+
+class RevokedSerials:
+    """The union of every valid CRL seen: revocations are never undone, so an older CRL cannot unrevoke."""
+
+    def __init__(self, serials: frozenset[int] = frozenset()) -> None:
+        self._serials = frozenset(serials)
+        self._lock = threading.Lock()
+
+    def add(self, serials: frozenset[int]) -> bool:
+        """True when `serials` revoked something new."""
+        with self._lock:
+            merged = self._serials | serials
+            news = merged != self._serials
+            self._serials = merged
+            return news
+
+    @property
+    def serials(self) -> frozenset[int]:
+        return self._serials
+
+    def is_revoked(self, cert: x509.Certificate) -> bool:
+        return cert.serial_number in self._serials
+
+
+class MemberTrust:
+    def __init__(self, ca_pem: bytes, rosters: Rosters, revocations: Revocations) -> None:
+        self.ca = load_certificate(ca_pem, source="the consortium CA certificate")
+        self.rosters = rosters
+        self.revocations = revocations
+        self._issued: dict[bytes, x509.Certificate] = {}
+        self._lock = threading.Lock()
+
+    def silo(self, pem: bytes, silo_id: str) -> x509.Certificate:
+        """The certificate of silo `silo_id`, or PkiError saying why not."""
+        cert, _ = self._member(pem, SILO, silo_id)
+        if silo_id_of(cert) != silo_id:
+            raise PkiError(f"the certificate sent for {silo_id} belongs to {silo_id_of(cert)}")
+        return cert
+
+    def aggregator(self, pem: bytes) -> x509.Certificate:
+        """The certificate of the roster's aggregator (its TLS endpoint and RoundSpec signer)."""
+        return self._member(pem, AGGREGATOR, None)[0]
+
+    def _member(self, pem: bytes, role: str, member_id: str | None) -> tuple[x509.Certificate, Member]:
+        cert = self._issued_certificate(pem)
+        check_valid_now(cert)
+        if self.revocations.is_revoked(cert):
+            raise PkiError(f"{describe(cert)} has been revoked by the consortium CA")
+        return cert, self.rosters.current().member_of(cert, role=role, member_id=member_id)
+
+    def _issued_certificate(self, pem: bytes) -> x509.Certificate:
+        with self._lock:
+            cert = self._issued.get(pem)
+        if cert is None:
+            cert = load_certificate(pem, source="a member's certificate")
+            check_issued_by(cert, self.ca)
+            with self._lock:
+                self._issued[pem] = cert
+        return cert
 
 
 def _extension(cert: x509.Certificate, kind: type[_Ext]) -> _Ext | None:

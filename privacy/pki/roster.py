@@ -34,14 +34,12 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from privacy.pki.errors import PkiError
-from privacy.pki.identity import check_id, check_valid_now, describe, load_certificate
+from privacy.pki.identity import AGGREGATOR, SILO, check_id, check_valid_now, describe, load_certificate
 from privacy.pki.signing import sign, verify
 
 log = logging.getLogger(__name__)
 
 ROSTER_CONTEXT = "fedlt/roster/v1"
-AGGREGATOR = "aggregator"
-SILO = "silo"
 ROLES = (AGGREGATOR, SILO)
 # silo.config's default policy.roster_quorum_above: a silo refuses a roster whose quorum is not above this
 # fraction of its silos (so that no minority signs the next version)

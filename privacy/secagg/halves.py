@@ -31,8 +31,7 @@ from fedlt.aggregation.halves import (
     SumSpec,
 )
 from privacy.peers import ConsistencySignature
-from privacy.secagg.codec import FixedPointCodec
-from privacy.secagg.policy import SessionPolicy
+from privacy.ring import FixedPointCodec
 from privacy.secagg.protocol import (
     AdvertisedKeys,
     Inbox,
@@ -49,7 +48,7 @@ from privacy.secagg.protocol import (
     SurvivorList,
     Transcript,
 )
-from privacy.secagg.settings import SecAggSettings
+from privacy.secagg.settings import SecAggSettings, SessionPolicy
 
 
 def session_of(spec: SumSpec, codec: FixedPointCodec) -> SessionSpec:

@@ -25,8 +25,7 @@ from privacy.peers import KeyPeers
 from privacy.pki.signing import sign
 from privacy.secagg import wire
 from privacy.secagg.halves import SecAggAggregatorSide, SecAggSiloSide
-from privacy.secagg.policy import SessionPolicy
-from privacy.secagg.settings import SecAggSettings
+from privacy.secagg.settings import SecAggSettings, SessionPolicy
 
 
 class SecAggSum(SumLayer):

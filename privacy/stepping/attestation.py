@@ -22,7 +22,7 @@ from fedlt.errors import FedltError
 from fedlt.v1 import round_pb2
 from privacy.crypto import transcript
 from privacy.peers import ConsortiumPeers, Signed
-from privacy.pki.trust import MemberTrust
+from privacy.pki.identity import MemberTrust
 
 # named for ckks, the first layer to use them: domain separators, so new names would void every signed state
 ATTESTATION_CONTEXT = "fedlt/ckks/state-attestation/v1"
