@@ -14,10 +14,10 @@ import torch
 from fedlt.aggregation import Field, Schema, layer_names, layers, make_layer
 from fedlt.aggregation.gate import Floors, MemoryLedger, ReleaseGate, Subject
 from fedlt.aggregation.halves import PartyKeys, Released, SumAborted, SumSpec
+from fedlt.aggregation.registry import record
 from fedlt.aggregation.round_sums import AggregatorRound, RoundSums, SiloRound
 from fedlt.aggregation.sums import run_round
 from fedlt.errors import FedltError
-from privacy.ckks.keys import SecretContext
 from tests.toy import toy_installed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -147,17 +147,20 @@ def test_every_layer_s_silo_half_refuses_a_step_it_does_not_know(layer):
 
 
 def test_every_layer_makes_both_consortium_sides_from_party_keys(layer):
-    """A silo brings its secret context to CKKS, the aggregator the public one; without, a clear refusal."""
+    """A silo brings the layer's key where it asks for the key service, the aggregator what the key service
+    lets it hold (ckks: the public context; blind: nothing); a silo without the key, or an aggregator handed
+    the secret one, is refused clearly."""
     assert layer.describe()
-    secret = SecretContext.new()
-    silo_keys, aggregator_keys = PartyKeys(secret=secret), PartyKeys(secret=secret.public)
-    layer.aggregator_side(aggregator_keys)
-    layer.silo_side(silo_keys)
-    if layer.name == "ckks":
-        with pytest.raises(ValueError, match="secret context"):
+    kind = record(layer.name).key_service
+    secret = None if kind is None else kind.new()
+    held = None if kind is None else kind.read_public(secret.public_bytes())
+    layer.aggregator_side(PartyKeys(secret=held))
+    layer.silo_side(PartyKeys(secret=secret))
+    if kind is not None:
+        with pytest.raises(ValueError, match="only with the consortium's"):
             layer.silo_side(PartyKeys())
-        with pytest.raises(ValueError, match="public context"):
-            layer.aggregator_side(silo_keys)
+        with pytest.raises(ValueError, match="aggregator"):
+            layer.aggregator_side(PartyKeys(secret=secret))
 
 
 # --- nothing above the layers names, imports or tests for a layer ------------------------------------------

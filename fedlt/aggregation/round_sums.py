@@ -88,7 +88,8 @@ class RoundSums:
         )
 
     def contribution_spec(self, silos: Sequence[str], census: Census | None) -> SumSpec:
-        """The contribution binds the census its guard used too, so every silo guards with the same one."""
+        """The contribution binds the census its guard used too, so every silo guards with the same one (where
+        the aggregator read it: `SiloRound.binds_census`)."""
         binding = census.binding(self.binding) if self.guarded and census is not None else self.binding
         return SumSpec(
             self.round_id, "contribution", tuple(sorted(silos)), self.schema, binding, self.settings
@@ -130,6 +131,10 @@ class SiloRound:
         self.spec: SumSpec | None = None  # of the open sum
         self.half: SiloHalf | None = None
         self.whole: frozenset[str] = frozenset()  # per-class rows went out: release only for exactly these
+        # whether the contribution binds the census: not where only silos read it (ckks, blind), as the
+        # aggregator could not derive the binding; there the layer's own consistency step (a signed
+        # ciphertext, a signed transcript) already gives every silo the same census
+        self.binds_census = True
 
     @property
     def done(self) -> bool:
@@ -220,7 +225,7 @@ class SiloRound:
                     floored,
                 )
             vector = tail_guard.zero_classes(self.sums.schema, vector, zeroed, inverting=floored)
-        spec = self.sums.contribution_spec(silos, self.census)
+        spec = self.sums.contribution_spec(silos, self.census if self.binds_census else None)
         self.gate.admit(spec, self.side)  # before any noise is charged to the silo's ledger
         if self.noise is not None:
             counted = len(spec.silos) if self.whole else self.gate.min_counted(spec, self.side)
@@ -259,6 +264,7 @@ class SiloRound:
             self._keep_census(reported)
         if reported is not None and tuple(int(v) for v in reported) != self.census.vector():
             raise CensusError("the census the aggregator reports is not the sum this silo computed")
+        self.binds_census = reported is not None
         return self._begin_contribution(self.census.silos)
 
     def _keep_census(self, counts: np.ndarray) -> None:

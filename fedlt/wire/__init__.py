@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from google.protobuf.message import Message
 
+from fedlt.aggregation.halves import BadMessage
 from fedlt.aggregation.round_sums import CensusResult
 from fedlt.aggregation.schema import Field, Schema
 from fedlt.aggregation.tail_guard import Census
@@ -122,3 +123,17 @@ def submit_stream(
     yield pb.SubmitRequest(header=header)
     for _, part in chunks(payload):
         yield pb.SubmitRequest(chunk=part)
+
+
+def fetch_sum(stub, round_id: str, purpose: str, *, total_bytes: int, sha256: str, timeout: float) -> bytes:
+    """A sum's payload a SumStep announced (its size and SHA-256), through the FetchSum RPC: read no further
+    than announced, and refused (BadMessage) unless it is the payload announced."""
+    request = pb.FetchSumRequest(round_id=round_id, sum=SUM_OF_PURPOSE[purpose])
+    data = bytearray()
+    for part in stub.FetchSum(request, timeout=timeout):
+        if part.offset != len(data) or len(data) + len(part.data) > total_bytes:
+            raise BadMessage(f"the {purpose} sum streamed does not fit the size announced")
+        data += part.data
+    if len(data) != total_bytes or hashlib.sha256(data).hexdigest() != sha256:
+        raise BadMessage(f"the {purpose} sum fetched is not the one announced")
+    return bytes(data)

@@ -91,19 +91,35 @@ class SecAggSiloHalf(SiloHalf):
         if isinstance(step, KeyList):
             return [Shares(tuple(self.client.share(list(step.keys))))]
         if isinstance(step, Inbox):
-            masked = self.client.masked_input(step, self._encoded, in_place=True)
+            masked = self.client.masked_input(step, self._masking(self._encoded), in_place=True)
             return [MaskedInput(masked, self.client.masked_signature)]
         if isinstance(step, SurvivorList):
             signature = self.client.consistency(step.survivors, release=self._may_release)
             return [ConsistencySignature(signature)]
         if isinstance(step, Signatures):
             reveal = self.client.unmask(step.by_silo)
-            self._done = not self.client.spec.recomputed
+            self._done = not self.reads_sum
             return [reveal]
         if isinstance(step, Transcript):
-            self._result = self.codec.decode(self.client.recompute(step))
-            self._done = True
+            self._read(self.client.recompute(step))
             return []
+        return self._other_step(step)
+
+    @property
+    def reads_sum(self) -> bool:
+        """Whether this silo reads the sum itself (a census, which it recomputes), so its part ends there."""
+        return self.client.spec.recomputed
+
+    def _masking(self, encoded: np.ndarray) -> np.ndarray:
+        """The ring vector the secure-aggregation masks go onto: the encoded input itself."""
+        return encoded
+
+    def _read(self, total: np.ndarray) -> None:
+        """The sum over U3 in the ring, as this silo computed it."""
+        self._result = self.codec.decode(total)
+        self._done = True
+
+    def _other_step(self, step: object) -> list[object]:
         raise ProtocolViolation(f"{type(step).__name__} is no secure-aggregation step")
 
     @property
@@ -112,12 +128,12 @@ class SecAggSiloHalf(SiloHalf):
 
     @property
     def result(self) -> torch.Tensor | None:
-        """A census as this silo recomputed it (None for a sum only the aggregator reads); asked for a census
-        it has not recomputed, it refuses: the count would be the aggregator's word alone."""
-        if self.client.spec.recomputed and not self._done:
+        """A sum this silo read itself (a census it recomputed; None for a sum only the aggregator reads);
+        asked for one it has not read, it refuses: the count would be the aggregator's word alone."""
+        if self.reads_sum and not self._done:
             raise ProtocolViolation(
-                f"the {self.client.spec.purpose} result came before its transcript: this silo has not "
-                "recomputed it, and takes no count the aggregator alone reports"
+                f"the {self.client.spec.purpose} result came before its transcript (or total): this silo has "
+                "not read the sum, and takes no count the aggregator alone reports"
             )
         return self._result
 
@@ -182,9 +198,16 @@ class SecAggAggregatorHalf(AggregatorHalf):
             self._total = server.close_unmask()
             if server.stage == "transcript":  # silos act on this sum: each recomputes it first
                 return dict.fromkeys(server.u4, server.transcript())
-        else:
-            server.close_transcript()
-        return Released(server.u3, self.codec.decode(self._total))
+            return self._unmasked()
+        server.close_transcript()  # refuses any other stage: nothing is left to close
+        return self._released()
+
+    def _unmasked(self) -> Mapping[str, object] | Released:
+        """After the unmask stage of a sum silos do not recompute: the sum is the aggregator's."""
+        return self._released()
+
+    def _released(self) -> Released:
+        return Released(self.server.u3, self.codec.decode(self._total))
 
     def upload_bytes(self, silo: str, kind: type) -> int:
         if kind is not MaskedInput:

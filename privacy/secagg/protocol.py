@@ -41,6 +41,7 @@ key list's digest, so every silo is bound to the same keys and graph.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import math
 import random
 import secrets
@@ -64,7 +65,8 @@ REVEAL_CONTEXT = "fedlt/secagg/reveal/v1"
 MASK_PURPOSE = "fedlt/secagg/mask/v1"
 ENVELOPE_PURPOSE = "fedlt/secagg/envelope/v1"
 SHARE_BYTES = 66  # an element of the 521-bit Shamir field
-PURPOSES = ("census", "contribution")
+# "evaluation": the counts sum of a layer whose silos step (blind), which a silo's policy checks as a session
+PURPOSES = ("census", "contribution", "evaluation")
 # Sums every silo recomputes from the signed transcript: small ones that silos act on. The contribution's
 # sum is the aggregator's (its server step reads it), and relaying megabytes to every silo would cost more
 # than the round.
@@ -587,6 +589,14 @@ class SecAggClient:
 
     def _pair_seed(self, peer: str) -> bytes:
         return pair_seed(self.spec, self._s, self.me, self._keys[peer].s_public, peer)
+
+    def pair_key(self, peer: str, label: bytes) -> bytes:
+        """A key for `label` that only this silo and `peer` (of the key list) can derive: an HMAC under the
+        mask seed the two agreed in this session, never the seed itself (the blind layer masks its
+        evaluation counts with it, where no session of its own runs)."""
+        if peer == self.me or peer not in self._keys:
+            raise ProtocolViolation(f"{peer} shares no mask seed with {self.me} in this session")
+        return hmac.new(self._pair_seed(peer), label, hashlib.sha256).digest()
 
 
 def pair_seed(

@@ -51,12 +51,13 @@ class SecAggSettings(GuardSettings):
         return found
 
     def describe(self) -> str:
+        return f"secagg — the aggregator learns only sums; {self.describe_session()}"
+
+    def describe_session(self) -> str:
+        """The secure sum's threshold, mask graph and tail guard, for the operator."""
         threshold = f"{self.threshold} shares" if self.threshold else "more than two thirds"
         graph = f"{self.neighbours} neighbours per silo (SecAgg+)" if self.neighbours else "every silo pair"
-        return (
-            f"secagg — the aggregator learns only sums; threshold {threshold}, masks over {graph}, "
-            f"{self.describe_guard()}"
-        )
+        return f"threshold {threshold}, masks over {graph}, {self.describe_guard()}"
 
     def session(
         self,
