@@ -5,13 +5,17 @@
 Everything runs in this process, on the FedAvg contribution of the model on the embedded 1×28×28 data (its
 float entries and n: 1,229,131 numbers for ResNet-8, built by `secagg.py`'s functions). Each of the layer's
 steps (`privacy.ckks`) is paired with raw TenSEAL calls on the same data, with the same key, parameters and
-scale; after a warm-up the two sides alternate in order from one repeat to the next, each repeat gives a
-ratio, and the tables give medians. Errors are against the float64 sum, over the fields with a fractional
-grid (both secure layers round the count n to whole numbers). For each n:
-- encryption: one silo half's `start` (`SecretContext.encrypt`: a `ckks_vector` per 4,096 values, each
-  serialized, then framed) against `ts.ckks_vector` + `serialize` over the same slices;
-- sum: the aggregator half taking the n uploads (parse, add as they arrive) and closing (serializing the sum)
-  against `ckks_vector_from` + `add_` + `serialize` of the same ciphertexts;
+scale; after a warm-up the sides take turns in an order that rotates from one repeat to the next, each repeat
+gives a ratio, and the tables give medians. Errors are against the float64 sum, over the fields with a
+fractional grid (both secure layers round the count n to whole numbers). For each n:
+- encryption: one silo half's `start` (`SecretContext.encrypt`: a seeded ciphertext per 4,096 values through
+  `tenseal.sealapi`, each wrapped as a TenSEAL vector, then framed) against the layer's previous, expanded
+  form (a `ckks_vector` per 4,096 values, each serialized, then framed) and against `ts.ckks_vector` +
+  `serialize` over the same slices (raw TenSEAL, expanded: it has no seeded form);
+- sum: the aggregator half taking the n seeded uploads (parse, expanding the seeds, add as they arrive) and
+  closing (serializing the sum) against the previous form's sum of the same values (`PublicContext.add`
+  over expanded uploads: the same parse, add and serialize) and against `ckks_vector_from` + `add_` +
+  `serialize` of the same seeded ciphertexts (raw TenSEAL, the same work);
 - consistency: a silo half's step on the encrypted sum (SHA-256 of the ciphertext, an ECDSA P-256 signature
   over it and the survivors), which has no raw counterpart;
 - decryption: a silo half's step on the survivors' signatures (n ECDSA verifications, parse, decrypt, each
@@ -21,9 +25,9 @@ grid (both secure layers round the count n to whole numbers). For each n:
   contributions (each layer's keys made in the sum, every silo's part run one after another here, the ckks
   consistency step included), in a rotating order, with each layer's largest error against the float64 sum.
 Once, at the first n's scale:
-- bytes: an upload and the sum against float32 (4 bytes a number) and float64; zlib on the upload; the SEAL
-  compression mode TenSEAL writes; other coefficient-modulus chains; a seeded symmetric ciphertext (SEAL's
-  `Serializable`, reachable only through `tenseal.sealapi`, which saves to a file path);
+- bytes: an upload (seeded), the previous expanded upload and the sum against float32 (4 bytes a number);
+  zlib on the upload; the SEAL compression mode the upload carries; other coefficient-modulus chains (in
+  TenSEAL's expanded form);
 - batching: a `ckks_vector` per 4,096 values (the layer's way) against one `ckks_tensor` batching the same
   values into 4,096 slots: conversion, encryption, serialization, bytes, decryption.
 Progress goes to stderr, the markdown tables to stdout.
@@ -34,8 +38,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import struct
 import sys
-import tempfile
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -46,19 +50,18 @@ import secagg  # benchmarks/secagg.py: the contribution's schema and values, the
 import tenseal as ts
 import torch
 from cryptography.hazmat.primitives.asymmetric import ec
-from tenseal import sealapi
 
 from fedlt.aggregation import Schema, make_layer
 from fedlt.aggregation.halves import SumSpec
 from privacy.ckks.halves import CkksAggregatorHalf, CkksSiloHalf, EncryptedSum, SumSignatures, on_grid
 from privacy.ckks.keys import (
-    COEFF_MOD_BIT_SIZES,
     MAX_SCALE_BITS,
     MIN_SCALE_BITS,
     POLY_MODULUS_DEGREE,
     SLOTS,
     Ciphertext,
     SecretContext,
+    frame,
     scale_bits,
 )
 from privacy.peers import KeyPeers, Signed
@@ -81,13 +84,11 @@ def seconds(action: Callable[[], object]) -> float:
     return secagg.timed(action)[1]
 
 
-def alternating(repeat: int, layer: Callable[[], float], raw: Callable[[], float]) -> tuple[float, float]:
-    """Both sides' seconds, the layer first on even repeats: a drift of the machine favours neither."""
-    if repeat % 2 == 0:
-        first = layer()
-        return first, raw()
-    second = raw()
-    return layer(), second
+def rotating(repeat: int, sides: dict[str, Callable[[], float]]) -> dict[str, float]:
+    """Every side's seconds, the order rotated by one each repeat: a drift of the machine favours none."""
+    names = list(sides)
+    at = repeat % len(names)
+    return {name: sides[name]() for name in names[at:] + names[:at]}
 
 
 def no_objection(_: tuple[str, ...]) -> None:
@@ -119,17 +120,23 @@ def fractional(schema: Schema) -> torch.Tensor:
     return torch.cat([torch.full((f.size,), f.frac_bits > 0) for f in schema.fields])
 
 
-def summary(layer: list[float], raw: list[float]) -> dict:
-    ratios = [a / b for a, b in zip(layer, raw, strict=True)]
-    return {
-        "layer_s": secagg.median(layer),
-        "raw_s": secagg.median(raw),
-        "ratio": secagg.median(ratios, 3),
-        "ratios": [round(r, 3) for r in ratios],
-    }
+def summary(samples: dict[str, list[float]]) -> dict:
+    """Medians of each side, and the layer's ratio to raw TenSEAL (and to its previous form, where timed)."""
+    out: dict = {f"{side}_s": secagg.median(times) for side, times in samples.items()}
+    for side, key in (("raw", "ratio"), ("before", "ratio_to_before")):
+        if side in samples:
+            ratios = [a / b for a, b in zip(samples["layer"], samples[side], strict=True)]
+            out[key] = secagg.median(ratios, 3)
+            out[f"{key}s"] = [round(r, 3) for r in ratios]
+    return out
 
 
 # --- raw TenSEAL: what the layer's steps are measured against ----------------------------------------------
+
+
+def expanded_encrypt(context: ts.Context, values: np.ndarray, bits: int) -> bytes:
+    """The layer's upload before it was seeded: TenSEAL's vectors, expanded, in the layer's frame."""
+    return frame(raw_encrypt(context, values, bits))
 
 
 def raw_encrypt(context: ts.Context, values: np.ndarray, bits: int) -> list[bytes]:
@@ -149,6 +156,17 @@ def raw_add(context: ts.Context, uploads: Sequence[list[bytes]]) -> list[bytes]:
 
 def raw_decrypt(context: ts.Context, chunks: list[bytes]) -> list[list[float]]:
     return [ts.ckks_vector_from(context, chunk).decrypt() for chunk in chunks]
+
+
+def parts_of(blob: bytes) -> list[bytes]:
+    """The TenSEAL vectors' bytes in the layer's frame (magic, count, then a length before each), as sent."""
+    (count,) = struct.unpack_from("<I", blob, 4)
+    parts, offset = [], 8
+    for _ in range(count):
+        (length,) = struct.unpack_from("<I", blob, offset)
+        parts.append(blob[offset + 4 : offset + 4 + length])
+        offset += 4 + length
+    return parts
 
 
 def chunks_of(context: ts.Context, blob: bytes) -> list[bytes]:
@@ -179,7 +197,8 @@ def per_silos(n: int, repeats: int, schema: Schema, secret: SecretContext, flats
     progress(f"n={n}: encrypting the {n} uploads")
     identities = Identities(silos)
     uploads = {u: identities.half(spec, u, secret).start(v)[0] for u, v in vectors.items()}
-    raw_uploads = [chunks_of(public_raw, uploads[u].blob) for u in silos]
+    raw_uploads = [parts_of(uploads[u].blob) for u in silos]  # seeded, as the layer sends them
+    expanded_uploads = [frame(chunks_of(public_raw, uploads[u].blob)) for u in silos]
     aggregator = CkksAggregatorHalf(spec, secret.public, lambda _: b"")
     for u in silos:
         aggregator.receive(u, uploads[u])
@@ -190,7 +209,8 @@ def per_silos(n: int, repeats: int, schema: Schema, secret: SecretContext, flats
     )
     raw_sum = raw_add(public_raw, raw_uploads)
     decrypted = secret.decrypt(aggregator.summed, schema.size)
-    raw_encrypt(secret_raw, values, bits)  # warm-ups: the layer's steps ran just above
+    expanded_encrypt(secret_raw, values, bits)  # warm-ups: the layer's steps ran just above
+    secret.public.add(expanded_uploads)
     raw_decrypt(secret_raw, raw_sum)
 
     def encrypt_layer() -> float:
@@ -216,24 +236,30 @@ def per_silos(n: int, repeats: int, schema: Schema, secret: SecretContext, flats
         half = identities.half(spec, silos[0], secret)
         return seconds(lambda: half.step(step))
 
-    timings: dict[str, tuple[list[float], list[float]]] = {
-        "encrypt": ([], []),
-        "add": ([], []),
-        "decrypt": ([], []),
+    steps: dict[str, dict[str, Callable[[], float]]] = {
+        "encrypt": {
+            "layer": encrypt_layer,
+            "before": lambda: seconds(lambda: expanded_encrypt(secret_raw, values, bits)),
+            "raw": lambda: seconds(lambda: raw_encrypt(secret_raw, values, bits)),
+        },
+        "add": {
+            "layer": add_layer,
+            "before": lambda: seconds(lambda: secret.public.add(expanded_uploads)),
+            "raw": lambda: seconds(lambda: raw_add(public_raw, raw_uploads)),
+        },
+        "decrypt": {
+            "layer": decrypt_layer,
+            "raw": lambda: seconds(lambda: raw_decrypt(secret_raw, raw_sum)),
+        },
     }
-    steps = {
-        "encrypt": (encrypt_layer, lambda: seconds(lambda: raw_encrypt(secret_raw, values, bits))),
-        "add": (add_layer, lambda: seconds(lambda: raw_add(public_raw, raw_uploads))),
-        "decrypt": (decrypt_layer, lambda: seconds(lambda: raw_decrypt(secret_raw, raw_sum))),
-    }
+    timings = {name: {side: [] for side in sides} for name, sides in steps.items()}
     grid: list[float] = []
     signing: list[float] = []
     for repeat in range(repeats):
         progress(f"n={n}: encryption, sum, consistency, decryption, repeat {repeat + 1}/{repeats}")
-        for name, (layer, raw) in steps.items():
-            a, b = alternating(repeat, layer, raw)
-            timings[name][0].append(a)
-            timings[name][1].append(b)
+        for name, sides in steps.items():
+            for side, took in rotating(repeat, sides).items():
+                timings[name][side].append(took)
         grid.append(seconds(lambda: on_grid(spec, decrypted)))
         signing.append(consistency_layer())
     half = identities.half(spec, silos[0], secret)
@@ -245,13 +271,14 @@ def per_silos(n: int, repeats: int, schema: Schema, secret: SecretContext, flats
     return {
         "silos": n,
         "scale_bits": bits,
-        "encrypt": summary(*timings["encrypt"]),
-        "add": summary(*timings["add"]),
+        "encrypt": summary(timings["encrypt"]),
+        "add": summary(timings["add"]),
         "consistency_s": secagg.median(signing),
-        "decrypt": summary(*timings["decrypt"]) | {"grid_s": secagg.median(grid)},
+        "decrypt": summary(timings["decrypt"]) | {"grid_s": secagg.median(grid)},
         "ckks_error_max": float((half.result - truth)[graded].abs().max()),
         "bytes": {
             "upload": len(uploads[silos[0]].blob),
+            "expanded_upload": len(expanded_uploads[0]),
             "sum": len(aggregator.summed),
             "float32": 4 * schema.size,
             "float64": 8 * schema.size,
@@ -350,43 +377,6 @@ def chains(values: np.ndarray, schema: Schema, n: int) -> list[dict]:
     return out
 
 
-def seeded(values: np.ndarray, bits: int) -> dict:
-    """A symmetric ciphertext whose second polynomial travels as its PRNG seed (SEAL's `Serializable`), with
-    the layer's parameters: TenSEAL's vectors expand the seed before serializing; `sealapi` can keep it, but
-    saves only to a file path."""
-    parms = sealapi.EncryptionParameters(sealapi.SCHEME_TYPE.CKKS)
-    parms.set_poly_modulus_degree(POLY_MODULUS_DEGREE)
-    parms.set_coeff_modulus(sealapi.CoeffModulus.Create(POLY_MODULUS_DEGREE, list(COEFF_MOD_BIT_SIZES)))
-    context = sealapi.SEALContext(parms, True, sealapi.SEC_LEVEL_TYPE.TC128)
-    key = sealapi.KeyGenerator(context).secret_key()
-    encryptor, encoder = sealapi.Encryptor(context, key), sealapi.CKKSEncoder(context)
-    sizes = []
-    with tempfile.TemporaryDirectory() as tmp:
-        path = str(Path(tmp) / "ciphertext")
-        started = time.perf_counter()
-        for i in range(0, len(values), SLOTS):
-            plain = sealapi.Plaintext()
-            encoder.encode(values[i : i + SLOTS].tolist(), 2.0**bits, plain)
-            encryptor.encrypt_symmetric(plain).save(path)
-            sizes.append(Path(path).stat().st_size)
-        took = time.perf_counter() - started
-        loaded = sealapi.Ciphertext()  # the last chunk, seed expanded on loading: does it decrypt?
-        loaded.load(context, path)
-        plain = sealapi.Plaintext()
-        sealapi.Decryptor(context, key).decrypt(loaded, plain)
-        last = values[(len(sizes) - 1) * SLOTS :]
-        error = float(np.abs(np.asarray(encoder.decode_double(plain)[: len(last)]) - last).max())
-        loaded.save(path)
-        expanded = Path(path).stat().st_size
-    return {
-        "bytes": framed(sizes),
-        "chunk_bytes": sizes[0],
-        "expanded_chunk_bytes": expanded,
-        "encrypt_and_save_s": round(took, 3),
-        "last_chunk_error_max": error,
-    }
-
-
 # --- item 5: 4,096-slot vectors against one batched tensor ----------------------------------------------
 
 
@@ -461,23 +451,22 @@ def batching(values: np.ndarray, bits: int, secret: SecretContext, repeats: int)
 
 
 def wire(values: np.ndarray, schema: Schema, secret: SecretContext, n: int) -> dict:
-    bits = scale_bits(schema, n)
     progress("bytes: the layer's upload, zlib, SEAL's header")
     silos = tuple(f"silo-{k:02d}" for k in range(n))
     spec = SumSpec("bench-bytes", "contribution", silos, schema)
     blob = Identities(silos).half(spec, silos[0], secret).start(torch.from_numpy(values))[0].blob
-    header = seal_header(chunks_of(ts.context_from(secret.public.serialized), blob)[0])
+    chunks = chunks_of(ts.context_from(secret.public.serialized), blob)
     progress("bytes: other coefficient-modulus chains")
-    other = chains(values, schema, n)
-    progress("bytes: a seeded symmetric ciphertext through tenseal.sealapi")
     return {
         "silos": n,
         "upload": len(blob),
+        "chunk": len(parts_of(blob)[0]),
+        "expanded": framed([len(c) for c in chunks]),
+        "expanded_chunk": len(chunks[0]),
         "float32": 4 * schema.size,
-        "header": header,
+        "header": seal_header(blob),
         "zlib": compression(blob),
-        "chains": other,
-        "seeded": seeded(values, bits),
+        "chains": chains(values, schema, n),
     }
 
 
@@ -488,26 +477,35 @@ def x32(size: int, numbers: int) -> str:
     return f"{size / (4 * numbers):.2f}×"
 
 
+def against_before(step: dict) -> str:
+    return (
+        f"{step['layer_s']:.3f} s / {step['before_s']:.3f} s / {step['raw_s']:.3f} s, "
+        f"**{step['ratio_to_before']:.2f}×**, {step['ratio']:.2f}×"
+    )
+
+
 def tables(result: dict) -> str:
     numbers = result["numbers"]
     lines = [
         f"Machine: {result['machine']}.",
         f"Command: `{result['command']}`; {numbers:,} numbers; medians of {result['repeats']} repeats.",
         "",
-        "| n | scale | encryption: layer / raw TenSEAL | sum at the aggregator: layer / raw | "
-        "consistency signature | decryption (signatures checked): layer / raw (grid alone) | "
-        "upload / sum bytes | largest error of the sum |",
+        "| n | scale "
+        "| encryption: layer (seeded) / before (expanded) / raw TenSEAL (expanded), layer ÷ before, ÷ raw "
+        "| sum at the aggregator: layer / before / raw TenSEAL (of the seeded uploads), the same ratios "
+        "| consistency signature "
+        "| decryption (signatures checked): layer / raw (grid alone) "
+        "| upload (before) / sum bytes | largest error of the sum |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["by_silos"]:
         e, a, d, b = r["encrypt"], r["add"], r["decrypt"], r["bytes"]
         lines.append(
-            f"| {r['silos']} | 2^{r['scale_bits']} "
-            f"| {e['layer_s']:.3f} s / {e['raw_s']:.3f} s, **{e['ratio']:.2f}×** "
-            f"| {a['layer_s']:.3f} s / {a['raw_s']:.3f} s, **{a['ratio']:.2f}×** "
+            f"| {r['silos']} | 2^{r['scale_bits']} | {against_before(e)} | {against_before(a)} "
             f"| {r['consistency_s']:.3f} s "
             f"| {d['layer_s']:.3f} s / {d['raw_s']:.3f} s, **{d['ratio']:.2f}×** ({d['grid_s']:.3f} s) "
-            f"| {b['upload']:,} B ({x32(b['upload'], numbers)} float32) / {b['sum']:,} B "
+            f"| {b['upload']:,} B, {x32(b['upload'], numbers)} float32 "
+            f"({b['expanded_upload']:,} B, {x32(b['expanded_upload'], numbers)}) / {b['sum']:,} B "
             f"| {r['ckks_error_max']:.2g} |"
         )
     lines += [
@@ -531,7 +529,10 @@ def tables(result: dict) -> str:
         "",
         "| form | bytes | × float32 | note |",
         "|---|---|---|---|",
-        f"| the layer's upload, chain (60, 60) | {up:,} | {x32(up, numbers)} | |",
+        f"| the layer's upload: seeded, chain (60, 60) | {up:,} | **{x32(up, numbers)}** "
+        f"| {w['chunk']:,} B a ciphertext |",
+        f"| the same, expanded (the upload before; the sum's form) | {w['expanded']:,} "
+        f"| {x32(w['expanded'], numbers)} | {w['expanded_chunk']:,} B a ciphertext |",
     ]
     for level, z in w["zlib"].items():
         lines.append(
@@ -545,11 +546,6 @@ def tables(result: dict) -> str:
             f"| scale 2^{c['scale_bits']}{refused}; largest error {c['error_max']:.2g}; "
             f"{c['encrypt_s']:.2f} s to encrypt |"
         )
-    s = w["seeded"]
-    lines.append(
-        f"| seeded symmetric ciphertexts, (60, 60), `sealapi` | {s['bytes']:,} | {x32(s['bytes'], numbers)} "
-        f"| {s['chunk_bytes']:,} B a chunk, {s['expanded_chunk_bytes']:,} B once loaded |"
-    )
     bt = result["batching"]
     lines += [
         "",
@@ -557,7 +553,7 @@ def tables(result: dict) -> str:
         "|---|---|---|---|---|---|",
     ]
     names = {
-        "vector": "a `ckks_vector` per 4,096 values (the layer's)",
+        "vector": "a `ckks_vector` per 4,096 values (the layer's sums; its uploads before seeding)",
         "tensor": "one `ckks_tensor`, batch=True",
         "tensor_1_thread": "one `ckks_tensor`, batch=True, context with 1 thread",
     }

@@ -3,6 +3,10 @@ can and cannot do with what it holds."""
 
 from __future__ import annotations
 
+import os
+import stat
+import tempfile
+
 import numpy as np
 import pytest
 import tenseal as ts
@@ -13,6 +17,7 @@ from hypothesis import strategies as st
 
 from fedlt.aggregation import Field, Schema
 from fedlt.aggregation.halves import BadMessage, Released, SumSpec, WrongStage
+from privacy.ckks import seeded
 from privacy.ckks.halves import (
     CkksAggregatorHalf,
     CkksSiloHalf,
@@ -24,6 +29,7 @@ from privacy.ckks.halves import (
 from privacy.ckks.keys import (
     COEFF_MOD_BIT_SIZES,
     POLY_MODULUS_DEGREE,
+    SLOTS,
     Ciphertext,
     CkksKeyError,
     CkksOverflowRisk,
@@ -194,3 +200,100 @@ def test_a_silo_signs_a_sum_only_over_its_silos_in_order_and_decrypts_only_what_
         half.step(EncryptedSum(blob, SILOS))
     assert not half.done
     assert half.counted == ()
+
+
+def expanded(values: np.ndarray, *, scale_bits: int = 30) -> bytes:
+    """The same values in TenSEAL's own (expanded) form, in the layer's frame: both polynomials of each
+    ciphertext written out, as uploads were before they became seeded."""
+    context = ts.context_from(SECRET.secret_bytes())
+    chunks = [
+        ts.ckks_vector(context, values[i : i + SLOTS], scale=2.0**scale_bits)
+        for i in range(0, len(values), SLOTS)
+    ]
+    return Ciphertext(chunks).serialize()
+
+
+@given(st.integers(1, 3 * SLOTS))
+@settings(max_examples=8, deadline=None)
+def test_an_upload_in_the_expanded_form_is_refused_as_larger_than_needed(values):
+    """A silo announcing twice the bytes its upload needs is refused before the aggregator reads a byte:
+    the bound fits the seeded form the layer sends, not TenSEAL's expanded one."""
+    schema = Schema((Field("delta", (values,), 50.0, frac_bits=20),))
+    half = aggregator_half(SumSpec("r1", "contribution", SILOS, schema, b"", None))
+    limit = half.upload_bytes("a", EncryptedUpload)
+    assert len(SECRET.encrypt(np.zeros(values), scale_bits=30)) <= limit
+    assert len(expanded(np.zeros(values))) > limit
+
+
+def test_a_silos_upload_is_seeded_at_4_times_float32_and_the_sum_it_adds_up_to_is_expanded():
+    """Each ciphertext's second polynomial travels as its seed: 4,096 values take one polynomial of 8,192
+    64-bit coefficients. The aggregator reads the uploads with the public context alone; the sum it hands
+    back is an ordinary ciphertext, twice the bytes."""
+    values = np.random.default_rng(0).uniform(-50, 50, 3 * SLOTS)
+    upload = SECRET.encrypt(values, scale_bits=30)
+    assert len(upload) <= 4.1 * 4 * len(values)
+    public = PublicContext.from_bytes(SECRET.public_bytes())
+    total = public.add([upload, upload])
+    assert len(total) > 1.95 * len(upload)
+    assert np.abs(SECRET.decrypt(total, len(values)) - 2 * values).max() < 1e-5
+
+
+def test_an_expanded_upload_handed_to_the_half_itself_is_refused():
+    """The evaluation sum's uploads arrive inside state reports and reach the half without the Submit
+    stream's announced-size check, so the half holds an upload to the seeded form's bound itself."""
+    spec = SumSpec("r1", "evaluation", SILOS, SCHEMA, b"", None)
+    half = aggregator_half(spec)
+    with pytest.raises(BadMessage, match="seeded"):
+        half.receive("a", EncryptedUpload(expanded(np.zeros(SCHEMA.size))))
+    assert half.answered == set()
+    half.receive("a", EncryptedUpload(SECRET.encrypt(np.zeros(SCHEMA.size), scale_bits=30)))
+    assert half.answered == {"a"}
+
+
+def test_the_seeded_sum_is_the_expanded_sum_within_ckks_error_on_the_grid():
+    """The same three uploads, seeded and expanded: both sums decrypt to the truth within the grid, and to
+    each other within one grid step (rounding may fall either side of a step for either)."""
+    rng = np.random.default_rng(1)
+    spec = SumSpec("r1", "contribution", SILOS, SCHEMA, b"", None)
+    vectors = [np.append(rng.uniform(-50, 50, 5000), rng.integers(1, 1000)) for _ in SILOS]
+    truth = sum(vectors)
+    bits = scale_bits(SCHEMA, len(SILOS))
+    sums = (
+        SECRET.public.add([SECRET.encrypt(v, scale_bits=bits) for v in vectors]),
+        SECRET.public.add([expanded(v, scale_bits=bits) for v in vectors]),
+    )
+    new, before = (on_grid(spec, SECRET.decrypt(s, SCHEMA.size)).numpy() for s in sums)
+    assert np.abs(new - truth).max() <= 2.0**-20
+    assert np.abs(before - truth).max() <= 2.0**-20
+    assert np.abs(new - before).max() <= 2.0**-20
+    assert new[-1] == before[-1] == truth[-1]
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="memfd is Linux's")
+def test_seeded_ciphertexts_pass_through_memory_and_leave_no_descriptor_open():
+    before = sorted(os.listdir("/proc/self/fd"))
+    blob = SECRET.encrypt(np.arange(5.0), scale_bits=30)
+    assert sorted(os.listdir("/proc/self/fd")) == before
+    assert np.allclose(SECRET.decrypt(blob, 5), np.arange(5.0), atol=1e-5)
+
+
+def test_without_memfd_seeded_ciphertexts_pass_through_a_private_directory_removed_after(
+    monkeypatch, tmp_path
+):
+    """Where SEAL can reach no in-memory file, each ciphertext is written in a 0700 directory, then read."""
+    monkeypatch.delattr(os, "memfd_create", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    modes = []
+    read = seeded._PrivateFile.read
+
+    def spy(target):
+        modes.append(stat.S_IMODE(os.stat(os.path.dirname(target.path)).st_mode))
+        return read(target)
+
+    monkeypatch.setattr(seeded._PrivateFile, "read", spy)
+    values = np.random.default_rng(2).uniform(-1, 1, SLOTS + 7)
+    blob = SECRET.encrypt(values, scale_bits=30)
+    assert modes == [0o700, 0o700]
+    assert list(tmp_path.iterdir()) == []
+    assert len(blob) <= ciphertext_limit(len(values))
+    assert np.abs(SECRET.decrypt(blob, len(values)) - values).max() < 1e-5

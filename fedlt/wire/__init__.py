@@ -125,7 +125,9 @@ def submit_stream(
         yield pb.SubmitRequest(chunk=part)
 
 
-def fetch_sum(stub, round_id: str, purpose: str, *, total_bytes: int, sha256: str, timeout: float) -> bytes:
+def fetch_announced(
+    stub, round_id: str, purpose: str, *, total_bytes: int, sha256: str, timeout: float
+) -> bytes:
     """A sum's payload a SumStep announced (its size and SHA-256), through the FetchSum RPC: read no further
     than announced, and refused (BadMessage) unless it is the payload announced."""
     request = pb.FetchSumRequest(round_id=round_id, sum=SUM_OF_PURPOSE[purpose])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, replace
 
-from fedlt.wire import fetch_sum
+from fedlt.wire import fetch_announced
 from fedlt.wire.codec import encode
 from privacy.blind.halves import BlindTotal
 from privacy.secagg import wire as secagg
@@ -34,7 +34,7 @@ def ready_to_pb(step: BlindTotal) -> dict[str, object]:
 
 
 def fetch_total(stub, round_id: str, purpose: str, ready: TotalReady, timeout: float) -> BlindTotal:
-    data = fetch_sum(
+    data = fetch_announced(
         stub, round_id, purpose, total_bytes=ready.total_bytes, sha256=ready.sha256, timeout=timeout
     )
     return BlindTotal(data)

@@ -65,14 +65,16 @@ class SumNotAgreed(BadMessage):
 
 @dataclass(frozen=True)
 class EncryptedUpload:
-    """One silo's vector, encrypted under the consortium's key."""
+    """One silo's vector, encrypted under the consortium's key, its ciphertexts seeded
+    (`privacy.ckks.seeded`): the aggregator refuses one announcing more bytes than that form needs
+    (`ciphertext_limit`)."""
 
     blob: bytes = field(repr=False)
 
 
 @dataclass(frozen=True)
 class EncryptedSum:
-    """The ciphertext sum, to every silo it counts, with who that is."""
+    """The ciphertext sum, to every silo it counts, with who that is: expanded, twice an upload's bytes."""
 
     blob: bytes = field(repr=False)
     survivors: tuple[str, ...]
@@ -234,6 +236,12 @@ class CkksAggregatorHalf(AggregatorHalf):
             if self._uploads[silo] != message.blob:
                 raise BadMessage(f"{silo} already uploaded another ciphertext")
             return
+        limit = ciphertext_limit(self.spec.schema.size)
+        if len(message.blob) > limit:  # an evaluation upload comes inside a state report, unannounced
+            raise BadMessage(
+                f"{silo}'s upload takes {len(message.blob)} bytes; seeded ciphertexts of this sum take at "
+                f"most {limit}"
+            )
         try:
             ciphertext = self._public.read(message.blob)
         except CkksKeyError as exc:

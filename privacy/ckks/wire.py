@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from fedlt.aggregation.halves import BadMessage
 from fedlt.aggregation.registry import LayerWire
 from fedlt.v1 import consortium_pb2 as pb
-from fedlt.wire import SUM_OF_PURPOSE, submit_stream
+from fedlt.wire import fetch_announced, submit_stream
 from privacy.ckks.halves import EncryptedSum, EncryptedUpload, SumSignatures
 from privacy.peers import SIGNATURE_DRILL_NAMES, SIGNATURE_RECEIVERS, SIGNATURE_SENDERS, Signed
 
@@ -48,15 +48,10 @@ def ready_from_pb(step: pb.SumStep) -> SumReady:
 
 
 def fetch_sum(stub, round_id: str, purpose: str, ready: SumReady, timeout: float) -> EncryptedSum:
-    request = pb.FetchSumRequest(round_id=round_id, sum=SUM_OF_PURPOSE[purpose])
-    data = bytearray()
-    for part in stub.FetchSum(request, timeout=timeout):
-        if part.offset != len(data) or len(data) + len(part.data) > ready.total_bytes:
-            raise BadMessage("the encrypted sum streamed does not fit the size announced")
-        data += part.data
-    if len(data) != ready.total_bytes or hashlib.sha256(data).hexdigest() != ready.sha256:
-        raise BadMessage("the encrypted sum fetched is not the one announced")
-    return EncryptedSum(bytes(data), ready.survivors)
+    data = fetch_announced(
+        stub, round_id, purpose, total_bytes=ready.total_bytes, sha256=ready.sha256, timeout=timeout
+    )
+    return EncryptedSum(data, ready.survivors)
 
 
 def signatures_to_pb(step: SumSignatures) -> dict[str, object]:
