@@ -11,21 +11,44 @@ from __future__ import annotations
 import hashlib
 import tomllib
 from dataclasses import dataclass, field
+from typing import Any
 
 from fedlt.aggregation import Schema, evaluation_block
 from fedlt.config import as_toml, parse_section, setting
 from fedlt.dp import DPSettings
 from fedlt.errors import ConfigError
 from fedlt.methods import Method, MethodChoice, ModelSpec, TrainConfig, method_class
-from fedlt.models import MODELS
+from fedlt.models import MODELS, ModelOptions
+from fedlt.models.entry import ENTRY_FORM, parse_entry
 from fedlt.selection import SelectionConfig
 
 
 @dataclass(frozen=True)
 class ModelSection:
-    name: str = setting("cnn", choices=tuple(MODELS))
+    """A built-in model, or one named by entry point with its factory's `options` (`fedlt.models.entry`;
+    each silo runs only entry points its policy pins, `silo.models`)."""
+
+    name: str = setting("cnn", doc=f"{', '.join(MODELS)}, or an entry point {ENTRY_FORM}")
     image_shape: tuple[int, ...] = (1, 28, 28)
     classes: tuple[str, ...] = tuple(str(d) for d in range(10))
+    options: ModelOptions = field(default_factory=ModelOptions)
+
+    def problems(self) -> list[str]:
+        """The name's form and the options it may take; nothing is imported here."""
+        if self.name in MODELS:
+            return [f"model.options: the built-in model {self.name} takes no options"] if self.options else []
+        if parse_entry(self.name) is None:
+            allowed = f"{', '.join(map(repr, MODELS))}, or an entry point {ENTRY_FORM}"
+            return [f"model.name: unknown model {self.name!r}; allowed: {allowed}"]
+        return []
+
+    def to_table(self) -> dict[str, Any]:
+        """As a plan writes it; without options, exactly as before entry points, so that a built-in plan's
+        text and hash stay the same."""
+        table: dict[str, Any] = {"name": self.name, "image_shape": self.image_shape, "classes": self.classes}
+        if self.options:
+            table["options"] = self.options.to_table()
+        return table
 
 
 @dataclass(frozen=True)
@@ -51,6 +74,7 @@ class RoundPlan:
     def problems(self) -> list[str]:
         """What the field-by-field checks cannot see."""
         problems = self.selection.problems() + self.dp.problems(discloses=self.selection.discloses)
+        problems += self.model.problems()
         shape = self.model.image_shape
         if len(shape) != 3 or min(shape, default=0) < 1:
             problems.append(f"model.image_shape: expected [channels, height, width], got {list(shape)}")
@@ -67,7 +91,9 @@ class RoundPlan:
 
     def build_method(self) -> Method:
         channels, height, width = self.model.image_shape
-        spec = ModelSpec(self.model.name, (channels, height, width), len(self.model.classes))
+        spec = ModelSpec(
+            self.model.name, (channels, height, width), len(self.model.classes), options=self.model.options
+        )
         return method_class(self.method.name)(
             options=self.method.options, train=self.train, model=spec, rounds=self.rounds, dp=self.dp
         )

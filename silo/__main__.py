@@ -14,6 +14,10 @@ what (its ledger, which the agent charges before any private work).
 `python -m silo export --config silo.toml --out DIR`: the model this silo last stepped to (where only silos
 can read the consortium's state, e.g. ckks), as safetensors weights with a model card; it fetches nothing.
 
+`python -m silo models pin package.module:factory`: the `[policy] models` item that lets plans name this
+model, with the digest of its installed source (`silo.models`), computed without importing it; run it in the
+agent's environment and folder, where the agent will look the package up.
+
 `python -m silo certificate-request --config silo.toml --out FILE`: a certificate request for this silo's
 key (made, owner-only, if `[connection] key` does not exist yet), for the CA holder to issue or renew its
 certificate without the key leaving the silo (`python -m aggregator ca issue-silo|renew-silo --csr FILE`).
@@ -74,8 +78,19 @@ def main(argv: list[str] | None = None) -> int:
     request.add_argument("--config", required=True, help="silo.toml")
     request.add_argument("--out", type=Path, required=True, help="where to write the request (PEM)")
     request.add_argument("--silo-id", help="this silo's id (default: the one its certificate names)")
+    models = commands.add_parser("models", help="the model entry points this silo's policy pins")
+    models_commands = models.add_subparsers(dest="models_command", required=True)
+    pin = models_commands.add_parser(
+        "pin", help="print the [policy] models item for an entry point, from its installed source"
+    )
+    pin.add_argument("entry", help="package.module:factory")
     args = parser.parse_args(argv)
     try:
+        if args.command == "models":
+            from silo.models import pin_line  # torch loads (fedlt.models); the entry point's package does not
+
+            print(pin_line(args.entry))
+            return 0
         config = load_silo_config(args.config)
         if args.command == "budget":
             from silo.budget import show_budget  # NumPy and Opacus' accountant load only for this command

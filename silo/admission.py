@@ -2,11 +2,12 @@
 
 For each RoundSpec the agent verifies the signature, that it is addressed to the roster's consortium and to
 this silo, that its method, privacy layer, disclosures and secure-sum parameters meet the silo's policy, that
-the plan parses and matches its hash, and that the state it streams matches the signed digest. Only then does
-it train. The layer must be one this silo implements and its policy lists (`sides`, this silo's side of each);
-a RoundSpec naming any other layer is refused, so no layer ever falls back to a plain upload. Where the layer
-asks for the key service, the key the RoundSpec names is fetched first (`silo.key_service`), so that a round
-naming a key this silo cannot hold is refused here.
+the plan parses and matches its hash, that a model it names by entry point is one the policy pins, with the
+pinned digest (`silo.models`: checked before anything of it is imported), and that the state it streams
+matches the signed digest. Only then does it train. The layer must be one this silo implements and its
+policy lists (`sides`, this silo's side of each); a RoundSpec naming any other layer is refused, so no layer
+ever falls back to a plain upload. Where the layer asks for the key service, the key the RoundSpec names is
+fetched first (`silo.key_service`), so that a round naming a key this silo cannot hold is refused here.
 
 Every release passes the silo's one release gate (`fedlt.aggregation.gate`: roster, floors, and the release
 ledger keyed by the state trained from), whose ledgers fail closed at start (`silo.releases.check_ledgers`);
@@ -52,6 +53,7 @@ from privacy.roundspec import RoundSpecError
 from silo.config import SiloConfig
 from silo.connection import Standing
 from silo.key_service import KeyService
+from silo.models import model_refusals
 from silo.releases import ReleaseLedger
 from silo.stepping import expected_schema, opened_state
 from silo.transport import SiloTransport
@@ -322,9 +324,11 @@ class Admission:
         return plan
 
     def _plan_problems(self, plan: RoundPlan, side: SiloSide, sums: RoundSums) -> list[str]:
-        """The plan's DP against this silo's [dp], and, where the layer hides inputs, the statistics that
-        would invert against its record floor."""
-        refused = self.config.dp.problems(plan.dp)
+        """The plan's model against the entry points this silo pins (nothing of it imported yet), its DP
+        against this silo's [dp], and, where the layer hides inputs, the statistics that would invert
+        against its record floor."""
+        refused = model_refusals(plan.model.name, self.config.policy.pinned_models)
+        refused += self.config.dp.problems(plan.dp)
         if side.hides_inputs:
             accepted = self.config.policy.min_class_records
             refused += tail_guard.inverting_problems(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
@@ -20,6 +21,7 @@ from fedlt.dp import DPSettings
 from fedlt.errors import ConfigError
 from fedlt.keepalive import MIN_SECONDS
 from fedlt.methods import METHODS
+from fedlt.models.entry import ENTRY_FORM, parse_entry
 
 
 @dataclass(frozen=True)
@@ -94,9 +96,19 @@ class PolicySection:
         "1/2",
         doc="refuse a roster whose quorum of silo signatures is not above this fraction of its silos",
     )
+    models: tuple[dict, ...] = setting(
+        (),
+        doc='entry points a plan may name as its model, each pinned: [{ entry = "package.module:factory", '
+        'sha256 = "..." }] as `python -m silo models pin` prints it; built-in models need no pin',
+    )
+
+    @property
+    def pinned_models(self) -> dict[str, str]:
+        """Each allowed entry point's pinned digest (`silo.models`), once `problems` found none."""
+        return {pin["entry"]: pin["sha256"] for pin in self.models}
 
     def problems(self) -> list[str]:
-        found = []
+        found = _pin_problems(self.models)
         unknown_methods = sorted(set(self.methods) - set(METHODS))
         if unknown_methods:
             found.append(f"policy.methods: unknown {unknown_methods}; known: {', '.join(METHODS)}")
@@ -124,6 +136,30 @@ class PolicySection:
                 f"{self.min_participants}, so no sum could ever count enough silos"
             )
         return found
+
+
+def _pin_problems(pins: tuple[dict, ...]) -> list[str]:
+    """Each `[policy] models` item: exactly an entry point and a SHA-256 in hex, each entry point once."""
+    found, seen = [], set()
+    for k, pin in enumerate(pins):
+        where = f"policy.models[{k}]"
+        if set(pin) != {"entry", "sha256"}:
+            form = '{ entry = "package.module:factory", sha256 = "..." }'
+            found.append(f"{where}: expected {form}, got {pin}")
+            continue
+        entry, digest = pin["entry"], pin["sha256"]
+        if not isinstance(entry, str) or parse_entry(entry) is None:
+            found.append(f"{where}.entry: {entry!r} is not an entry point {ENTRY_FORM}")
+        elif entry in seen:
+            found.append(f"{where}.entry: {entry!r} is listed twice")
+        else:
+            seen.add(entry)
+        if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+            found.append(
+                f"{where}.sha256: expected 64 lowercase hex digits as `python -m silo models pin` prints, "
+                f"got {digest!r}"
+            )
+    return found
 
 
 def _fraction(text: str) -> Fraction | None:

@@ -35,6 +35,7 @@ from privacy.stepping.sealed_state import SealedStateError, open_state
 from silo.budget import open_ledger
 from silo.config import SiloConfig
 from silo.key_service import Keyring
+from silo.models import model_refusals
 
 STEPPED = "stepped-state.bin"
 MAGIC = b"FSTEPPED1"
@@ -70,6 +71,9 @@ def export_stepped(config: SiloConfig, out: Path, *, echo: Callable = print) -> 
     state_dir = config.path(config.state_dir)
     facts, sealed = _kept(state_dir)
     plan = _plan(facts, state_dir)
+    refused = model_refusals(plan.model.name, config.policy.pinned_models)
+    if refused:  # the policy may have dropped the model, or its code changed, since the round: run nothing
+        raise ExportError("; ".join(refused))
     state = _opened(state_dir, facts, sealed)
     card = write_export(
         out, plan=plan, method=plan.build_method(), state=state, facts=_card_facts(config, facts, plan)

@@ -11,6 +11,8 @@ import hashlib
 import json
 import shutil
 import sqlite3
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -429,9 +431,11 @@ def state_of(round_number: int) -> GlobalState:
     return state
 
 
-def stepped(kit_dir: Path, round_number: int = 2, silo: int = 1) -> tuple[Path, GlobalState, bytes]:
-    """A silo that stepped `round_number` under ckks and kept its report, as the agent keeps it; (its
-    config, the state it stepped to, the signature it reported)."""
+def stepped(
+    kit_dir: Path, round_number: int = 2, silo: int = 1, plan: RoundPlan = PLAN
+) -> tuple[Path, GlobalState, bytes]:
+    """A silo that stepped `round_number` of `plan` under ckks and kept its report, as the agent keeps it;
+    (its config, the state it stepped to, the signature it reported)."""
     config_path = kit_dir / f"silo-{silo}.toml"
     config = load_silo_config(config_path)
     state_dir = config.path(config.state_dir)
@@ -455,8 +459,8 @@ def stepped(kit_dir: Path, round_number: int = 2, silo: int = 1) -> tuple[Path, 
         round=round_number,
         round_id=f"r{round_number}.a1.x",
         privacy="ckks",
-        method_config=PLAN.to_toml(),
-        config_sha256=PLAN.sha256(),
+        method_config=plan.to_toml(),
+        config_sha256=plan.sha256(),
         state_digest=start.digest(),
     )
     header = pb.StateReportHeader(
@@ -552,6 +556,19 @@ def test_what_a_silo_cannot_export_is_said_in_one_line_with_exit_2(
     assert code == 2
     assert expected in err
     assert case == "out not empty" or not out.exists()
+
+
+def test_a_silo_exports_no_model_its_policy_does_not_pin(ckks_kit, tmp_path, capsys):
+    """Exporting builds the plan's model: a model the policy does not pin (or no longer does) is refused in
+    one line, and its code is never imported."""
+    kit_dir = Path(shutil.copytree(ckks_kit, tmp_path / "kit"))
+    plan = replace(PLAN, model=replace(PLAN.model, name="fedlt_unpinned_model:make"))
+    config_path, _, _ = stepped(kit_dir, plan=plan)
+    code, err = silo_export(config_path, tmp_path / "model", capsys)
+    assert code == 2
+    assert "'fedlt_unpinned_model:make' is not an entry point policy.models allows" in err
+    assert "fedlt_unpinned_model" not in sys.modules
+    assert not (tmp_path / "model").exists()
 
 
 def test_the_kept_state_is_replaced_by_each_step(ckks_kit, tmp_path, capsys):

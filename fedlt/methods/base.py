@@ -12,7 +12,7 @@ to stop.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -24,21 +24,29 @@ from fedlt.dp import DPSettings
 from fedlt.errors import ContributionError
 from fedlt.methods.local import GradHook, PrivateRound, TrainConfig
 from fedlt.methods.state import GlobalState
-from fedlt.models import SplitModel, build_model, dp_compatible
+from fedlt.models import ModelOptions, SplitModel, build_model, dp_compatible
 from fedlt.seeding import derive_seed, torch_generator
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """`private`: the model trains with DP-SGD, so layers that mix a batch's samples are replaced."""
+    """`name`: a built-in model or an entry point, with `options` for its factory (`fedlt.models.entry`).
+    `private`: the model trains with DP-SGD, so layers that mix a batch's samples are replaced."""
 
     name: str
     image_shape: tuple[int, int, int]
     num_classes: int
     private: bool = False
+    options: ModelOptions = field(default_factory=ModelOptions)
 
     def build(self, seed: int) -> SplitModel:
-        model = build_model(self.name, image_shape=self.image_shape, num_classes=self.num_classes, seed=seed)
+        model = build_model(
+            self.name,
+            image_shape=self.image_shape,
+            num_classes=self.num_classes,
+            seed=seed,
+            options=self.options,
+        )
         return dp_compatible(model) if self.private else model
 
 

@@ -1,15 +1,18 @@
-"""Model table: names a config may use, the input sizes each accepts, and a seeded constructor."""
+"""Model table: names a config may use, the input sizes each accepts, and a seeded constructor; any other
+model is named by entry point (`fedlt.models.entry`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from fedlt.errors import ConfigError
 from fedlt.models.base import SplitModel
 from fedlt.models.cnn import mcmahan_cnn, small_cnn
+from fedlt.models.entry import ENTRY_FORM, ModelOptions, build_entry, parse_entry
 from fedlt.models.resnet import resnet8
 
 
@@ -29,10 +32,34 @@ MODELS: dict[str, ModelEntry] = {
 DEFAULT_FOR_SIDE = {28: "cnn", 8: "cnn-small", 32: "resnet8"}
 
 
-def build_model(name: str, *, image_shape: tuple[int, int, int], num_classes: int, seed: int) -> SplitModel:
-    """A freshly initialised model; the seed fixes the initial weights without touching global RNG state."""
-    if name not in MODELS:
-        raise ConfigError("model.name", [f"unknown model {name!r}; allowed: {', '.join(MODELS)}"])
+def build_model(
+    name: str,
+    *,
+    image_shape: tuple[int, int, int],
+    num_classes: int,
+    seed: int,
+    options: ModelOptions | None = None,
+) -> SplitModel:
+    """A freshly initialised model, built-in or named by entry point (`fedlt.models.entry`); the seed fixes
+    the initial weights without touching global RNG state."""
+    options = options or ModelOptions()
+    if name in MODELS:
+        make = _builtin(name, image_shape, num_classes, options)
+    else:
+        entry = parse_entry(name)
+        if entry is None:
+            allowed = f"{', '.join(MODELS)}, or an entry point {ENTRY_FORM}"
+            raise ConfigError("model.name", [f"unknown model {name!r}; allowed: {allowed}"])
+        make = partial(build_entry, entry, image_shape=image_shape, num_classes=num_classes, options=options)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return make()
+
+
+def _builtin(
+    name: str, image_shape: tuple[int, int, int], num_classes: int, options: ModelOptions
+) -> Callable[[], SplitModel]:
+    """A built-in's constructor, once its input size and options are checked (it takes none)."""
     channels, height, width = image_shape
     entry = MODELS[name]
     if height != width or height not in entry.sides:
@@ -40,9 +67,9 @@ def build_model(name: str, *, image_shape: tuple[int, int, int], num_classes: in
             "model.name",
             [f"{name} takes {' or '.join(f'{s}x{s}' for s in entry.sides)} images, got {height}x{width}"],
         )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return entry.build(channels, num_classes)
+    if options:
+        raise ConfigError("model.options", [f"the built-in model {name} takes no options"])
+    return partial(entry.build, channels, num_classes)
 
 
 def dp_compatible(model: SplitModel) -> SplitModel:
@@ -56,4 +83,12 @@ def dp_compatible(model: SplitModel) -> SplitModel:
     return ModuleValidator.fix(model)
 
 
-__all__ = ["DEFAULT_FOR_SIDE", "MODELS", "SplitModel", "build_model", "dp_compatible"]
+__all__ = [
+    "DEFAULT_FOR_SIDE",
+    "ENTRY_FORM",
+    "MODELS",
+    "ModelOptions",
+    "SplitModel",
+    "build_model",
+    "dp_compatible",
+]

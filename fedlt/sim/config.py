@@ -15,13 +15,26 @@ from fedlt.errors import ConfigError
 from fedlt.methods import TrainConfig
 from fedlt.methods.choice import MethodChoice
 from fedlt.metrics import ShotThresholds
-from fedlt.models import MODELS
+from fedlt.models import ENTRY_FORM, MODELS, ModelOptions
+from fedlt.plan import ModelSection
 from fedlt.selection import SelectionConfig
 
 
 @dataclass(frozen=True)
 class ModelChoice:
-    name: str = setting("auto", choices=("auto", *MODELS), doc="auto picks by image size")
+    """`auto` (by image size), a built-in model, or one named by entry point with its factory's `options`."""
+
+    name: str = setting("auto", doc=f"auto picks by image size; {', '.join(MODELS)}; or {ENTRY_FORM}")
+    options: ModelOptions = field(default_factory=ModelOptions)
+
+    def problems(self) -> list[str]:
+        if self.name == "auto":
+            return ["model.options: auto picks a built-in model, which takes none"] if self.options else []
+        return ModelSection(name=self.name, options=self.options).problems()
+
+    def to_table(self) -> dict[str, Any]:
+        """Without options, as before entry points: a run's fingerprint, and so its checkpoint, stay valid."""
+        return {"name": self.name, **({"options": self.options.to_table()} if self.options else {})}
 
 
 @dataclass(frozen=True)
@@ -93,7 +106,7 @@ def load_sim_config(
             node[key] = set_to
     problems: list[str] = []
     config = parse_section(SimConfig, tree, "", problems)
-    problems += config.selection.problems()
+    problems += config.model.problems() + config.selection.problems()
     problems += config.dp.problems(discloses=config.selection.discloses)
     if config.selection.per_round > config.data.silos:
         problems.append(

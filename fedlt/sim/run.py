@@ -153,7 +153,7 @@ def make_method(config: SimConfig, image_shape: tuple[int, int, int], num_classe
     auto = DEFAULT_FOR_SIDE.get(image_shape[1], "resnet8")
     name = config.model.name if config.model.name != "auto" else auto
     cls = method_class(config.method.name)
-    spec = ModelSpec(name, image_shape, num_classes)
+    spec = ModelSpec(name, image_shape, num_classes, options=config.model.options)
     return cls(
         options=config.method.options, train=config.train, model=spec, rounds=config.rounds, dp=config.dp
     )
