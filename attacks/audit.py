@@ -9,7 +9,7 @@ under the tail guard) leaves the attacker its prior.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,6 +21,7 @@ from attacks.decoder import FeatureDecoder, decode, prior, train_decoder
 from attacks.scenario import (
     Planted,
     Refused,
+    Release,
     Scenario,
     Uploads,
     attacked_state,
@@ -31,7 +32,8 @@ from attacks.scenario import (
     trained_state,
 )
 from attacks.scoring import best_match, image_report
-from fedlt.aggregation.sums import Sums
+from fedlt.aggregation import tail_guard
+from fedlt.aggregation.sums import SumLayer, Sums
 from fedlt.methods import GlobalState, ServerContext
 from fedlt.methods.heads import extract_features
 
@@ -49,12 +51,87 @@ class Finding:
     note: str = ""
 
 
-def party(mode: Mode) -> str:
-    return {
-        "plaintext": "aggregator, each silo's upload",
-        "secagg": "aggregator, the sum",
-        "ckks": "each silo, the decrypted sum (the aggregator holds ciphertexts)",
-    }[mode.privacy]
+# what a party reads of a round: every upload, the sums, the sum under the silos' output masks (the ring total
+# the aggregator cannot unmask), or the sums less the input of a silo colluding with the aggregator
+UPLOADS, SUMS, MASKED, COLLUDING = "uploads", "sums", "masked total", "sums less a colluder's input"
+# each layer's parties an audit attacks, with what each reads
+VIEWS: dict[str, tuple[tuple[str, str], ...]] = {
+    "plaintext": (("aggregator, each silo's upload", UPLOADS),),
+    "secagg": (("aggregator, the sum", SUMS),),
+    "ckks": (("each silo, the decrypted sum (the aggregator holds ciphertexts)", SUMS),),
+    "blind": (
+        ("aggregator, the sum under every silo's output mask", MASKED),
+        ("aggregator + one silo, the sum less that silo's input", COLLUDING),
+    ),
+}
+# a masked total whose bytes a chi-square test tells from uniform below this p-value carries information: the
+# aggregator reads it as the sum; above it, what it holds is independent of the inputs, and it keeps its prior
+UNIFORM_P = 1e-6
+
+
+@dataclass(frozen=True)
+class View:
+    """One party's view of a mode's round, for a target: what it reads (None: nothing it can read), the
+    planted records it attacks (a colluding silo's own are no target), why it reads nothing, and what was
+    measured of a masked total."""
+
+    party: str
+    values: Mapping[str, torch.Tensor] | None
+    planted: Planted
+    note: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def colluder_for(holders: tuple[int, ...], silos: int) -> int:
+    """The silo whose collusion is worth most against records at `holders`: a co-holder of their class when
+    several hold it (its own records come out of the sum, the others' stay), else the first that holds
+    none."""
+    if len(holders) > 1:
+        return holders[0]
+    return min(set(range(silos)) - set(holders))
+
+
+def attacked(planted: Planted, colluder: int) -> Planted:
+    """`planted` without the colluder's own records."""
+    kept = [(s, r) for s, r in zip(planted.silos, planted.records, strict=True) if s != colluder]
+    return Planted(planted.label, tuple(s for s, _ in kept), tuple(r for _, r in kept))
+
+
+def masked_reading(release: Release) -> tuple[Sums | None, str, dict[str, float]]:
+    """What the aggregator makes of a ring total it cannot unmask: a chi-square test of its bytes against
+    uniform (255 degrees of freedom) and the share of its coordinates that decode to the sum's exactly. A
+    total it can tell from uniform it reads as the sum; one it cannot is independent of the inputs, so every
+    attack on it is left with the attacker's prior."""
+    ring = np.frombuffer(release.total, dtype=np.uint8)
+    expected = len(ring) / 256
+    chi2 = float(((np.bincount(ring, minlength=256) - expected) ** 2 / expected).sum())
+    p = float(torch.special.gammaincc(torch.tensor(127.5, dtype=torch.float64), torch.tensor(chi2 / 2)))
+    sums = release.sums
+    decoded = release.codec.decode(ring.copy())
+    read = float((decoded == sums.schema.flatten(dict(sums))).double().mean())
+    metrics = {"total_bytes_uniform_p": p, "coordinates_read": read}
+    if p >= UNIFORM_P:
+        note = (
+            f"withheld: the aggregator holds the sum only under the silos' output masks (its bytes uniform, "
+            f"p = {p:.3g}; {read:.0%} of its coordinates are the sum's)"
+        )
+        return None, note, metrics
+    return (
+        SumLayer.seal(sums.schema, decoded, sums.contributors),
+        "the total is not uniform: read as the sum",
+        metrics,
+    )
+
+
+def check_views(modes: tuple[Mode, ...]) -> None:
+    """Refuse, before any training, a grid with a mode whose layer the audit has no view of (a layer
+    installed after this table was written): ValueError naming it."""
+    unknown = sorted({m.privacy for m in modes} - set(VIEWS))
+    if unknown:
+        raise ValueError(
+            f"the audit does not know what each party holds of a {', '.join(unknown)} round; it knows "
+            f"{', '.join(VIEWS)} (attacks.audit.VIEWS)"
+        )
 
 
 class Audit:
@@ -66,7 +143,7 @@ class Audit:
         self.progress = progress
         self.model = _model(scenario)
         self._uploads: dict[tuple[str, float], Uploads] = {}
-        self._sums: dict[tuple[int, str], Sums | None] = {}
+        self._released: dict[tuple[int, str], Release | None] = {}
         self._refusals: dict[tuple[int, str], str] = {}
         self._decoder: FeatureDecoder | None = None
 
@@ -78,24 +155,28 @@ class Audit:
             self._uploads[key] = silo_uploads(self.scenario, method, epsilon)
         return self._uploads[key]
 
-    def released(self, uploads: Uploads, mode: Mode) -> Sums | None:
-        """The sums `mode` releases from `uploads`, aggregated once (a secure sum of CCVR's second moments
-        is the slowest step of the audit); None where the mode's silos refuse the round (`Refused`)."""
+    def released(self, uploads: Uploads, mode: Mode) -> Release | None:
+        """What `mode` releases from `uploads`, aggregated once (a secure sum of CCVR's second moments is the
+        slowest step of the audit); None where the mode's silos refuse the round (`Refused`)."""
         key = (id(uploads), mode.name)
-        if key not in self._sums:
+        if key not in self._released:
+            keep_total = any(reads == MASKED for _, reads in VIEWS[mode.privacy])
             try:
-                self._sums[key] = released(self.scenario, uploads, mode)
+                self._released[key] = released(self.scenario, uploads, mode, keep_total=keep_total)
             except Refused as exc:
-                self._sums[key], self._refusals[key] = None, str(exc)
-        return self._sums[key]
+                self._released[key], self._refusals[key] = None, str(exc)
+        return self._released[key]
 
-    def refused(self, uploads: Uploads, mode: Mode, attack: str, planted: Planted) -> Finding | None:
-        """The finding of an attack on a round every silo refuses: nothing released, the prior left."""
+    def refused(self, uploads: Uploads, mode: Mode, attack: str, planted: Planted) -> list[Finding]:
+        """The findings of an attack on a round every silo refuses, one per party: nothing released, the
+        prior left (none where the round was released)."""
         if self.released(uploads, mode) is not None or mode.privacy == "plaintext":
-            return None
-        finding = self.image_finding(attack, mode, planted, None)
-        finding.note = f"refused by every silo: {self._refusals[(id(uploads), mode.name)]}"
-        return finding
+            return []
+        note = f"refused by every silo: {self._refusals[(id(uploads), mode.name)]}"
+        return [
+            self.image_finding(attack, mode, View(name, None, planted, note), None)
+            for name, _ in VIEWS[mode.privacy]
+        ]
 
     @property
     def decoder(self) -> FeatureDecoder:
@@ -118,17 +199,35 @@ class Audit:
             return z
         return z * (dp.feature_norm / z.norm(dim=1, keepdim=True)).clamp(max=1.0)
 
-    def view(self, mode: Mode, uploads: Uploads, planted: Planted) -> tuple[Sums | dict, str]:
-        """What `mode`'s party has of the planted class: its one holder's upload (plaintext), or the sums
-        (a class two silos hold: the sum, as the tail guard's count of silos lets it out)."""
-        if mode.privacy == "plaintext" and len(planted.silos) == 1:
-            return uploads.contributions[planted.silos[0]].values, party(mode)
-        return self.released(uploads, mode), party(mode)
+    def views(self, mode: Mode, uploads: Uploads, planted: Planted) -> list[View]:
+        """What each of `mode`'s parties has of the planted class (of a released round): its one holder's
+        upload (plaintext), the sums (a class two silos hold: the sum, as the tail guard's count of silos
+        lets it out), the total under the silos' output masks (`masked_reading`), or the sums less the
+        input of the silo the aggregator colludes with (`colluder_for`), as that silo uploaded it (its rows
+        the tail guard zeroed zeroed; under DP without its noise, which the silo also knows: a weaker
+        attacker than it could be)."""
+        release = self.released(uploads, mode)
+        found = []
+        for name, reads in VIEWS[mode.privacy]:
+            if reads == UPLOADS and len(planted.silos) == 1:
+                found.append(View(name, uploads.contributions[planted.silos[0]].values, planted))
+            elif reads in (UPLOADS, SUMS):
+                found.append(View(name, release.sums, planted))
+            elif reads == MASKED:
+                values, note, metrics = masked_reading(release)
+                found.append(View(name, values, planted, note, metrics))
+            else:
+                colluder = colluder_for(planted.silos, len(self.scenario.silo_ids))
+                less = _less(release, uploads.contributions[colluder].flat())
+                note = f"silo-{colluder} colludes: its own input taken out of the sum"
+                found.append(View(name, less, attacked(planted, colluder), note))
+        return found
 
     def image_finding(
-        self, attack: str, mode: Mode, planted: Planted, recovered: np.ndarray | None, **extra
+        self, attack: str, mode: Mode, view: View, recovered: np.ndarray | None, **extra
     ) -> Finding:
-        """Scores decoded images against the planted records, with the random and prior baselines."""
+        """Scores decoded images against the view's planted records, with the random and prior baselines."""
+        planted = view.planted
         originals = self.records(planted).numpy()
         guess = prior(self.decoder, self.model, self.scenario.public, planted.label)
         withheld = recovered is None
@@ -140,20 +239,20 @@ class Audit:
             targets, found = best_match(originals, found)
             scores = image_report(targets, found, seed=self.config.seed)
         prior_scores = image_report(targets, np.repeat(guess, len(targets), axis=0), seed=self.config.seed)
-        metrics = {**image_metrics(scores, prior_scores), **extra}
+        metrics = {**image_metrics(scores, prior_scores), **extra, **view.metrics}
         leaked = self.beats_baselines(metrics)
         if "feature_error" in extra:
             leaked = leaked or extra["feature_error"] < self.config.thresholds.feature_error
         return Finding(
             attack,
             mode.name,
-            party(mode),
+            view.party,
             planted.describe(),
             metrics,
             leaked,
             mode.audited,
             {"original": targets, "recovered": found},
-            "withheld: nothing released for this class" if withheld else "",
+            _note(view.note, withheld=withheld),
         )
 
     def beats_baselines(self, metrics: dict[str, float]) -> bool:
@@ -167,16 +266,20 @@ class Audit:
         uploads = self.uploads("creff", mode.epsilon)
         planted = self.scenario.planted[0]
         refused = self.refused(uploads, mode, "analytic", planted)
-        if refused is not None:
-            return [refused]
-        values, _ = self.view(mode, uploads, planted)
+        if refused:
+            return refused
         classes = len(self.scenario.public.classes)
-        rows = values["grad"].reshape(classes, classes, -1)[planted.label]
-        feature = analytic.recover_feature(rows)
-        truth = self.features(planted, uploads)[0]
-        error = analytic.relative_error(feature, truth)
-        recovered = None if feature is None else decode(self.decoder, feature[None])
-        return [self.image_finding("analytic", mode, planted, recovered, feature_error=error)]
+        findings = []
+        for view in self.views(mode, uploads, planted):
+            feature = None
+            if view.values is not None:
+                feature = analytic.recover_feature(
+                    view.values["grad"].reshape(classes, classes, -1)[planted.label]
+                )
+            error = analytic.relative_error(feature, self.features(view.planted, uploads)[0])
+            recovered = None if feature is None else decode(self.decoder, feature[None])
+            findings.append(self.image_finding("analytic", mode, view, recovered, feature_error=error))
+        return findings
 
     def moments(self, mode: Mode) -> list[Finding]:
         """(b) on CCVR's Σz, Σzzᵀ and counts, for the classes of one and of two records at one silo, and of
@@ -185,96 +288,114 @@ class Audit:
         findings = []
         for planted in self.scenario.planted:
             refused = self.refused(uploads, mode, "moments", planted)
-            if refused is not None:
-                findings.append(refused)
+            if refused:
+                findings += refused
                 continue
-            values, _ = self.view(mode, uploads, planted)
-            found = moments.invert_moments(
-                values["feature_sum"][planted.label],
-                values["outer_sum"][planted.label],
-                float(values["count"][planted.label]),
-            )
-            error = moments.matched_error(found, self.features(planted, uploads))
-            recovered = None if found is None else decode(self.decoder, found)
-            finding = self.image_finding("moments", mode, planted, recovered, feature_error=error)
-            if found is None and bool(values["feature_sum"][planted.label].abs().max() > analytic.ZERO):
-                finding.note = "released, but its noised count rounds to no record: nothing to invert"
-            findings.append(finding)
+            for view in self.views(mode, uploads, planted):
+                findings.append(self._moments_finding(mode, uploads, view))
         return findings
+
+    def _moments_finding(self, mode: Mode, uploads: Uploads, view: View) -> Finding:
+        label, values, found = view.planted.label, view.values, None
+        if values is not None:
+            found = moments.invert_moments(
+                values["feature_sum"][label], values["outer_sum"][label], float(values["count"][label])
+            )
+        error = moments.matched_error(found, self.features(view.planted, uploads))
+        recovered = None if found is None else decode(self.decoder, found)
+        finding = self.image_finding("moments", mode, view, recovered, feature_error=error)
+        if (
+            found is None
+            and values is not None
+            and bool(values["feature_sum"][label].abs().max() > analytic.ZERO)
+        ):
+            finding.note = "released, but its noised count rounds to no record: nothing to invert"
+        return finding
 
     def decoder_attack(self, mode: Mode) -> list[Finding]:
         """(c) the decoder on synthetic features the server half makes from the release, of the one-record
         class: CReFF's federated features, Gaussian features regenerated from the pooled statistics (DFL-FS's
         and CCVR's) and SFD's SAFS features (synthesised for that class only, with its M_c)."""
         planted = self.scenario.planted[0]
+        findings = []
+        for name, method, synthesise in (
+            ("CReFF federated features", "creff", self._federated),
+            ("regenerated Gaussian features", "ccvr", self._regenerated),
+            ("SFD SAFS features", "sfd", self._safs),
+        ):
+            uploads = self.uploads(method, mode.epsilon)
+            refused = self.refused(uploads, mode, f"decoder: {name}", planted)
+            if refused:
+                findings += refused
+                continue
+            for view in self.views(mode, uploads, planted):
+                found = None if view.values is None else synthesise(uploads, view.values, planted.label)
+                findings.append(self.image_finding(f"decoder: {name}", mode, view, found))
+        return findings
+
+    def _federated(self, creff: Uploads, sums: Sums, label: int) -> np.ndarray | None:
+        state = creff.method.server_step(
+            creff.state, sums, ServerContext(creff.state.round + 1, self.config.seed)
+        )
         classes = len(self.scenario.public.classes)
-        creff = self.uploads("creff", mode.epsilon)
-        federated = refused = self.refused(creff, mode, "decoder: CReFF federated features", planted)
-        if refused is None:
-            sums = self.released(creff, mode)
-            state = creff.method.server_step(
-                creff.state, sums, ServerContext(creff.state.round + 1, self.config.seed)
-            )
-            synthetic = state.extra["features"].reshape(classes, -1, state.extra["features"].shape[-1])
-            held = float(sums["present"][planted.label]) > 0  # else the features never met its gradient
-            federated = decode(self.decoder, synthetic[planted.label][:16]) if held else None
-        ccvr = self.uploads("ccvr", mode.epsilon)
-        regenerated = refused = self.refused(ccvr, mode, "decoder: regenerated Gaussian features", planted)
-        if refused is None:
-            pooled = ccvr.method.pooled(self.released(ccvr, mode))
-            regenerated = None
-            if bool(pooled.present[planted.label]):
-                counts = torch.zeros(classes, dtype=torch.long)
-                counts[planted.label] = 16
-                features, _ = pooled.sample_counts(counts, torch.Generator().manual_seed(self.config.seed))
-                regenerated = decode(self.decoder, features)
-        sfd = self.uploads("sfd", mode.epsilon)
-        safs = refused = self.refused(sfd, mode, "decoder: SFD SAFS features", planted)
-        if refused is None:
-            sfd_sums = self.released(sfd, mode)
-            safs = None
-            if float(sfd_sums["count"][planted.label].round()) > 0:
-                ctx = ServerContext(sfd.state.round + 1, self.config.seed)
-                features, _ = sfd.method.synthetic_features(sfd_sums, ctx, classes=[planted.label])
-                safs = decode(self.decoder, features[:16])
-        attacks = ("CReFF federated features", "regenerated Gaussian features", "SFD SAFS features")
-        return [
-            found
-            if isinstance(found, Finding)
-            else self.image_finding(f"decoder: {name}", mode, planted, found)
-            for name, found in zip(attacks, (federated, regenerated, safs), strict=True)
-        ]
+        synthetic = state.extra["features"].reshape(classes, -1, state.extra["features"].shape[-1])
+        held = float(sums["present"][label]) > 0  # else the features never met its gradient
+        return decode(self.decoder, synthetic[label][:16]) if held else None
+
+    def _regenerated(self, ccvr: Uploads, sums: Sums, label: int) -> np.ndarray | None:
+        pooled = ccvr.method.pooled(sums)
+        if not bool(pooled.present[label]):
+            return None
+        counts = torch.zeros(len(self.scenario.public.classes), dtype=torch.long)
+        counts[label] = 16
+        features, _ = pooled.sample_counts(counts, torch.Generator().manual_seed(self.config.seed))
+        return decode(self.decoder, features)
+
+    def _safs(self, sfd: Uploads, sums: Sums, label: int) -> np.ndarray | None:
+        if float(sums["count"][label].round()) <= 0:
+            return None
+        ctx = ServerContext(sfd.state.round + 1, self.config.seed)
+        features, _ = sfd.method.synthetic_features(sums, ctx, classes=[label])
+        return decode(self.decoder, features[:16])
 
     def gradinv(self, mode: Mode) -> list[Finding]:
         """(d) on FedAvg's model delta of the smallest silo (plaintext) or on the averaged delta (sums):
         `GRADINV_COUNT` images sought, matched one to one to that silo's records. Baselines: random images
         and as many of the attacker's own images, matched the same way (an inversion that lands on generic
-        digits is no closer than unrelated digits)."""
+        digits is no closer than unrelated digits); a party with nothing to invert draws the latter."""
         from attacks.gradinv import invert_delta
         from fedlt.methods.state import float_keys, unflatten
 
         uploads = self.uploads("fedavg", mode.epsilon)  # what a silo releases without DP in every mode
         silos = self.scenario.federation.silos
         smallest = int(np.argmin([len(s) for s in silos]))
-        plaintext = mode.privacy == "plaintext"
-        values = uploads.contributions[smallest].values if plaintext else self.released(uploads, mode)
-        flat = values["delta"] / max(float(values["n"]), 1.0)
-        model = uploads.method.load(uploads.state.model)
-        keys = float_keys(uploads.state.model)
-        per_key = unflatten(flat.float(), uploads.state.model, keys)
-        delta = [per_key[name] for name, _ in model.named_parameters()]
         public, seed = self.scenario.public, self.config.seed
-        images = invert_delta(model, delta, count=GRADINV_COUNT, image_shape=public.image_shape, seed=seed)
         originals = silos[smallest].x
         own = public.x[np.random.default_rng(seed).choice(len(public), GRADINV_COUNT, replace=False)]
-        paired, images = best_match(originals, images)
-        found = image_report(paired, images, seed=self.config.seed)
-        unrelated = image_report(*best_match(originals, own), seed=self.config.seed)
-        metrics = image_metrics(found, unrelated)
+        unrelated = image_report(*best_match(originals, own), seed=seed)
         target = f"silo-{smallest}: {len(originals)} records, {GRADINV_COUNT} sought"
-        leaked = self.beats_baselines(metrics)
-        shown = {"original": paired, "recovered": images}
-        return [Finding("gradinv", mode.name, party(mode), target, metrics, leaked, mode.audited, shown)]
+        whole = Planted(-1, (smallest,), (np.arange(len(originals)),))  # a silo's records, of no one class
+        findings = []
+        for view in self.views(mode, uploads, whole):
+            images = own
+            if view.values is not None:
+                flat = view.values["delta"] / max(float(view.values["n"]), 1.0)
+                model = uploads.method.load(uploads.state.model)
+                per_key = unflatten(flat.float(), uploads.state.model, float_keys(uploads.state.model))
+                delta = [per_key[name] for name, _ in model.named_parameters()]
+                images = invert_delta(
+                    model, delta, count=GRADINV_COUNT, image_shape=public.image_shape, seed=seed
+                )
+            paired, images = best_match(originals, images)
+            metrics = {**image_metrics(image_report(paired, images, seed=seed), unrelated), **view.metrics}
+            leaked = self.beats_baselines(metrics)
+            shown = {"original": paired, "recovered": images}
+            findings.append(
+                Finding(
+                    "gradinv", mode.name, view.party, target, metrics, leaked, mode.audited, shown, view.note
+                )
+            )
+        return findings
 
     # --- attacks on what does not depend on the sum layer ----------------------------------------
 
@@ -285,9 +406,8 @@ class Audit:
         findings = []
         for planted in self.scenario.planted:
             real = decode(self.decoder, self.features(planted))
-            finding = self.image_finding("decoder: true feature", reference, planted, real)
-            finding.party = "nobody: the decoder's ceiling"
-            findings.append(finding)
+            view = View("nobody: the decoder's ceiling", None, planted)
+            findings.append(self.image_finding("decoder: true feature", reference, view, real))
         return findings
 
     def presence(self) -> list[Finding]:
@@ -437,6 +557,24 @@ class Audit:
         leaked = _nan_low(within) > self.config.thresholds.presence_auc
         target = f"which silo holds which class (best detector: {best})"
         return Finding("presence", mode, "aggregator", target, metrics, leaked, audited)
+
+
+def _note(said: str, *, withheld: bool) -> str:
+    """A finding's note: the view's, which for nothing recovered starts by saying so (the report marks those
+    "withheld: prior")."""
+    if not withheld or said.startswith(("withheld", "refused")):
+        return said
+    return "withheld: nothing released for this class" + (f"; {said}" if said else "")
+
+
+def _less(release: Release, own: torch.Tensor) -> Sums:
+    """The released sums less one silo's upload as it went into them (its rows the tail guard zeroed,
+    zeroed): what that silo, colluding with the aggregator, learns of the others."""
+    sums = release.sums
+    sent = tail_guard.zero_classes(
+        sums.schema, own.double(), list(release.zeroed), inverting=list(release.floored)
+    )
+    return SumLayer.seal(sums.schema, sums.schema.flatten(dict(sums)) - sent, sums.contributors - 1)
 
 
 def image_metrics(found: dict, prior_report: dict) -> dict[str, float]:

@@ -73,10 +73,11 @@ def audit_deployment(
 def run(config, out: Path) -> int:
     from tqdm import tqdm
 
-    from attacks.audit import DECODED, ONCE, PER_MODE, Audit
+    from attacks.audit import DECODED, ONCE, PER_MODE, Audit, check_views
     from attacks.report import EXIT_CODES, console_summary, verdict, verdict_line, write_report
     from attacks.scenario import build_scenario
 
+    check_views(config.modes)
     started = time.perf_counter()
     scenario = build_scenario(config, echo=lambda line: print(line, flush=True))
     audit = Audit(scenario)

@@ -18,10 +18,17 @@ design for contrast (audited = False) and once against what silos run (audited =
   aborting, and summing attempt 2 over {a, b, c, v} gives v's contribution as the difference. Mounted with
   each silo's `Participation` and the real round driver, against silos that forget what they signed (their
   ledger file deleted between attempts), and with the second attempt relabelled (a comment appended to the
-  plan, a new seed: the same state, a new label) against silos whose ledger is keyed by those labels; then
-  each against the silos' release gate, whose ledger is keyed by the state trained from: one survivor set.
+  plan, a new seed, another round number: the same state, a new label) against silos whose ledger is keyed
+  by those labels; then each against the silos' release gate, whose ledger is keyed by the state trained
+  from: one survivor set.
+  Mounted under `secagg`, where the aggregator reads each sum, and under `blind`, where only silos read them:
+  there the aggregator alone holds two totals under fresh output masks, whose difference is noise, so the
+  attacker is the aggregator with one silo of the first attempt, which holds the output key and reads both
+  sums; the gate refuses it alike. The census relabelling below is mounted under both layers the same way.
 - `chosen_sums` (`attacks.ckks_sums`): under ckks, the aggregator hands silos different ciphertext "sums" and
   reads one silo's held-out counts from the evaluation sum; refused by the ckks consistency step.
+  `chosen_totals` (`attacks.blind_sums`): the same under blind, where silos sign no total they are handed;
+  refused because the evaluation masks are bound to the state each silo stepped to.
 - `split_views`: sessions that let the aggregator split silos into views or weaken them. The split-view attack
   (some honest silos told the victim survived, the others that it dropped out, colluders signing both views)
   is mounted end to end on a bare-majority threshold, where one colluder suffices, and on the default
@@ -43,8 +50,9 @@ import torch
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from attacks.audit import Finding
+from attacks.blind_sums import chosen_totals
 from attacks.ckks_sums import chosen_sums
-from fedlt.aggregation import Field, Schema
+from fedlt.aggregation import Field, Schema, make_layer, record
 from fedlt.aggregation.gate import Floors, ReleaseGate, Subject
 from fedlt.aggregation.halves import PartyKeys, Released, SiloSide, SumAborted, SumSpec
 from fedlt.aggregation.round_sums import AggregatorRound
@@ -52,11 +60,14 @@ from fedlt.aggregation.tail_guard import Census
 from fedlt.errors import FedltError
 from fedlt.v1 import round_pb2
 from fedlt.wire import schema_to_pb
+from fedlt.wire.codec import entries_of
 from privacy import crypto, roundspec
+from privacy.blind.halves import BlindTotal
 from privacy.peers import KeyPeers
 from privacy.pki.signing import sign
 from privacy.ring import Ring, apply_masks
 from privacy.secagg import shamir
+from privacy.secagg.halves import codec_of
 from privacy.secagg.layer import SecAggSum
 from privacy.secagg.local import run_session
 from privacy.secagg.protocol import (
@@ -83,9 +94,12 @@ def protocol_findings(seed: int = 0) -> list[Finding]:
     return [
         *presence_intersection(seed),
         *two_attempts(seed),
+        *two_attempts(seed, layer="blind"),
         *census_relabels(seed),
+        *census_relabels(seed, layer="blind"),
         *split_views(seed),
         *chosen_sums(seed),
+        *chosen_totals(seed),
     ]
 
 
@@ -218,22 +232,37 @@ FIRST, LATE = ("a", "b", "c"), "v"
 RELEASE_SCHEMA = Schema((Field("delta", (16,), 1.0), Field("n", (), 100.0, frac_bits=0)))
 CODEC_TOLERANCE = 1e-4  # a contribution recovered to within this is recovered (fixed point: 24 fraction bits)
 SEED_WOBBLE = 1e-3  # how much a silo's contribution moves when it trains the same state with another seed
-# what the aggregator may change between the attempts without changing the state silos train from
+# what the aggregator may change between the attempts without changing the state silos train from (every
+# second attempt has a new attempt number and round id too)
 RELABELS = {
     "": {},
     "the plan's text with a comment appended": {"config_sha256": "plan, with a TOML comment"},
     "a new seed": {"seed": 1},
+    "another round number": {"round": 2, "round_id": "r2.a2"},
 }
+# where only silos read the sums (blind), the silo the aggregator colludes with: a silo of every attempt and
+# census here, holding the output key as every silo does
+COLLUDER = "a"
 
 
 @dataclass
 class Attempt:
-    """One attempt of the round, as the aggregator ended it."""
+    """One attempt of the round, as the aggregator ended it, and what its attacker read of the sum."""
 
     released: Released | None
     refusals: dict[str, str]  # silo -> why it left the attempt
     aborted: str = ""  # why the sum failed, if it did
-    census: Census | None = None  # the census the attempt took, if it took one
+    census: Census | None = None  # the census the attacker read, if the attempt took one
+    read: torch.Tensor | None = None  # the contribution sum as the attacker read it, if one was formed
+    seen: torch.Tensor | None = None  # what the aggregator alone holds of it, decoded as if it were the sum
+
+
+def _attacker(layer: str) -> tuple[str, str]:
+    """Who mounts the attack under `layer`, as a mode's prefix and a finding's party: the aggregator where it
+    reads the sums, else the aggregator with one silo, which reads them."""
+    if make_layer(layer).silos_step:
+        return f"{layer}, aggregator + silo {COLLUDER}: ", f"aggregator + 1 colluding silo ({COLLUDER})"
+    return "", AGGREGATOR
 
 
 def _labels(spec: round_pb2.RoundSpec) -> str:
@@ -244,11 +273,12 @@ def _labels(spec: round_pb2.RoundSpec) -> str:
     )
 
 
-def two_attempts(seed: int = 0) -> list[Finding]:
+def two_attempts(seed: int = 0, *, layer: str = "secagg") -> list[Finding]:
     """Runs round 1 over {a, b, c}, aborts after the sum, and runs it again over {a, b, c, v}: as the same
-    RoundSpec against silos that forget what they signed, and relabelled (a comment in the plan, a new seed)
-    against silos that key their ledger by those labels; each then against the silos' release gate, keyed by
-    the state they train from."""
+    RoundSpec against silos that forget what they signed, and relabelled (a comment in the plan, a new seed,
+    another round) against silos that key their ledger by those labels; each then against the silos' release
+    gate, keyed by the state they train from. Where only silos read the sums (blind), also what the aggregator
+    alone gets from silos that forget: two totals whose difference is noise."""
     truth = _release_values(LATE, seed, seed)["delta"]
     findings = []
     with tempfile.TemporaryDirectory(prefix="fedlt-two-attempts-") as root:
@@ -256,12 +286,14 @@ def two_attempts(seed: int = 0) -> list[Finding]:
             for naive in (True, False):
                 where = Path(root) / f"{bool(relabel)}-{relabel[:12]}-{naive}"
                 first, second = _subtraction(
-                    where, change, naive=naive and not relabel, seed=seed, labels=naive
+                    where, change, naive=naive and not relabel, seed=seed, labels=naive, layer=layer
                 )
                 if naive:
-                    findings.append(_difference_finding(first, second, truth, relabel))
+                    findings.append(_difference_finding(first, second, truth, relabel, layer))
+                    if not relabel and make_layer(layer).silos_step:
+                        findings.append(_alone_finding(first, second, truth, layer))
                 else:
-                    findings.append(_ledger_finding(first, second, relabel))
+                    findings.append(_ledger_finding(first, second, relabel, layer))
     return findings
 
 
@@ -278,19 +310,30 @@ def _release_values(silo: str, seed: int, training_seed: int) -> dict[str, torch
 
 
 def _subtraction(
-    root: Path, change: Mapping[str, object], *, naive: bool, seed: int, labels: bool
+    root: Path, change: Mapping[str, object], *, naive: bool, seed: int, labels: bool, layer: str
 ) -> tuple[Attempt, Attempt]:
     """The malicious aggregator's two attempts, the second with the RoundSpec's labels changed as `change`
     says; a `naive` silo's ledger is deleted in between, and with `labels` silos key it by the labels."""
     keys = {u: ec.generate_private_key(ec.SECP256R1()) for u in (*FIRST, LATE)}
     peers = KeyPeers({u: k.public_key() for u, k in keys.items()})
+    secret = _layer_key(layer)
     for u in keys:
         (root / u).mkdir(parents=True)
-    first = _attempt(1, FIRST, keys, peers, root, seed, {}, labels=labels)
+    first = _attempt(1, FIRST, keys, peers, root, seed, {}, labels=labels, layer=layer, secret=secret)
     if naive:
         for u in FIRST:
             (root / u / LEDGER).unlink(missing_ok=True)
-    return first, _attempt(2, (*FIRST, LATE), keys, peers, root, seed, change, labels=labels)
+    second = _attempt(
+        2, (*FIRST, LATE), keys, peers, root, seed, change, labels=labels, layer=layer, secret=secret
+    )
+    return first, second
+
+
+def _layer_key(layer: str) -> object:
+    """The consortium's key of a layer that asks for the key service (blind's output key), which every silo
+    holds and the aggregator does not; None for a layer without one."""
+    kind = record(layer).key_service
+    return None if kind is None else kind.new()
 
 
 def _attempt(
@@ -303,17 +346,25 @@ def _attempt(
     change: Mapping[str, object],
     *,
     labels: bool,
+    layer: str,
+    secret: object,
 ) -> Attempt:
     """One attempt of round 1 with each silo's contribution; the state every attempt starts from is the
     same (`state_digest`, as the silo checks it)."""
-    spec = _round_spec(attempt, silos, RELEASE_SCHEMA, seed, change)
+    spec = _round_spec(attempt, silos, RELEASE_SCHEMA, seed, change, layer=layer)
     values = {u: RELEASE_SCHEMA.flatten(_release_values(u, seed, spec.seed)) for u in silos}
     trained_from = _labels(spec) if labels else spec.state_digest
-    return _run(spec, values, keys, peers, root, ReleaseGate, trained_from)
+    return _run(spec, values, keys, peers, root, ReleaseGate, trained_from, secret=secret)
 
 
 def _round_spec(
-    attempt: int, silos: Sequence[str], schema: Schema, seed: int, change: Mapping[str, object]
+    attempt: int,
+    silos: Sequence[str],
+    schema: Schema,
+    seed: int,
+    change: Mapping[str, object],
+    *,
+    layer: str = "secagg",
 ) -> round_pb2.RoundSpec:
     """Round 1's RoundSpec as the aggregator signs it, with the labels `change` names changed."""
     spec = round_pb2.RoundSpec(
@@ -325,13 +376,23 @@ def _round_spec(
         state_digest="state-of-round-1",
         seed=seed,
         schema=schema_to_pb(schema),
-        privacy="secagg",
+        privacy=layer,
         participants=sorted(silos),
-        secagg=round_pb2.SecAggParameters(k_min=2),
+        **_parameters(layer),
     )
     for name, value in change.items():
         setattr(spec, name, seed + value if name == "seed" else value)
     return spec
+
+
+def _parameters(layer: str) -> dict[str, object]:
+    """The layer's parameters in a RoundSpec, at its defaults with the tail guard at k_min = 2: in fields of
+    its own (secagg), or its settings carried by name."""
+    found = record(layer)
+    settings = found.settings(k_min=2)
+    if found.parameters is not None:
+        return found.parameters.write(settings)
+    return {"layer_parameters": entries_of(settings)}
 
 
 def _run(
@@ -342,11 +403,14 @@ def _run(
     root: Path,
     gate: Callable[..., ReleaseGate],
     trained_from: str,
+    *,
+    secret: object = None,
 ) -> Attempt:
-    """One attempt: each silo's own `Participation` (policy, `gate`, ledger in `root`) and the real round
-    driver on the aggregator's side, every message delivered at once; a silo that raises leaves it."""
+    """One attempt under the layer the RoundSpec names: each silo's own `Participation` (policy, `gate`,
+    ledger in `root`, the layer's `secret`) and the real round driver on the aggregator's side, every message
+    delivered at once; a silo that raises leaves it."""
     signed = round_pb2.SignedRoundSpec(spec=spec.SerializeToString())  # silos check its signature elsewhere
-    layer = SecAggSum()
+    layer = make_layer(spec.privacy)
     ledgers = {u: ReleaseLedger(root / u) for u in values}
     parts = {
         u: Participation(
@@ -354,7 +418,9 @@ def _run(
             roundspec.sums_of(signed, spec),
             vector,
             me=u,
-            side=layer.silo_side(PartyKeys(sign=partial(sign, keys[u]), peers=peers, policy=SessionPolicy())),
+            side=layer.silo_side(
+                PartyKeys(sign=partial(sign, keys[u]), peers=peers, policy=SessionPolicy(), secret=secret)
+            ),
             gate=gate(consortium="audit", floors=Floors(), members=lambda: keys, ledger=ledgers[u]),
             trained_from=trained_from,
             ledger=ledgers[u],
@@ -367,6 +433,7 @@ def _run(
         layer.aggregator_side(PartyKeys(peers=peers)), roundspec.sums_of(signed, spec), min_contributors=3
     )
     refusals: dict[str, str] = {}
+    seen: torch.Tensor | None = None
 
     def answer(silo: str, call: Callable[[], list[tuple[str, object]]]) -> list[tuple[str, str, object]]:
         if silo in refusals:
@@ -377,6 +444,14 @@ def _run(
             refusals[silo] = str(exc)
             return []
 
+    def ended(released: Released | None, aborted: str = "") -> Attempt:
+        colluder = parts.get(COLLUDER)
+        census = aggregator.census_taken or (colluder.sums.census if colluder is not None else None)
+        if released is not None and released.total is not None:
+            return Attempt(released, refusals, aborted, census, released.total, released.total)
+        read = None if colluder is None or COLLUDER in refusals else colluder.sums.result
+        return Attempt(released, refusals, aborted, census, read, seen)
+
     inbox = [m for u, part in parts.items() for m in answer(u, part.sums.start)]
     while True:
         for silo, purpose, message in inbox:
@@ -384,16 +459,25 @@ def _run(
         try:
             out = aggregator.close()
         except SumAborted as exc:
-            return Attempt(None, refusals, str(exc), aggregator.census_taken)
+            return ended(None, str(exc))
         if isinstance(out, Released):
-            return Attempt(out, refusals, census=aggregator.census_taken)
+            return ended(out)
+        seen = _seen(aggregator, out) if aggregator.purpose == "contribution" else seen
         inbox = [m for u, purpose, step in out for m in answer(u, partial(parts[u].sums.step, purpose, step))]
 
 
-def _delta(attempt: Attempt) -> torch.Tensor | None:
-    if attempt.released is None or attempt.released.total is None:
+def _seen(aggregator: AggregatorRound, out: list[tuple[str, str, object]]) -> torch.Tensor | None:
+    """The total a blind aggregator hands the silos (the sum under every survivor's output mask), decoded as
+    if it were the sum: the aggregator's best reading of it without the key."""
+    totals = {step.total for _, _, step in out if isinstance(step, BlindTotal)}
+    if not totals:
         return None
-    return RELEASE_SCHEMA.unflatten(attempt.released.total)["delta"]
+    (total,) = totals
+    return codec_of(aggregator.half.spec).decode(np.frombuffer(total, dtype=np.uint8).copy())
+
+
+def _delta(read: torch.Tensor | None) -> torch.Tensor | None:
+    return None if read is None else RELEASE_SCHEMA.unflatten(read)["delta"]
 
 
 def _target(relabel: str) -> str:
@@ -401,23 +485,33 @@ def _target(relabel: str) -> str:
     return f"silo {LATE}'s contribution to round 1, as the difference of two attempts' sums ({second})"
 
 
-def _difference_finding(first: Attempt, second: Attempt, truth: torch.Tensor, relabel: str) -> Finding:
+def _error(first: torch.Tensor | None, second: torch.Tensor | None, truth: torch.Tensor) -> float:
     one, two = _delta(first), _delta(second)
-    error = float("nan") if one is None or two is None else float((two - one - truth).abs().max())
+    return float("nan") if one is None or two is None else float((two - one - truth).abs().max())
+
+
+def _difference_finding(
+    first: Attempt, second: Attempt, truth: torch.Tensor, relabel: str, layer: str
+) -> Finding:
+    error = _error(first.read, second.read, truth)
     # a new seed moves every silo's contribution a little: the difference is v's input to within that
     tolerance = 10 * SEED_WOBBLE * len(FIRST) if "seed" in relabel else CODEC_TOLERANCE
     leaked = error <= tolerance  # False for NaN
+    prefix, party = _attacker(layer)
     return Finding(
         attack="protocol: two attempts",
-        mode=f"ledger keyed by the RoundSpec's labels ({relabel})"
-        if relabel
-        else "silos without a release ledger",
-        party=AGGREGATOR,
+        mode=prefix
+        + (
+            f"ledger keyed by the RoundSpec's labels ({relabel})"
+            if relabel
+            else "silos without a release ledger"
+        ),
+        party=party,
         target=_target(relabel),
         metrics={
             "max_abs_error": error,
             "contribution_max_abs": float(truth.abs().max()),
-            "second_sums_formed": float(two is not None),
+            "second_sums_formed": float(second.read is not None),
             "recovered": float(leaked),
         },
         leaked=leaked,
@@ -430,17 +524,47 @@ def _difference_finding(first: Attempt, second: Attempt, truth: torch.Tensor, re
     )
 
 
-def _ledger_finding(first: Attempt, second: Attempt, relabel: str) -> Finding:
-    refusing = sorted(u for u, why in second.refusals.items() if "subtract" in why)
-    why = second.refusals[refusing[0]] if refusing else "no silo refused"
-    formed = second.released is not None
+def _alone_finding(first: Attempt, second: Attempt, truth: torch.Tensor, layer: str) -> Finding:
+    """The aggregator alone against silos that forget: both totals were formed, each under the fresh output
+    masks of its attempt's survivors, so their difference is noise, not v's contribution. Scored by the
+    share of v's coordinates it gives to within the codec's precision (the error itself is the masks' noise,
+    new every run)."""
+    one, two = _delta(first.seen), _delta(second.seen)
+    hits = (
+        float("nan")
+        if one is None or two is None
+        else float(((two - one - truth).abs() <= CODEC_TOLERANCE).double().mean())
+    )
+    leaked = hits > 0  # False for NaN
     return Finding(
         attack="protocol: two attempts",
-        mode="silo release gate" + (f" ({relabel})" if relabel else ""),
+        mode=f"{layer}, the aggregator alone: silos without a release ledger",
         party=AGGREGATOR,
+        target=_target(""),
+        metrics={
+            "coordinates_recovered": hits,
+            "second_sums_formed": float(two is not None),
+            "recovered": float(leaked),
+        },
+        leaked=leaked,
+        audited=True,
+        note="each silo's ledger file was deleted between the attempts, and both totals were handed out; "
+        "their difference is the output masks' noise: the aggregator holds no key to remove them",
+    )
+
+
+def _ledger_finding(first: Attempt, second: Attempt, relabel: str, layer: str) -> Finding:
+    refusing = sorted(u for u, why in second.refusals.items() if "subtract" in why)
+    why = second.refusals[refusing[0]] if refusing else "no silo refused"
+    formed = second.read is not None
+    prefix, party = _attacker(layer)
+    return Finding(
+        attack="protocol: two attempts",
+        mode=prefix + "silo release gate" + (f" ({relabel})" if relabel else ""),
+        party=party,
         target=_target(relabel),
         metrics={
-            "first_sums_formed": float(first.released is not None),
+            "first_sums_formed": float(first.read is not None),
             "second_sums_formed": float(formed),
             "silos_refusing": float(len(refusing)),
             "recovered": float(formed),
@@ -472,14 +596,16 @@ class _LabelledGate(ReleaseGate):
         super().release(spec, side, survivors, subject)
 
 
-def census_relabels(seed: int = 0) -> list[Finding]:
+def census_relabels(seed: int = 0, *, layer: str = "secagg") -> list[Finding]:
     """A census over four silos, then one over each leave-one-out set, each under a new seed (the same state):
     the differences are each silo's presence vector. Against silos keying the census by labels, then
-    against the release gate, which keys it by the presence sent: one silo set per presence."""
+    against the release gate, which keys it by the presence sent: one silo set per presence. Where only silos
+    read the census (blind), the attacker reads it through silo `COLLUDER`, so not the census without it."""
     rng = np.random.default_rng([seed, 2])
     truth = (rng.random((len(CENSUS_SILOS), CLASSES)) < 0.5).astype(np.int64)
     keys = {u: ec.generate_private_key(ec.SECP256R1()) for u in CENSUS_SILOS}
     peers = KeyPeers({u: k.public_key() for u, k in keys.items()})
+    secret = _layer_key(layer)
     sets = [CENSUS_SILOS, *(tuple(v for v in CENSUS_SILOS if v != u) for u in CENSUS_SILOS)]
     findings = []
     with tempfile.TemporaryDirectory(prefix="fedlt-census-relabels-") as root:
@@ -490,7 +616,8 @@ def census_relabels(seed: int = 0) -> list[Finding]:
             censuses: dict[tuple[str, ...], Census] = {}
             refusals: list[str] = []
             for i, silos in enumerate(sets):
-                spec = _round_spec(i + 1, silos, PRESENCE_SCHEMA, seed, {"seed": i})  # a new seed each time
+                # a new seed each time
+                spec = _round_spec(i + 1, silos, PRESENCE_SCHEMA, seed, {"seed": i}, layer=layer)
                 values = {
                     u: PRESENCE_SCHEMA.flatten(
                         {
@@ -503,19 +630,25 @@ def census_relabels(seed: int = 0) -> list[Finding]:
                 }
                 gate = partial(_LabelledGate, labels=_labels(spec)) if labelled else ReleaseGate
                 trained_from = _labels(spec) if labelled else spec.state_digest
-                attempt = _run(spec, values, keys, peers, where, gate, trained_from)
+                attempt = _run(spec, values, keys, peers, where, gate, trained_from, secret=secret)
                 refusals += list(attempt.refusals.values())
                 if attempt.census is not None:
                     censuses[attempt.census.silos] = attempt.census
-            findings.append(_census_finding(truth, censuses, refusals, labelled=labelled))
+            findings.append(_census_finding(truth, censuses, refusals, labelled=labelled, layer=layer))
     return findings
 
 
 def _census_finding(
-    truth: np.ndarray, censuses: Mapping[tuple[str, ...], Census], refusals: list[str], *, labelled: bool
+    truth: np.ndarray,
+    censuses: Mapping[tuple[str, ...], Census],
+    refusals: list[str],
+    *,
+    labelled: bool,
+    layer: str,
 ) -> Finding:
     """Each silo's presence as the full census minus the census without it; bits beyond what the full
-    census's counts alone imply (a class none or all of the silos hold) are the leak."""
+    census's counts alone imply (a class none or all of the silos hold) are the leak. `censuses` are those
+    the attacker read (under blind, those of sets with silo `COLLUDER`)."""
     full = censuses.get(CENSUS_SILOS)
     known = np.zeros(truth.shape, dtype=bool)
     if full is not None:
@@ -528,10 +661,11 @@ def _census_finding(
             known[k] |= counts - np.asarray(without.counts) == truth[k]
     recovered = int(known.sum())
     refused = next((r for r in refusals if "subtract" in r), "")
+    prefix, party = _attacker(layer)
     return Finding(
         attack="protocol: census relabelled",
-        mode="census keyed by the RoundSpec's labels" if labelled else "silo release gate",
-        party=AGGREGATOR,
+        mode=prefix + ("census keyed by the RoundSpec's labels" if labelled else "silo release gate"),
+        party=party,
         target=f"each of {len(CENSUS_SILOS)} silos' class presence, from censuses over leave-one-out sets, "
         "each under a new seed",
         metrics={

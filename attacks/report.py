@@ -12,7 +12,7 @@ import dataclasses
 import json
 import math
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,19 +163,32 @@ def render_matrix(findings: list[Finding]) -> str:
     """Attacks × modes of the image and feature attacks: the median SSIM over the better baseline's (or the
     recovered feature's error), with the leaks in bold; the attacks run once are listed under it."""
     per_mode = [f for f in findings if "ssim" in f.metrics and not f.mode.startswith("reference")]
-    modes = list(dict.fromkeys(f.mode for f in per_mode))
+    columns = _columns(per_mode)
     rows = list(dict.fromkeys((f.attack, f.target.split(":")[0]) for f in per_mode))
-    lines = ["| attack | target | " + " | ".join(modes) + " |", "|---|---|" + "---|" * len(modes)]
+    header = "| attack | target | " + " | ".join(columns.values()) + " |"
+    lines = [header, "|---|---|" + "---|" * len(columns)]
     for attack, target in rows:
         cells = []
-        for mode in modes:
+        for column in columns:
             f = next(
-                (f for f in per_mode if (f.attack, f.target.split(":")[0], f.mode) == (attack, target, mode)),
+                (
+                    f
+                    for f in per_mode
+                    if (f.attack, f.target.split(":")[0], (f.mode, f.party)) == (attack, target, column)
+                ),
                 None,
             )
             cells.append("—" if f is None else _cell(f))
         lines.append(f"| {attack} | {target} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _columns(findings: list[Finding]) -> dict[tuple[str, str], str]:
+    """The columns of a table of findings, by (mode, party): a mode's name, and the party too where the
+    mode's findings attack several parties' views (blind: the aggregator alone, and with one silo)."""
+    keys = list(dict.fromkeys((f.mode, f.party) for f in findings))
+    parties = Counter(mode for mode, _ in keys)
+    return {(mode, party): mode if parties[mode] == 1 else f"{mode} · {party}" for mode, party in keys}
 
 
 def _cell(f: Finding) -> str:
@@ -221,18 +234,21 @@ def _plot_grids(out: Path, findings: list[Finding]) -> list[str]:
     written = []
     for attack, group in by_attack.items():
         targets = list(dict.fromkeys(f.target for f in group))
-        modes = list(dict.fromkeys(f.mode for f in group))
+        columns = _columns(group)
         fig, axes = plt.subplots(
-            len(targets), len(modes) + 1, figsize=(1.6 * (len(modes) + 1), 1.8 * len(targets)), squeeze=False
+            len(targets),
+            len(columns) + 1,
+            figsize=(1.6 * (len(columns) + 1), 1.8 * len(targets)),
+            squeeze=False,
         )
         for row, target in enumerate(targets):
-            cells = {f.mode: f for f in group if f.target == target}
+            cells = {(f.mode, f.party): f for f in group if f.target == target}
             first = next(iter(cells.values()))
             _show(axes[row, 0], first.images["original"][0], "original" if row == 0 else "")
             axes[row, 0].set_ylabel(target.split(":")[0], fontsize=7)
-            for col, mode in enumerate(modes, start=1):
-                f = cells.get(mode)
-                title = mode if row == 0 else ""
+            for col, (column, label) in enumerate(columns.items(), start=1):
+                f = cells.get(column)
+                title = label if row == 0 else ""
                 if f is None:
                     axes[row, col].axis("off")
                     continue

@@ -16,14 +16,16 @@ attacks need a trained encoder, not a private one); the attacked round runs ever
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from attacks.config import AuditConfig, Mode
-from fedlt.aggregation import make_layer, record, tail_guard
+from fedlt.aggregation import SumLayer, record, tail_guard
+from fedlt.aggregation.halves import AggregatorHalf, AggregatorSide, SiloSide, SumSpec
 from fedlt.aggregation.sums import Contribution, Sums
 from fedlt.config import as_table
 from fedlt.data.arrays import LabeledImages
@@ -33,6 +35,8 @@ from fedlt.errors import FedltError
 from fedlt.methods import GlobalState, Method, SiloContext
 from fedlt.sim.config import load_sim_config
 from fedlt.sim.run import make_method, run_simulation
+from privacy.ring import FixedPointCodec
+from privacy.secagg.halves import codec_of
 
 # records kept of each planted class at each of its holders: the rarest and second rarest at one silo, then
 # a class that two silos hold with one record each
@@ -185,11 +189,29 @@ class Refused(FedltError):
     """Every silo would refuse the round under its policy: nothing of it is released."""
 
 
-def released(scenario: Scenario, uploads: Uploads, mode: Mode) -> Sums:
-    """The sums `mode`'s layer releases from these uploads: to the aggregator (secagg), to every silo (CKKS),
-    or everything to the aggregator (plaintext, which also sees each upload). `Refused` where silos with
-    the mode's policy would not take part (statistics that invert, without DP and without a floor)."""
-    layer = make_layer(mode.privacy, _layer_settings(mode))
+@dataclass(frozen=True)
+class Release:
+    """What a mode's round gives away: `sums`, read by the aggregator (secagg, plaintext) or by every silo
+    (ckks, blind); the classes its tail guard zeroed in every per-class field and, by the record floor, in
+    the fields that invert (each silo zeroed them in its own upload too); and, where the aggregator holds a
+    ring total it cannot unmask (blind: the sum under every silo's output mask), that total's bytes and the
+    sum's codec, for the attacks to read it as the aggregator would (`total`, `codec`)."""
+
+    sums: Sums
+    zeroed: tuple[int, ...] = ()
+    floored: tuple[int, ...] = ()
+    total: bytes | None = field(default=None, repr=False)
+    codec: FixedPointCodec | None = None
+
+
+def released(scenario: Scenario, uploads: Uploads, mode: Mode, *, keep_total: bool = False) -> Release:
+    """The sums `mode`'s layer releases from these uploads: to the aggregator (secagg), to every silo (CKKS,
+    blind), or everything to the aggregator (plaintext, which also sees each upload); with `keep_total`, also
+    the ring total the aggregator's half handed the silos (blind). `Refused` where silos with the mode's
+    policy would not take part (statistics that invert, without DP and without a floor)."""
+    kept: dict[str, AggregatorHalf] = {}
+    keeping, settings = _keeping(record(mode.privacy).layer, kept), _layer_settings(mode)
+    layer = keeping() if settings is None else keeping(settings)
     schema = uploads.method.schema(uploads.state)
     if mode.privacy != "plaintext":
         refusal = tail_guard.inverting_problems(
@@ -202,9 +224,38 @@ def released(scenario: Scenario, uploads: Uploads, mode: Mode) -> Sums:
         i: np.bincount(silo.y, minlength=silo.num_classes)
         for i, silo in zip(scenario.silo_ids, scenario.federation.silos, strict=True)
     }
-    return layer.aggregate(
+    sums = layer.aggregate(
         schema, uploads.contributions, silos=scenario.silo_ids, noise=noise, records=records
     )
+    guarded = {"zeroed": tuple(layer.zeroed), "floored": tuple(layer.floored)}
+    if not keep_total:
+        return Release(sums, **guarded)
+    half = kept["contribution"]
+    total = half.download(scenario.silo_ids[0])  # every silo of this round was handed the same total
+    return Release(sums, **guarded, total=total, codec=codec_of(half.spec))
+
+
+class _Keeping(AggregatorSide):
+    """An aggregator side that keeps the last half it made for each purpose, to read afterwards what the
+    aggregator held."""
+
+    def __init__(self, side: AggregatorSide, kept: dict[str, AggregatorHalf]) -> None:
+        self.side, self.kept = side, kept
+
+    def half(self, spec: SumSpec) -> AggregatorHalf:
+        self.kept[spec.purpose] = self.side.half(spec)
+        return self.kept[spec.purpose]
+
+
+def _keeping(cls: type[SumLayer], kept: dict[str, AggregatorHalf]) -> type[SumLayer]:
+    """The layer `cls` whose in-process aggregator side keeps its halves in `kept`."""
+
+    class Keeping(cls):
+        def in_process(self, silos: Sequence[str]) -> tuple[Mapping[str, SiloSide], AggregatorSide]:
+            sides, aggregator = super().in_process(silos)
+            return sides, _Keeping(aggregator, kept)
+
+    return Keeping
 
 
 def attacked_state(method: Method, trained: GlobalState) -> GlobalState:

@@ -8,12 +8,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from attacks.audit import ONCE, PER_MODE, Audit
+from attacks.audit import ONCE, PER_MODE, UNIFORM_P, VIEWS, Audit, check_views
 from attacks.config import ATTACKS, AuditConfig, Mode, load_audit_config
 from attacks.evaluate import main
 from attacks.scenario import build_scenario
 from fedlt.data.federation import DataConfig
 from fedlt.errors import ConfigError
+from privacy.blind import halves as blind_halves
 
 DIGITS = DataConfig(dataset="digits", imbalance=10, alpha=0.5, silos=4, test_per_class=30)
 PLAIN = Mode(name="plaintext", privacy="plaintext", audited=False)
@@ -21,11 +22,18 @@ OPEN_SUM = Mode(name="secagg, guard off", privacy="secagg", k_min=0, min_records
 SILOS_ONLY = Mode(name="secagg + tail guard, moments released", privacy="secagg", k_min=2, min_records=1)
 GUARD = Mode(name="secagg + tail guard", privacy="secagg", k_min=2)
 DP = Mode(name="dp ε=1", privacy="secagg", k_min=2, epsilon=1.0)
+BLIND = Mode(name="blind + tail guard", privacy="blind", k_min=2)
+BLIND_RELEASED = Mode(
+    name="blind + tail guard, moments released", privacy="blind", k_min=2, min_records=1, audited=False
+)
+ALONE, COLLUDING = (name for name, _ in VIEWS["blind"])
 
 
 @pytest.fixture(scope="module")
 def audit() -> Audit:
-    config = AuditConfig(seed=0, data=DIGITS, modes=(PLAIN, OPEN_SUM, SILOS_ONLY, GUARD, DP))
+    config = AuditConfig(
+        seed=0, data=DIGITS, modes=(PLAIN, OPEN_SUM, SILOS_ONLY, GUARD, DP, BLIND, BLIND_RELEASED)
+    )
     config = replace(config, training=replace(config.training, rounds=2))
     return Audit(build_scenario(config, echo=lambda _: None))
 
@@ -103,6 +111,66 @@ def test_sfd_synthesises_the_one_record_class_from_an_open_sum_and_nothing_under
     # above. Whether the one-record class's noised count stays above zero, so that anything is released for
     # it, and whether the noised draws then beat the baselines on 8x8 digits, is the CSPRNG noise's call (a
     # fresh run of the suite drew a count at or below zero); docs/AUDIT.md has MNIST's.
+
+
+def test_under_blind_the_aggregator_alone_keeps_its_prior_and_one_silo_with_it_reads_the_others_sum(audit):
+    """Guards the blind mode both ways, with statistics that invert released so that there is something to
+    read: the aggregator alone holds a total whose bytes are uniform and no coordinate of which is the sum's,
+    so every moments finding leaves it its prior; a silo colluding with it reads the sum, and with its own
+    record taken out, the class of one record at each of two silos is the other silo's record, exactly (as
+    the threat model says: the tail guard's k_min counts the colluder)."""
+    findings = audit.moments(BLIND_RELEASED)
+    alone = [f for f in findings if f.party == ALONE]
+    colluding = {f.target.split(":")[0]: f for f in findings if f.party == COLLUDING}
+    assert len(alone) == len(colluding) == len(audit.scenario.planted)
+    for finding in alone:
+        assert finding.note.startswith("withheld: the aggregator holds the sum only under the silos' output")
+        assert finding.metrics["ssim"] == pytest.approx(finding.metrics["ssim_prior"])
+        assert finding.metrics["total_bytes_uniform_p"] >= UNIFORM_P
+        assert finding.metrics["coordinates_read"] == 0.0
+        assert not finding.leaked
+    one, two, spread = audit.scenario.planted
+    across = colluding[f"class {spread.label}"]
+    assert across.target.count("record(s) at silo-") == 1  # the colluding co-holder's own is no target
+    assert across.metrics["feature_error"] < 1e-3
+    assert across.leaked
+    for planted in (one, two):  # a class one silo holds: zeroed by the guard, whoever colludes
+        assert colluding[f"class {planted.label}"].note.startswith("withheld")
+
+
+def test_without_the_output_mask_the_blind_aggregator_alone_reads_the_sum(audit, monkeypatch):
+    """Guards that the aggregator-alone findings are measured: with no output mask added or removed, its total
+    is the sum, not uniform, and the moments of the class two silos hold give both records away, as they do
+    to secagg's aggregator with the guard alone."""
+    monkeypatch.setattr(blind_halves, "add_mask", lambda *args: None)
+    monkeypatch.setattr(blind_halves, "remove_masks", lambda *args: None)
+    unmasked = Audit(audit.scenario)
+    alone = [f for f in unmasked.moments(BLIND_RELEASED) if f.party == ALONE]
+    assert all(f.metrics["total_bytes_uniform_p"] < UNIFORM_P for f in alone)
+    assert all(f.metrics["coordinates_read"] == 1.0 for f in alone)
+    across = alone[-1]
+    assert across.metrics["feature_error"] < 1e-3
+    assert across.leaked
+
+
+def test_the_audited_blind_mode_leaves_every_party_its_prior(audit):
+    """Guards the blind mode's verdict: statistics that invert are refused without DP, as under secagg, and
+    the model delta gives neither party the smallest silo's records; the aggregator alone draws its own
+    images, having nothing to invert."""
+    findings = [f for attack in PER_MODE.values() for f in attack(audit, BLIND)]
+    assert {f.party for f in findings} == {ALONE, COLLUDING}
+    assert not [f for f in findings if f.leaked]
+    (alone,) = [f for f in findings if f.attack == "gradinv" and f.party == ALONE]
+    assert alone.metrics["ssim"] == pytest.approx(alone.metrics["ssim_prior"])
+    assert alone.metrics["total_bytes_uniform_p"] >= UNIFORM_P
+    assert all(f.note.startswith("refused by every silo") for f in findings if f.attack != "gradinv")
+
+
+def test_a_mode_of_a_layer_the_audit_has_no_view_of_is_refused_before_training(monkeypatch):
+    monkeypatch.delitem(VIEWS, "blind")
+    with pytest.raises(ValueError, match="does not know what each party holds of a blind round"):
+        check_views((GUARD, BLIND))
+    check_views((GUARD,))
 
 
 def _finding(findings, name):

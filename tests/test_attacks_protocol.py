@@ -13,7 +13,9 @@ import pytest
 
 from attacks import protocol
 from attacks.audit import Finding
+from attacks.blind_sums import chosen_totals
 from attacks.ckks_sums import SILOS, chosen_sums
+from privacy.blind import halves as blind_halves
 from privacy.peers import KeyPeers
 from privacy.secagg.settings import SessionPolicy
 from silo.releases import ReleaseLedger
@@ -31,6 +33,11 @@ def presence() -> dict[str, Finding]:
 @pytest.fixture(scope="module")
 def attempts() -> dict[str, Finding]:
     return by_mode(protocol.two_attempts(seed=0))
+
+
+@pytest.fixture(scope="module")
+def blind_attempts() -> dict[str, Finding]:
+    return by_mode(protocol.two_attempts(seed=0, layer="blind"))
 
 
 @pytest.fixture(scope="module")
@@ -121,9 +128,71 @@ def test_the_release_gate_refuses_a_relabelled_second_attempt(attempts, relabel)
     assert "would let the aggregator subtract the two sums" in real.note
 
 
+BLIND = f"blind, aggregator + silo {protocol.COLLUDER}: "
+
+
+def test_under_blind_a_silo_of_both_attempts_reads_both_sums_against_silos_that_forget(blind_attempts):
+    """Guards the attack itself under blind, where only silos read the sums: a silo of the first attempt
+    colluding with the aggregator reads both sums, whose difference is the late silo's contribution."""
+    naive = blind_attempts[BLIND + "silos without a release ledger"]
+    assert (naive.leaked, naive.audited) == (True, False)
+    assert naive.party == f"aggregator + 1 colluding silo ({protocol.COLLUDER})"
+    assert naive.metrics["second_sums_formed"] == 1.0
+    assert naive.metrics["max_abs_error"] < 1e-6 < naive.metrics["contribution_max_abs"]
+
+
+def test_under_blind_the_aggregator_alone_subtracts_two_totals_to_noise(blind_attempts):
+    """Against the same forgetful silos both totals are formed, but each carries its attempt's fresh output
+    masks, which only silos can remove: no coordinate of the late silo's contribution comes out."""
+    alone = blind_attempts["blind, the aggregator alone: silos without a release ledger"]
+    assert (alone.leaked, alone.audited, alone.party) == (False, True, protocol.AGGREGATOR)
+    assert alone.metrics["second_sums_formed"] == 1.0
+    assert alone.metrics["coordinates_recovered"] == 0.0
+
+
+def test_without_the_output_mask_the_blind_aggregator_alone_would_subtract_the_attempts(monkeypatch):
+    """Guards that the aggregator-alone finding is measured: with no output mask added or removed, the
+    total the aggregator hands out is the sum, and two attempts give the late silo's contribution."""
+    monkeypatch.setattr(blind_halves, "add_mask", lambda *args: None)
+    monkeypatch.setattr(blind_halves, "remove_masks", lambda *args: None)
+    found = by_mode(protocol.two_attempts(seed=0, layer="blind"))
+    alone = found["blind, the aggregator alone: silos without a release ledger"]
+    assert alone.leaked
+    assert alone.metrics["coordinates_recovered"] == 1.0
+
+
+@pytest.mark.parametrize("relabel", [r for r in protocol.RELABELS if r])
+def test_under_blind_a_relabelled_second_attempt_subtracts_against_a_ledger_keyed_by_labels(
+    blind_attempts, relabel
+):
+    """Guards the attack itself under blind: the colluding silo reads the relabelled second sum too."""
+    naive = blind_attempts[BLIND + f"ledger keyed by the RoundSpec's labels ({relabel})"]
+    assert (naive.leaked, naive.audited) == (True, False)
+    assert naive.metrics["second_sums_formed"] == 1.0
+    assert naive.metrics["max_abs_error"] < 0.05 * naive.metrics["contribution_max_abs"]
+
+
+@pytest.mark.parametrize("relabel", list(protocol.RELABELS))
+def test_under_blind_the_release_gate_refuses_a_second_attempt_whatever_its_labels(blind_attempts, relabel):
+    """Guards the ledger's key under blind: the first attempt's silos, the colluder among them, refuse to
+    sign the second set, so no silo reads a second sum (a new round id and attempt in every case; the plan's
+    text, the seed or the round number changed too)."""
+    real = blind_attempts[BLIND + "silo release gate" + (f" ({relabel})" if relabel else "")]
+    assert (real.leaked, real.audited) == (False, True)
+    assert real.metrics["first_sums_formed"] == 1.0
+    assert real.metrics["second_sums_formed"] == 0.0
+    assert real.metrics["silos_refusing"] == len(protocol.FIRST)
+    assert "would let the aggregator subtract the two sums" in real.note
+
+
 @pytest.fixture(scope="module")
 def censuses() -> dict[str, Finding]:
     return by_mode(protocol.census_relabels(seed=0))
+
+
+@pytest.fixture(scope="module")
+def blind_censuses() -> dict[str, Finding]:
+    return by_mode(protocol.census_relabels(seed=0, layer="blind"))
 
 
 def test_censuses_under_new_seeds_give_every_silos_presence_against_label_keys(censuses):
@@ -139,6 +208,24 @@ def test_the_release_gate_gives_a_silos_presence_over_one_set_only(censuses):
     """Guards the census's key (the presence sent, not the labels): every leave-one-out census is refused by
     the silos of the first, so nothing beyond the first census's counts is known."""
     real = censuses["silo release gate"]
+    assert (real.leaked, real.audited) == (False, True)
+    assert real.metrics["censuses_formed"] == 1.0
+    assert real.metrics["bits_recovered"] == real.metrics["bits_from_one_census"]
+    assert "would let the aggregator subtract the two sums" in real.note
+
+
+def test_under_blind_censuses_under_new_seeds_give_the_colluder_every_other_silos_presence(blind_censuses):
+    """Guards the attack itself under blind: the colluding silo reads every census it is in (all but the
+    one without it), so against label keys it gets the presence of every other silo."""
+    naive = blind_censuses[BLIND + "census keyed by the RoundSpec's labels"]
+    assert (naive.leaked, naive.audited) == (True, False)
+    assert naive.metrics["censuses_formed"] == len(protocol.CENSUS_SILOS)
+    others = (len(protocol.CENSUS_SILOS) - 1) / len(protocol.CENSUS_SILOS)
+    assert naive.metrics["bits_recovered"] >= others
+
+
+def test_under_blind_the_release_gate_gives_a_silos_presence_over_one_set_only(blind_censuses):
+    real = blind_censuses[BLIND + "silo release gate"]
     assert (real.leaked, real.audited) == (False, True)
     assert real.metrics["censuses_formed"] == 1.0
     assert real.metrics["bits_recovered"] == real.metrics["bits_from_one_census"]
@@ -213,8 +300,10 @@ def test_protocol_findings_are_all_of_them_and_fail_no_audited_mode():
         "protocol: census relabelled",
         "protocol: split views",
         "protocol: ckks chosen sum",
+        "protocol: blind chosen total",
     }
-    assert len(findings) == 2 + 2 * len(protocol.RELABELS) + 2 + 10 + 2
+    secagg, blind = 2 * len(protocol.RELABELS), 2 * len(protocol.RELABELS) + 1  # blind: the aggregator alone
+    assert len(findings) == 2 + secagg + blind + 2 + 2 + 10 + 2 + 2
     assert not [f for f in findings if f.audited and f.leaked]
     assert all(f.leaked for f in findings if not f.audited)
     assert all(isinstance(v, float) for f in findings for v in f.metrics.values())
@@ -223,6 +312,11 @@ def test_protocol_findings_are_all_of_them_and_fail_no_audited_mode():
 @pytest.fixture(scope="module")
 def chosen() -> dict[str, Finding]:
     return by_mode(chosen_sums(seed=0))
+
+
+@pytest.fixture(scope="module")
+def chosen_blind() -> dict[str, Finding]:
+    return by_mode(chosen_totals(seed=0))
 
 
 def test_a_ckks_aggregator_handing_silos_different_sums_reads_one_silos_counts_where_they_decrypt_anything(
@@ -242,10 +336,41 @@ def test_the_ckks_consistency_step_leaves_no_silo_decrypting_a_split_sum(chosen)
     assert real.metrics["silos_refusing"] == len(SILOS)
 
 
-def test_the_findings_are_deterministic(presence, attempts, censuses, views, chosen):
+def test_a_blind_aggregator_handing_silos_different_totals_reads_one_silos_counts_against_round_bound_masks(
+    chosen_blind,
+):
+    """Guards the attack itself under blind, where silos sign no total they are handed: the victim's total
+    forces its model to class k, the others' to class 0, and with evaluation masks bound to the round alone
+    the summed correct count of class k is the victim's own held-out count."""
+    naive = chosen_blind["evaluation masks bound to the round alone"]
+    assert (naive.leaked, naive.audited) == (True, False)
+    assert naive.metrics["read"] == naive.metrics["victims_count"] > 0
+
+
+def test_blind_evaluation_masks_bound_to_the_stepped_state_leave_a_split_total_as_no_counts(chosen_blind):
+    """Guards the binding `silo.stepping.step_and_report` gives blind's evaluation sum: silos that stepped to
+    different states drew their masks for different sums, so none cancel, and no silo reports."""
+    real = chosen_blind["evaluation masks bound to the stepped state"]
+    assert (real.leaked, real.audited) == (False, True)
+    assert real.metrics["silos_reporting"] == 0.0
+    assert "no counts (masks left over)" in real.note
+
+
+def test_the_findings_are_deterministic(
+    presence, attempts, blind_attempts, censuses, blind_censuses, views, chosen, chosen_blind
+):
     """Guards reproducible reports: fresh keys and masks every run, the same findings every run."""
     again = protocol.protocol_findings(0)
-    first = [*presence.values(), *attempts.values(), *censuses.values(), *views, *chosen.values()]
+    first = [
+        *presence.values(),
+        *attempts.values(),
+        *blind_attempts.values(),
+        *censuses.values(),
+        *blind_censuses.values(),
+        *views,
+        *chosen.values(),
+        *chosen_blind.values(),
+    ]
     assert [(f.mode, f.target, f.metrics, f.leaked) for f in again] == [
         (f.mode, f.target, f.metrics, f.leaked) for f in first
     ]
@@ -254,13 +379,14 @@ def test_the_findings_are_deterministic(presence, attempts, censuses, views, cho
 def test_a_ledger_that_never_refuses_makes_the_audited_findings_leak(monkeypatch):
     """Guards that the ledger findings are measured: take the ledger's check away and the attacks succeed."""
     monkeypatch.setattr(ReleaseLedger, "pin_survivors", lambda self, key, survivors, what: None)
-    found = by_mode(protocol.two_attempts(seed=0))
-    real = [f for mode, f in found.items() if mode.startswith("silo release gate")]
-    assert len(real) == len(protocol.RELABELS)
-    assert all(f.leaked and f.metrics["second_sums_formed"] == 1.0 for f in real)
-    census = by_mode(protocol.census_relabels(seed=0))["silo release gate"]
-    assert census.leaked
-    assert census.metrics["bits_recovered"] == 1.0
+    for layer, prefix in (("secagg", ""), ("blind", BLIND)):
+        found = by_mode(protocol.two_attempts(seed=0, layer=layer))
+        real = [f for mode, f in found.items() if mode.startswith(prefix + "silo release gate")]
+        assert len(real) == len(protocol.RELABELS)
+        assert all(f.leaked and f.metrics["second_sums_formed"] == 1.0 for f in real)
+        census = by_mode(protocol.census_relabels(seed=0, layer=layer))[prefix + "silo release gate"]
+        assert census.leaked
+        assert census.metrics["bits_recovered"] > census.metrics["bits_from_one_census"]
 
 
 def test_a_policy_that_accepts_everything_makes_the_audited_findings_leak(monkeypatch):

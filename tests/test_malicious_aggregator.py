@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from privacy import crypto
+from privacy.blind.keys import OutputKey, add_mask, remove_masks, sum_label
 from privacy.peers import KeyPeers
 from privacy.pki.signing import sign
 from privacy.ring import Ring, apply_masks
@@ -43,10 +44,11 @@ def silos(n: int) -> tuple[str, ...]:
 
 
 class Session:
-    """n real silos of one session, with the aggregator's part played by the test."""
+    """n real silos of one session, with the aggregator's part played by the test; with `output_key`, each
+    silo masks its input as a blind silo does, under its output mask before secagg's masks."""
 
-    def __init__(self, spec: SessionSpec) -> None:
-        self.spec = spec
+    def __init__(self, spec: SessionSpec, output_key: OutputKey | None = None) -> None:
+        self.spec, self.output_key = spec, output_key
         self.keys = {u: ec.generate_private_key(ec.SECP256R1()) for u in spec.participants}
         self.peers = KeyPeers({u: k.public_key() for u, k in self.keys.items()})
         self.clients = {
@@ -65,13 +67,27 @@ class Session:
         sent = {u: c.share((key_lists or {}).get(u, full)) for u, c in self.clients.items()}
         ids = self.spec.participants
         inbox = {u: Inbox(ids, tuple(e for s in ids for e in sent[s] if e.recipient == u)) for u in ids}
-        return {u: c.masked_input(inbox[u], self.inputs[u]) for u, c in self.clients.items()}
+        return {u: c.masked_input(inbox[u], self.blinded(u)) for u, c in self.clients.items()}
+
+    def blinded(self, silo: str) -> np.ndarray:
+        """What `silo` hands secagg's masking: its input, under its output mask with an output key."""
+        vector = self.inputs[silo].copy()
+        if self.output_key is not None:
+            add_mask(self.spec.ring, vector, self.output_key, blind_label(self.spec), silo)
+        return vector
 
 
-def split_view_attack(n: int, colluders: int, *, threshold: int = 0) -> np.ndarray | None:
-    """The victim's input if the attack succeeds, None if the honest silos' refusals stop it."""
+def blind_label(spec: SessionSpec) -> bytes:
+    return sum_label(spec.round_id, spec.purpose, b"")
+
+
+def split_view_attack(
+    n: int, colluders: int, *, threshold: int = 0, output_key: OutputKey | None = None
+) -> np.ndarray | None:
+    """The victim's input if the attack succeeds, None if the honest silos' refusals stop it. With
+    `output_key` (blind), the colluders also remove the victim's output mask with it, as any silo can."""
     spec = SessionSpec("r1.a1", "contribution", silos(n), RING, threshold=threshold)
-    session = Session(spec)
+    session = Session(spec, output_key)
     masked = session.through_masked()
     ids, t = spec.participants, spec.t
     victim, bad, honest = ids[0], set(ids[1 : 1 + colluders]), list(ids[1 + colluders :])
@@ -118,6 +134,8 @@ def split_view_attack(n: int, colluders: int, *, threshold: int = 0) -> np.ndarr
         seed = pair_seed(final, s_v, victim, session.advertised[u].s_public, u)
         masks.append((seed, victim >= u))  # the victim subtracted PRG(s_uv) when victim < u: undo it
     apply_masks(final.ring, unmasked, masks)
+    if output_key is not None:
+        remove_masks(final.ring, unmasked, output_key, blind_label(spec), [victim])
     return unmasked if np.array_equal(unmasked, session.inputs[victim]) else None
 
 
@@ -132,6 +150,16 @@ def test_split_views_with_the_default_threshold_need_2t_minus_n_colluders(n):
     assert 3 * t > 2 * n
     assert split_view_attack(n, 2 * t - n - 1) is None
     assert split_view_attack(n, 2 * t - n) is not None
+
+
+@pytest.mark.parametrize("n", [5, 7, 9])
+def test_split_views_under_blind_need_as_many_colluders_as_under_secagg(n):
+    """blind runs secagg's session on inputs under output masks: the split view strips secagg's masks from
+    the victim's upload and leaves its input under its output mask, which the colluders remove with the
+    output key every silo holds. So blind's bound is secagg's, 2t − n colluders; one fewer learn nothing."""
+    t, key = default_threshold(n), OutputKey.new()
+    assert split_view_attack(n, 2 * t - n - 1, output_key=key) is None
+    assert split_view_attack(n, 2 * t - n, output_key=key) is not None
 
 
 def test_a_bare_majority_falls_to_one_colluder_so_silos_refuse_it():

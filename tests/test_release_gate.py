@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
@@ -24,10 +25,11 @@ from fedlt.aggregation.gate import (
     RepeatedRelease,
     Subject,
 )
-from fedlt.aggregation.halves import SiloHalf, SiloSide, SumSpec
-from fedlt.aggregation.round_sums import RoundSums, SiloRound
+from fedlt.aggregation.halves import Released, SiloHalf, SiloSide, SumAborted, SumSpec
+from fedlt.aggregation.round_sums import AggregatorRound, RoundSums, SiloRound
 from fedlt.atomic import atomic_write_text
 from fedlt.methods.state import GlobalState
+from privacy.blind.layer import BlindSum
 from silo.releases import LEDGER, LedgerMissing, ReleaseLedger, check_ledgers
 
 SILOS = tuple(f"silo-{k}" for k in range(6))
@@ -203,6 +205,100 @@ def test_a_layer_half_that_releases_to_too_few_is_stopped_by_the_gate():
     with pytest.raises(GateRefusal, match="would count 2 silos, fewer than the 3"):
         silo_round(SILOS[:3], side, noise).start()
     assert noise.counted == [3]
+
+
+# --- the gate under blind, where every silo reads the sum -------------------------------------------------
+
+
+def blind_sum(
+    listed: tuple[str, ...], *, members=SILOS, floors=DEFAULT_FLOORS, leaves: tuple[str, ...] = ()
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor | None], dict[str, str]]:
+    """A blind round over `listed` through the real halves and round driver, each silo with its own gate
+    (`members`: its roster, `floors`); silos in `leaves` stop after their first message (their keys). Each
+    silo's input, the sum it read (None: none) and why each silo that left did."""
+    sides, aggregator_side = BlindSum().in_process(listed)
+    sums = RoundSums("r1.a1", listed, SCHEMA, k_min=2, census=None)
+    inputs = {
+        u: torch.rand(SCHEMA.size, dtype=torch.float64, generator=torch.Generator().manual_seed(k)) - 0.5
+        for k, u in enumerate(listed)
+    }
+    rounds = {
+        u: SiloRound(
+            sides[u],
+            sums,
+            inputs[u],
+            me=u,
+            gate=gate(members=members, floors=floors),
+            trained_from=Subject("contribution", b"s"),
+        )
+        for u in listed
+    }
+    aggregator = AggregatorRound(aggregator_side, sums)
+    refusals: dict[str, str] = {}
+
+    def answer(silo: str, call: Callable[[], list]) -> list:
+        if silo in refusals:
+            return []
+        try:
+            return [(silo, purpose, message) for purpose, message in call()]
+        except SumAborted as exc:  # the gate's refusals among them: the silo leaves the sum
+            refusals[silo] = str(exc)
+            return []
+
+    inbox = [m for u, r in rounds.items() for m in answer(u, r.start)]
+    refusals.update(dict.fromkeys(leaves, "left"))
+    while inbox:
+        for silo, purpose, message in inbox:
+            aggregator.receive(silo, purpose, message)
+        try:
+            out = aggregator.close()
+        except SumAborted:
+            break
+        if isinstance(out, Released):
+            break
+        inbox = [m for u, purpose, step in out for m in answer(u, partial(rounds[u].step, purpose, step))]
+    return inputs, {u: r.result for u, r in rounds.items()}, refusals
+
+
+def test_a_blind_sum_of_two_gives_each_silo_the_others_input_so_the_gate_refuses_it():
+    """The attack: under blind every silo reads the sum, so in a sum of two the sum minus a silo's own input
+    is the other's, the aggregator needing no colluder. It works where the floors allow two; the default
+    floors refuse it before any message leaves."""
+    pair = SILOS[:2]
+    inputs, read, _ = blind_sum(pair, floors=Floors(participants=2, survivors=2))
+    assert torch.allclose(read["silo-0"] - inputs["silo-0"], inputs["silo-1"], atol=1e-6)
+    inputs, read, refusals = blind_sum(pair)
+    assert read == dict.fromkeys(pair)
+    for silo in pair:
+        assert "lists 2 silos, fewer than policy.min_participants 3" in refusals[silo]
+
+
+def test_a_blind_sum_of_ghosts_the_aggregator_plays_is_refused_by_the_roster():
+    """The attack: the aggregator lists two ghosts beside silo-0 and silo-1 to meet the floor and plays them
+    with a colluding silo's output key; silo-0 then reads the sum and, knowing the ghosts' inputs (made up by
+    the aggregator, here all in the clear to the test), gets silo-1's. Against a gate that took every listed
+    id for a member it works; against the roster both real silos refuse at admission."""
+    listed = ("ghost-1", "ghost-2", "silo-0", "silo-1")
+    inputs, read, _ = blind_sum(listed, members=listed)
+    ghosts = inputs["ghost-1"] + inputs["ghost-2"]
+    assert torch.allclose(read["silo-0"] - inputs["silo-0"] - ghosts, inputs["silo-1"], atol=1e-6)
+    _, read, refusals = blind_sum(listed)
+    assert read == dict.fromkeys(listed)
+    for silo in ("silo-0", "silo-1"):
+        assert "ghost-1, ghost-2, not silos of this silo's roster" in refusals[silo]
+
+
+def test_a_blind_sum_left_with_fewer_survivors_than_a_silos_floor_is_read_by_no_silo():
+    """Four listed, threshold 3: one silo leaves after its keys, and the sum goes on over three. Silos whose
+    floor is three read it; silos whose policy wants four survivors refuse at the consistency step (where a
+    blind silo releases its input), so none of them reads a sum over fewer."""
+    listed = SILOS[:4]
+    _, read, _ = blind_sum(listed, leaves=("silo-3",))
+    assert all(read[u] is not None for u in listed[:3])
+    _, read, refusals = blind_sum(listed, floors=Floors(participants=3, survivors=4), leaves=("silo-3",))
+    assert read == dict.fromkeys(listed)
+    for silo in listed[:3]:
+        assert "would count 3 silos, fewer than the 4" in refusals[silo]
 
 
 def test_ledgers_fail_closed_when_the_state_shows_earlier_work(tmp_path):

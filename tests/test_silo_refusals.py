@@ -28,7 +28,10 @@ from fedlt.methods.state import pack_state
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import round_pb2
 from fedlt.wire import schema_to_pb
+from fedlt.wire.codec import entries_of
 from privacy import roundspec
+from privacy.blind.keys import OutputKey
+from privacy.blind.layer import BlindSettings
 from privacy.ckks.keys import SecretContext
 from privacy.dp import BudgetExceeded
 from privacy.pki.ca import issue_silo
@@ -337,6 +340,61 @@ def test_a_ckks_round_naming_a_key_this_silo_does_not_hold_is_refused_and_sends_
             agent,
             signed_spec(kit[0], **ckks, ckks=round_pb2.CkksParameters(k_min=1, context_id=held.context_id)),
         )
+
+
+def blind_agent(kit) -> tuple[SiloAgent, str]:
+    """silo-0's agent with a policy that lists blind, and the id of the blind key it holds (as key holder)."""
+    _, configs = kit
+    configs[0].write_text(configs[0].read_text() + '\n[policy]\nprivacy = ["blind"]\n')
+    agent = agent_of(kit)
+    return agent, agent.keys.keyrings["blind"].rotate().context_id
+
+
+def blind_spec(context_id: str, **settings) -> dict[str, object]:
+    """The RoundSpec fields of a blind round naming the key `context_id`, with `settings` (its defaults, the
+    tail guard at k_min 2, otherwise). It names no key holder, so the key service shares nothing."""
+    blind = BlindSettings(**{"k_min": 2, "context_id": context_id, **settings})
+    return {"privacy": "blind", "secagg": None, "layer_parameters": entries_of(blind)}
+
+
+BLIND_WEAKENED = [
+    ({"participants": SILOS[:2]}, {}, "2 silos in the contribution sum, fewer than policy.min_participants"),
+    ({}, {"threshold": 2}, "threshold 2 of 3 share holders"),
+    ({}, {"k_min": 1}, "tail guard k_min 1 is below"),
+    (
+        {"participants": [f"silo-{k}" for k in range(12)]},
+        {"neighbours": 2},
+        "accepts only the complete graph",
+    ),
+    ({"consortium_id": "another"}, {}, "it is for consortium 'another'"),
+    ({"participants": ["silo-1", "silo-2", "silo-3"]}, {}, "not among the participants"),
+    ({"participants": ["ghost", "silo-0", "silo-1"]}, {}, "lists ghost, not silos of this silo's roster"),
+]
+
+
+@pytest.mark.parametrize(("changes", "settings", "refusal"), BLIND_WEAKENED)
+def test_weakened_blind_sums_and_misaddressed_rounds_are_refused_by_default(kit, changes, settings, refusal):
+    """blind's sums are secagg's: the same floors (participants, threshold, tail guard, complete graph) and
+    the same roster, refused before any work. The round itself is admitted as signed."""
+    agent, held = blind_agent(kit)
+    assert check(agent, signed_spec(kit[0], **blind_spec(held))).spec.privacy == "blind"
+    spec = {**blind_spec(held, **settings), **changes}
+    stub = RecordingStub()
+    with pytest.raises(RefusedRound, match=refusal):
+        check(agent, signed_spec(kit[0], **spec), stub)
+    assert stub.calls == []
+
+
+def test_a_blind_round_naming_a_key_this_silo_does_not_hold_is_refused_and_sends_nothing(kit):
+    """The attack: an aggregator that made an output key of its own names it in the RoundSpec, so that silos
+    would mask with a key it holds and it would read every sum. A silo masks only with a key the key holder
+    sealed to it: it asks for the key named, gets none, and refuses before any work."""
+    agent, _ = blind_agent(kit)
+    made_up = OutputKey.new().context_id
+    stub = NoKeyStub()
+    with pytest.raises(RefusedRound, match="does not hold the blind key"):
+        check(agent, signed_spec(kit[0], **blind_spec(made_up)), stub)
+    assert stub.calls == ["FetchKey"]  # the key asked for, and nothing else
 
 
 # --- refusals the aggregator hears (issue 31, item 5) -------------------------------------------------
