@@ -97,15 +97,15 @@ class RoundCommitter:
             return HeldState.plain(self.method.server_step(table.held.model, summed, context), self.method)
         until = time.monotonic() + self.config.timeouts.stage
         with table.lock:
-            table.wait(stop, lambda: table.all_in(attempt.contributors, attempt.reports), until=until)
+            table.wait(stop, lambda: table.all_in(attempt.readers, attempt.reports), until=until)
             if stop.is_set():
                 return None
             reports = dict(attempt.reports)
-        silent = sorted(set(attempt.contributors) - set(reports))
+        silent = sorted(set(attempt.readers) - set(reports))
         if silent:
             raise SumAborted(
                 f"{', '.join(silent)} reported no next state, and silos step only from a state every "
-                "silo the sum counted signed: not committed"
+                "silo that read the sum signed: not committed"
             )
         first = next(iter(reports.values()))
         differ = sorted(s for s, r in reports.items() if not r.same_state(first))
@@ -113,7 +113,7 @@ class RoundCommitter:
             raise SumAborted(
                 f"silos computed different next states ({', '.join(differ)} differ): not committed"
             )
-        return HeldState.reported(attempt.round, attempt.contributors, reports)
+        return HeldState.reported(attempt.round, attempt.contributors, attempt.readers, reports)
 
     def commit(self, attempt: Attempt, held: HeldState) -> None:
         if attempt.only_evaluates:

@@ -65,11 +65,16 @@ class HeldState:
 
     @classmethod
     def reported(
-        cls, round_number: int, counted: tuple[str, ...], reports: Mapping[str, StateReport]
+        cls,
+        round_number: int,
+        counted: tuple[str, ...],
+        readers: tuple[str, ...],
+        reports: Mapping[str, StateReport],
     ) -> HeldState:
-        """The state every silo of `counted` reported (the caller checked they agree), signatures kept."""
-        first = reports[counted[0]]
-        attested = Attested(counted, {silo: reports[silo].attestation for silo in counted})
+        """The state every silo that read the sum (`readers`, of `counted`) reported (the caller checked they
+        agree), signatures kept."""
+        first = reports[readers[0]]
+        attested = Attested(counted, {silo: reports[silo].attestation for silo in readers})
         return cls.sealed(
             round_number, first.digest, first.sealed, first.schema, first.remaining, first.trains, attested
         )

@@ -119,12 +119,17 @@ class RoundInbox:
                 return self.table.evaluation.download(silo_id, round_id)
             return self.table.invited(silo_id, round_id).sums.download(silo_id, purpose)
 
+    def readers(self, silo_id: str, round_id: str) -> tuple[str, ...]:
+        """Who read `round_id`'s sum, as its state's signatures must name them (where silos step)."""
+        with self.table.lock:
+            return self.table.invited(silo_id, round_id).readers
+
     def report_state(self, silo_id: str, round_id: str, report: StateReport) -> None:
         """Keep the state a silo computed from the sum it decrypted (layers where only silos read sums)."""
         with self.table.lock:
             attempt = self.table.invited(silo_id, round_id)
-            if silo_id not in attempt.contributors:
-                raise NotParticipant(f"{silo_id} is not among the silos the sum of {round_id} counted")
+            if silo_id not in attempt.readers:
+                raise NotParticipant(f"{silo_id} is not among the silos that read the sum of {round_id}")
             if (report.round, report.counted) != (attempt.round, attempt.contributors):
                 raise BadContribution(
                     f"{silo_id} signed its state as round {report.round}'s from a sum of "

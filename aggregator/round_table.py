@@ -208,6 +208,7 @@ class Attempt:
     disclosers: list[str] = field(default_factory=list)  # asked for the MFSC disclosure
     disclosed: dict[str, bytes] = field(default_factory=dict)  # silo -> its disclosure, kept if committed
     contributors: tuple[str, ...] = ()  # whom the contribution sum counted
+    readers: tuple[str, ...] = ()  # where silos step: who read the sum (blind: may be fewer than counted)
     reports: dict[str, StateReport] = field(default_factory=dict)  # where silos step the model
     evaluation: HeldOutCounts | None = None  # the held-out counts of the starting state, summed with the rest
     refused: dict[str, SiloRefusal] = field(default_factory=dict)  # silo -> its refusal of this attempt

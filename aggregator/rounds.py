@@ -376,7 +376,7 @@ class RoundDriver:
                 self.table.sessions.step(silo, attempt.round_id, purpose, step)
         self.census.released(attempt, out.survivors)
         with self.table.lock:
-            attempt.contributors = out.survivors
+            attempt.contributors, attempt.readers = out.survivors, out.stepping
             self.table.stage = Stage.COMMITTING
         return out if out.total is None else self.committer.stripped(attempt, out)
 

@@ -661,6 +661,7 @@ class ConsortiumServicer(consortium_pb2_grpc.ConsortiumServiceServicer):
                 round_number=header.round,
                 digest=header.state_digest,
                 counted=counted,
+                readers=self.inbox.readers(silo, header.round_id),
             )
         except NotAttested as exc:
             raise BadContribution(str(exc)) from None

@@ -169,6 +169,7 @@ def step_and_report(
     sealed state) once the aggregator accepted it (`silo.export.keep_stepped`)."""
     spec, sums = taking_part.spec, taking_part.sums
     survivors = tuple(sorted(sums.half.counted))
+    readers = tuple(sorted(sums.half.readers))  # who read the sum and step with this silo (blind: U4)
     total = SumLayer.seal(sums.sums.schema, sums.result, len(survivors))
     with one_thread():
         following = method.server_step(state, total, ServerContext(spec.round, spec.seed))
@@ -181,7 +182,7 @@ def step_and_report(
         packed=pack_state(following),
     )
     attested = {"consortium": spec.consortium_id, "round_number": spec.round, "digest": digest}
-    signature = attest(sign, **attested, counted=survivors)
+    signature = attest(sign, **attested, counted=survivors, readers=readers)
     # the masks and the sum's signatures are bound to the state this silo stepped to, not only to labels
     # the aggregator chooses: they cancel, and the survivors' signatures agree, only among silos that
     # read the same sum and computed the same state
@@ -189,7 +190,7 @@ def step_and_report(
     evaluated = SumSpec(
         spec.round_id,
         "evaluation",
-        survivors,
+        readers,
         evaluation_schema(method.model_spec.num_classes),
         binding,
         settings=sums.sums.settings,
@@ -202,7 +203,7 @@ def step_and_report(
         may_release=lambda counted: gate.release(evaluated, side, counted, subject),
     )
     counts = evaluation_counts(method, following, held_out)
-    mask = zero_sum_mask(secret, f"{binding.hex()}/evaluation", taking_part.me, survivors, len(counts))
+    mask = zero_sum_mask(secret, f"{binding.hex()}/evaluation", taking_part.me, readers, len(counts))
     (upload,) = evaluation.start(counts + torch.from_numpy(mask))
     kind, payload = payload_of(upload)
     header = pb.StateReportHeader(

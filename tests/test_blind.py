@@ -301,7 +301,7 @@ def test_the_aggregator_alone_holds_uniform_uploads_and_a_uniform_total(seed):
         assert uniform(played.uploads[u])  # ...and what the aggregator received passes it
     assert not uniform(encoded_sum(codec, inputs, FOUR))
     assert uniform(played.handed)
-    assert played.released == Released(FOUR, None)
+    assert played.released == Released(FOUR, None, readers=FOUR)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -237,7 +237,9 @@ def step_from(me: str, result: torch.Tensor) -> tuple[object, object, pb.StateRe
     """`me` stepping with the real `step_and_report` from a decrypted sum: its evaluation half and upload,
     and the header of its state report."""
     sums = SimpleNamespace(
-        half=SimpleNamespace(counted=SILOS), sums=SimpleNamespace(schema=SCHEMA, settings=None), result=result
+        half=SimpleNamespace(counted=SILOS, readers=SILOS),
+        sums=SimpleNamespace(schema=SCHEMA, settings=None),
+        result=result,
     )
     taking_part = SimpleNamespace(spec=round_spec(1, ROUND_ID, START), me=me, sums=sums)
     stub = Stub()
@@ -560,7 +562,7 @@ def report(silo: str, digest: str, round_number: int = 1, counted: tuple[str, ..
 
 def test_the_aggregator_keeps_every_counted_silos_signature_with_the_state_through_a_restart():
     reports = {silo: report(silo, STATE.digest()) for silo in SILOS}
-    held = HeldState.reported(1, SILOS, reports)
+    held = HeldState.reported(1, SILOS, SILOS, reports)
     assert held.attested.counted == SILOS
     again = HeldState.from_stored(held.stored(), 1, STATE.digest(), METHOD)
     assert again.attested == held.attested
@@ -579,6 +581,21 @@ def test_a_sealed_state_stored_without_signatures_is_refused_by_the_next_silos()
     assert again.attested is None
     with pytest.raises(NotAttested):
         opened_state(SEALED, round_spec(2, "r2.a1.bare", STATE), SECRET, METHOD, **CHECKS)
+
+
+def test_a_state_read_by_fewer_silos_than_counted_needs_every_readers_signature_naming_them():
+    """Under blind a silo lost after its masked input is counted (its input is in the sum) but reads nothing:
+    the silos that read the sum sign the state naming themselves, and it is accepted; the aggregator cannot
+    drop one of their signatures, as the others name that silo, nor pass them off as every counted silo's."""
+    readers = ("a", "b", "c")
+    bound = {"consortium": CONSORTIUM, "round_number": 1, "digest": STATE.digest()}
+    signed = {s: Attestation(attest(signer(s), **bound, counted=SILOS, readers=readers)) for s in readers}
+    check_attested(Attested(SILOS, signed), **bound, peers=PEERS, min_counted=2)
+    dropped = Attested(SILOS, {s: signed[s] for s in ("a", "b")})
+    with pytest.raises(NotAttested, match="lacks the signatures of c, d: a signed it as read by others"):
+        check_attested(dropped, **bound, peers=PEERS, min_counted=2)
+    with pytest.raises(NotAttested, match="did not sign state"):  # as if read by every counted silo
+        check_attested(Attested(readers, signed), **bound, peers=PEERS, min_counted=2)
 
 
 def test_each_silo_signs_the_state_it_stepped_to_in_its_report():
@@ -621,7 +638,7 @@ def driver(tmp_path):
         echo=lambda _: None,
     )
     attempt = driver._start_attempt(list(SILOS))
-    attempt.contributors = SILOS
+    attempt.contributors = attempt.readers = SILOS
     yield driver, attempt
     store.close()
 

@@ -166,7 +166,7 @@ def stepped(
     on, and the evaluation upload it reported with its sealed state."""
     schema = METHOD.schema(state)
     sums = SimpleNamespace(
-        half=SimpleNamespace(counted=silos),
+        half=SimpleNamespace(counted=silos, readers=silos),
         sums=SimpleNamespace(schema=schema, settings=None),
         result=summed(state, nudge),
     )

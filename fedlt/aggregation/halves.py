@@ -128,6 +128,14 @@ class Released:
 
     survivors: tuple[str, ...]
     total: torch.Tensor | None
+    # where only silos read the sum, those that did, and so step the model (None: every survivor); under
+    # blind a silo lost after its masked input is counted (its input is in the sum) but handed nothing
+    readers: tuple[str, ...] | None = None
+
+    @property
+    def stepping(self) -> tuple[str, ...]:
+        """The silos that step the model from this sum, where silos do."""
+        return self.survivors if self.readers is None else self.readers
 
 
 class SiloHalf(ABC):
@@ -155,6 +163,12 @@ class SiloHalf(ABC):
     def result(self) -> torch.Tensor | None:
         """The sum, for layers that release it to the silos rather than the aggregator."""
         return None
+
+    @property
+    def readers(self) -> tuple[str, ...]:
+        """Where silos read the sum: those that do, and so step the model and sign the state (by default
+        every counted silo; `Released.readers`)."""
+        return self.counted
 
 
 class AggregatorHalf(ABC):

@@ -111,6 +111,10 @@ class BlindSiloHalf(SecAggSiloHalf):
         remove_masks(self.codec.ring, total, self._key, self._label(), self.client.survivors)
         super()._read(total)
 
+    @property
+    def readers(self) -> tuple[str, ...]:
+        return self.client.signers  # handed the total: a survivor lost before signing reads nothing
+
     def _other_step(self, step: object) -> list[object]:
         if not isinstance(step, BlindTotal):
             return super()._other_step(step)
@@ -155,7 +159,8 @@ class BlindAggregatorHalf(SecAggAggregatorHalf):
         return dict.fromkeys(self.server.u4, BlindTotal(self._handed))
 
     def _released(self) -> Released:
-        return Released(self.server.u3, None)  # the total is masked: only silos read it
+        # the total is masked: only silos read it, those of U4 it was handed to
+        return Released(self.server.u3, None, readers=self.server.u4)
 
     def download(self, silo: str) -> bytes:
         if self._handed is None or silo not in self.server.u4:

@@ -357,6 +357,11 @@ class SecAggClient:
         return self._u3
 
     @property
+    def signers(self) -> tuple[str, ...]:
+        """U4 as this silo verified it: every silo whose consistency signature it checked before revealing."""
+        return tuple(sorted(self._u4))
+
+    @property
     def masked_signature(self) -> bytes:
         """This silo's signature of its masked input, in a sum silos recompute (empty otherwise)."""
         return self._masked_signature

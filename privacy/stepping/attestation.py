@@ -61,15 +61,34 @@ class Attested:
         return cls(tuple(attestations.counted), by_silo)
 
 
-def state_message(consortium: str, round_number: int, digest: str, counted: Sequence[str]) -> bytes:
-    return transcript("fedlt/ckks/state/v1", consortium, str(round_number), digest, *counted)
+def state_message(
+    consortium: str,
+    round_number: int,
+    digest: str,
+    counted: Sequence[str],
+    readers: Sequence[str] | None = None,
+) -> bytes:
+    """What a silo signs of a state: the consortium, the round, the digest, the silos the sum counted and,
+    where fewer read it (blind: a silo lost after its masked input is counted but handed nothing), who did:
+    every signer names every other, so no signature can be dropped from the set unnoticed."""
+    parts = [consortium, str(round_number), digest, *counted]
+    if readers is not None and tuple(readers) != tuple(counted):
+        parts += ["read by", *readers]
+    return transcript("fedlt/ckks/state/v1", *parts)
 
 
 def attest(
-    sign: Callable[..., bytes], *, consortium: str, round_number: int, digest: str, counted: Sequence[str]
+    sign: Callable[..., bytes],
+    *,
+    consortium: str,
+    round_number: int,
+    digest: str,
+    counted: Sequence[str],
+    readers: Sequence[str] | None = None,
 ) -> bytes:
-    """This silo's signature over the state of `round_number` it stepped to from a sum counting `counted`."""
-    message = state_message(consortium, round_number, digest, counted)
+    """This silo's signature over the state of `round_number` it stepped to from a sum counting `counted`
+    and read by `readers` (None: by every counted silo)."""
+    message = state_message(consortium, round_number, digest, counted, readers)
     return sign(message, context=ATTESTATION_CONTEXT)
 
 
@@ -82,9 +101,10 @@ def check_signed(
     round_number: int,
     digest: str,
     counted: Sequence[str],
+    readers: Sequence[str] | None = None,
 ) -> None:
     """`silo`'s signature over that state, by a member `peers` accepts; NotAttested otherwise."""
-    message = state_message(consortium, round_number, digest, counted)
+    message = state_message(consortium, round_number, digest, counted, readers)
     try:
         peers.verify(
             silo, attestation.certificate, attestation.signature, message, context=ATTESTATION_CONTEXT
@@ -102,6 +122,7 @@ def check_report(
     round_number: int,
     digest: str,
     counted: Sequence[str],
+    readers: Sequence[str] | None = None,
 ) -> None:
     """The aggregator's check of a state report's signature, against the certificate TLS verified and the
     roster: it keeps no state whose signatures the next round's silos would refuse."""
@@ -113,6 +134,7 @@ def check_report(
         round_number=round_number,
         digest=digest,
         counted=counted,
+        readers=readers,
     )
 
 
@@ -125,8 +147,9 @@ def check_attested(
     peers: Peers,
     min_counted: int,
 ) -> None:
-    """Every silo of the counted set signed `digest` for `round_number`, and there are at least
-    `min_counted` of them (the silo's floor); NotAttested otherwise."""
+    """Every silo that read the sum signed `digest` for `round_number`, naming the counted set and the
+    readers (the signers: every counted silo, or under blind those handed the total), and there are at least
+    `min_counted` readers (the silo's floor); NotAttested otherwise."""
     counted = attested.counted
     if counted != tuple(sorted(set(counted))):
         raise NotAttested("the silos a state was stepped from are listed out of order or twice")
@@ -135,21 +158,31 @@ def check_attested(
             f"state {digest[:16]} of round {round_number} was stepped from a sum of {len(counted)} silos, "
             f"fewer than this silo's floor of {min_counted}"
         )
-    if set(attested.by_silo) != set(counted):
-        missing = sorted(set(counted) - set(attested.by_silo))
-        strangers = sorted(set(attested.by_silo) - set(counted))
+    readers = tuple(sorted(attested.by_silo))
+    missing = sorted(set(counted) - set(readers))
+    strangers = sorted(set(readers) - set(counted))
+    if strangers or len(readers) < min_counted:
         raise NotAttested(
             f"state {digest[:16]} of round {round_number} lacks the signatures of "
             f"{', '.join(missing) or 'none'} and carries those of silos its sum did not count: "
             f"{', '.join(strangers) or 'none'}"
         )
-    for silo in counted:
-        check_signed(
-            peers,
-            silo,
-            attested.by_silo[silo],
-            consortium=consortium,
-            round_number=round_number,
-            digest=digest,
-            counted=counted,
-        )
+    for silo in readers:
+        try:
+            check_signed(
+                peers,
+                silo,
+                attested.by_silo[silo],
+                consortium=consortium,
+                round_number=round_number,
+                digest=digest,
+                counted=counted,
+                readers=readers,
+            )
+        except NotAttested:
+            if not missing:
+                raise
+            raise NotAttested(
+                f"state {digest[:16]} of round {round_number} lacks the signatures of {', '.join(missing)}: "
+                f"{silo} signed it as read by others than those whose signatures it carries"
+            ) from None
