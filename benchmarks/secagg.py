@@ -1,9 +1,9 @@
 """Secure aggregation's costs at ResNet-8 size: masking, unmasking, bytes on the wire, and a whole round.
 
     python benchmarks/secagg.py session [--silos 3 10 30] [--repeats 5] [--model resnet8]
-        [--graphs full secagg+] [--flower .flwr/bin/python]
+        [--graphs full secagg+] [--flower .flwr/bin/python] [--layers secagg [blind]]
     python benchmarks/secagg.py rounds [--silos 3 10] [--rounds 6] [--pairs 2] [--model resnet8]
-        [--layers plaintext secagg [ckks]] [--budget-minutes 15] [--keep DIR]
+        [--layers plaintext secagg [ckks] [blind]] [--budget-minutes 15] [--keep DIR]
 
 (`benchmarks/load.py` runs 3 to 30 silo processes with the full graph and SecAgg+'s, for latency and memory.)
 
@@ -32,6 +32,15 @@ For each n and repeat it measures:
   framing, against the contribution's numbers as float32 (4 bytes each) and the plaintext Submit stream of
   the same contribution. The key list carries every silo's certificate PEM, which peers need to check the
   keys' signatures.
+With `--layers secagg blind`, each repeat also runs the same sessions under `blind` (secagg's session with an
+output mask under its masks; the two layers in alternating order) and reports it against secagg's: a silo's
+masking (its output mask included; one output mask alone too: an HMAC seed and one keystream), the
+aggregator's unmasking (which hands the still-masked total to the silos), a silo's reading of that total
+(removing the survivors' output masks and decoding), and bytes: the same uploads, and the total each silo
+fetches (announced in a SumStep, streamed through FetchSum). What a blind silo also sends each round, outside
+the sum, because silos step the model: its sealed next state (a ReportState stream) and its masked evaluation
+counts. In every session each party that reads the sum (secagg's aggregator, each blind silo) must read the
+fixed-point sum of the survivors' encoded inputs to the bit, or the benchmark stops.
 With `--graphs full secagg+` it does all of this for the complete graph and for SecAgg+'s sparse graph of
 `secagg_plus_degree(n)` = k neighbours (skipped where that degree would reach n − 1: the graph would be the
 complete one), and adds the masking time summed over all n silos: the consortium's pairwise work, O(n²) for
@@ -40,14 +49,21 @@ the complete graph and O(n log n) for SecAgg+. A SecAgg+ silo has k + 1 masks, n
 
 `rounds` runs a real consortium (aggregator + n silo processes over mutual TLS on 127.0.0.1, one torch
 thread per silo, the demo's recipe and training plan: FedAvg, LT MNIST-5k, IF 100, α 0.5) with each privacy
-layer of --layers (default `plaintext` and `secagg`; `ckks` too for issue 13), same settings and seed, in
-alternating order (--pairs 2: plaintext, secagg, secagg, plaintext, so a drift of the machine favours none),
-and compares the median time between consecutive commits over each layer's runs with plaintext's (from the
-database's audit log; each run's first round, which includes start-up, excluded).
+layer of --layers (default `plaintext` and `secagg`; `ckks` for issue 13, `blind` for issue 33), same settings
+and seed, in alternating order (--pairs 2: plaintext, secagg, secagg, plaintext, so a drift of the machine
+favours none), and compares the median time between consecutive commits over each layer's runs with the
+first layer's (from the database's audit log; each run's first round, which includes start-up, excluded).
 It also splits a round by the audit log: attempt start → last contribution accepted (training, and for
 secagg the keys, shares and masked-input stages), → commit (for secagg the consistency and unmask stages),
-→ next attempt start (evaluation of the committed model on the operator's test set). A run that takes
-longer than --budget-minutes is stopped and reported as not measured.
+→ next attempt start (evaluation of the committed model on the operator's test set). Where silos step the
+model (ckks, blind) the stages differ: → commit also holds the silos fetching the sum and reading it, the
+server step on every silo, each silo's evaluation of the new state on its share of the test split, the
+evaluation sum and the sealed state reports; → next start is left with the aggregator's bookkeeping alone.
+Others' load on a shared machine moves the silos' training most, and training is the same work under every
+layer (their models agree), so each round is also reported beyond its slowest silo's local training (from
+the silos' logs), with each layer's median of that against the first layer's, in seconds. Each run records
+the machine's load averages before and after it. A run that takes longer than --budget-minutes is stopped
+and reported as not measured.
 """
 
 from __future__ import annotations
@@ -58,6 +74,7 @@ import json
 import math
 import os
 import platform
+import re
 import secrets
 import statistics
 import subprocess
@@ -66,7 +83,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -76,36 +93,60 @@ import numpy as np
 import torch
 from cryptography.hazmat.backends.openssl.backend import backend as openssl
 from cryptography.hazmat.primitives.asymmetric import ec
+from google.protobuf.message import Message
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.consortium_harness
 
 from aggregator.config import ConsortiumSection, TimeoutSection
 from aggregator.demo import DEMO_PLAN, RECIPE, demo_layer_settings, write_consortium
 from aggregator.store import AuditRecord
-from fedlt.aggregation import Schema
-from fedlt.aggregation.halves import AggregatorHalf, Released, Signer, SumSpec
+from fedlt.aggregation import Schema, make_layer
+from fedlt.aggregation.halves import (
+    AggregatorHalf,
+    AggregatorSide,
+    PartyKeys,
+    Released,
+    Signer,
+    SiloSide,
+    SumSpec,
+    evaluation_schema,
+)
 from fedlt.aggregation.plaintext import to_wire
+from fedlt.aggregation.registry import record as layer_record
 from fedlt.data.federation import DataConfig
-from fedlt.methods.state import float_keys
+from fedlt.methods.state import float_keys, pack_state
 from fedlt.models import MODELS
 from fedlt.plan import ModelSection, RoundPlan
 from fedlt.v1 import consortium_pb2 as pb
-from fedlt.wire import submit_stream
+from fedlt.wire import chunks, submit_stream
 from privacy import ring as keystreams
+from privacy.blind.halves import CountsTotal, MaskedCounts
+from privacy.blind.keys import OutputKey, add_mask, sum_label
 from privacy.peers import ConsortiumPeers
 from privacy.pki.ca import init_ca, issue_server, issue_silo
 from privacy.pki.identity import MemberTrust, RevokedSerials
 from privacy.pki.roster import Roster, draft
 from privacy.pki.signing import load_private_key, sign
 from privacy.ring import FixedPointCodec, Ring
-from privacy.secagg.halves import SecAggAggregatorSide, SecAggSiloSide
 from privacy.secagg.local import STAGES
 from privacy.secagg.protocol import Inbox, KeyList
 from privacy.secagg.settings import SecAggSettings
-from privacy.wire import received, receivers, send, step_from_pb, step_to_pb, submitted
+from privacy.stepping.sealed_state import seal_state
+from privacy.wire import (
+    consortium_layers,
+    fetched,
+    payload_of,
+    received,
+    receivers,
+    send,
+    step_from_pb,
+    step_to_pb,
+    submitted,
+)
 from tests.consortium_harness import RECIPE as DIGITS
 from tests.consortium_harness import SILO_THREADS, Consortium
 
+SESSION_LAYERS = ("secagg", "blind")  # the layers whose sum is secagg's session
 DROPOUTS = {"none": "", "after_masked": "consistency", "before_masked": "masked"}  # first stage not answered
 
 
@@ -130,6 +171,12 @@ def _read(path: str) -> list[str]:
         return Path(path).read_text().splitlines()
     except OSError:
         return []
+
+
+def loadavg() -> list[float]:
+    """The machine's load averages (1, 5, 15 minutes); empty where /proc has none."""
+    fields = _read("/proc/loadavg")
+    return [float(x) for x in fields[0].split()[:3]] if fields else []
 
 
 def plan_for(model: str) -> RoundPlan:
@@ -255,24 +302,33 @@ class Members:
 @dataclass
 class SessionRun:
     masking_s: dict[str, float]
+    reading_s: dict[str, float]  # a silo's step on a total it unmasks itself (blind), by silo
     unmask_s: float
     up: dict[str, dict[str, int]]  # silo → message → serialized bytes
     down: dict[str, dict[str, int]]
     certificate_bytes: int  # of the PEMs in the key list
 
 
-def stream_bytes(stream: Iterable[pb.SubmitRequest]) -> int:
+def stream_bytes(stream: Iterable[Message]) -> int:
     return sum(message.ByteSize() for message in stream)
 
 
 class Relay:
-    """A silo's stub answered as the aggregator's service answers it: each request measured, read with the
-    certificate the silo connected with, and handed to the aggregator's half."""
+    """A silo's stub answered as the aggregator's service answers it: each request measured (into `sizes`),
+    read with the certificate the silo connected with as a message of `layer`, and handed to the aggregator's
+    half; each total the silo fetches measured into `downloads`."""
 
     def __init__(
-        self, silo: str, aggregator: AggregatorHalf, credential: bytes, sizes: dict[str, int]
+        self,
+        silo: str,
+        aggregator: AggregatorHalf,
+        credential: bytes,
+        sizes: dict[str, int],
+        downloads: dict[str, int],
+        layer: str,
     ) -> None:
-        self.silo, self.aggregator, self.credential, self.sizes = silo, aggregator, credential, sizes
+        self.silo, self.aggregator, self.credential = silo, aggregator, credential
+        self.sizes, self.downloads, self.layer = sizes, downloads, layer
 
     def __getattr__(self, rpc: str):
         if rpc not in receivers():
@@ -282,7 +338,7 @@ class Relay:
             self.sizes[type(request).__name__] = request.ByteSize()
             self.aggregator.receive(
                 self.silo,
-                received(rpc, request, silo=self.silo, credential=self.credential, layer="secagg"),
+                received(rpc, request, silo=self.silo, credential=self.credential, layer=self.layer),
             )
 
         return call
@@ -291,30 +347,54 @@ class Relay:
         first, *parts = list(stream)
         self.sizes["Submit (masked)"] = stream_bytes([first, *parts])
         payload = b"".join(p.chunk for p in parts)
-        self.aggregator.receive(self.silo, submitted(first.header, payload, layer="secagg"))
+        self.aggregator.receive(self.silo, submitted(first.header, payload, layer=self.layer))
+
+    def FetchSum(self, request: pb.FetchSumRequest, timeout=None) -> list[pb.FetchSumResponse]:  # noqa: N802
+        data = self.aggregator.download(self.silo)
+        parts = [pb.FetchSumResponse(offset=offset, data=part) for offset, part in chunks(data)]
+        self.downloads["FetchSum (total)"] = sum(part.ByteSize() for part in parts)
+        return parts
+
+
+def layer_sides(
+    layer: str, members: Members, silos: Iterable[str]
+) -> tuple[dict[str, SiloSide], AggregatorSide]:
+    """The layer's sides as the registry makes them, keyed as in a consortium: each silo signs with its
+    certificate key and checks its peers' against the roster; a layer with a key service gets one key, made
+    as its key holder makes it, for every silo and none for the aggregator."""
+    made, service = make_layer(layer), layer_record(layer).key_service
+    secret = None if service is None else service.new()
+    silo_sides = {
+        u: made.silo_side(PartyKeys(sign=members.signer(u), peers=members.peers(), secret=secret))
+        for u in silos
+    }
+    return silo_sides, made.aggregator_side(PartyKeys(peers=members.peers()))
 
 
 def run_session(
-    spec: SumSpec, members: Members, inputs: Mapping[str, torch.Tensor], *, dropped: Mapping[str, str]
+    spec: SumSpec,
+    members: Members,
+    inputs: Mapping[str, torch.Tensor],
+    *,
+    dropped: Mapping[str, str],
+    layer: str = "secagg",
 ) -> SessionRun:
     """One secure sum as a consortium runs it: the layer's real halves, every message built and read through
-    the consortium's wire (`privacy.wire`); times each silo's masking step and the aggregator's unmasking.
+    the consortium's wire (`privacy.wire`), a total announced for fetching fetched through FetchSum; times
+    each silo's masking step, the aggregator's unmasking and each silo's reading of a total it unmasks.
 
     `dropped` maps a silo to the first stage it does not answer (one of `privacy.secagg.local.STAGES`).
     """
     # each silo verifies certificates with its own cache, as each agent process does; so does the aggregator
-    aggregator = SecAggAggregatorSide(peers=members.peers()).half(spec)
-    halves = {
-        u: SecAggSiloSide(sign=members.signer(u), peers=members.peers()).half(
-            spec, u, may_release=lambda _: None
-        )
-        for u in spec.silos
-    }
+    silo_sides, aggregator_side = layer_sides(layer, members, spec.silos)
+    aggregator = aggregator_side.half(spec)
+    halves = {u: silo_sides[u].half(spec, u, may_release=lambda _: None) for u in spec.silos}
     up: dict[str, dict[str, int]] = {u: {} for u in spec.silos}
     down: dict[str, dict[str, int]] = {u: {} for u in spec.silos}
-    stubs = {u: Relay(u, aggregator, members.certificates[u], up[u]) for u in spec.silos}
+    stubs = {u: Relay(u, aggregator, members.certificates[u], up[u], down[u], layer) for u in spec.silos}
     masking: dict[str, float] = {}
-    certificates = 0
+    reading: dict[str, float] = {}
+    certificates, unmask = 0, 0.0
 
     def answers(u: str, stage: str) -> bool:
         return u not in dropped or STAGES.index(dropped[u]) > STAGES.index(stage)
@@ -324,7 +404,9 @@ def run_session(
         for u, messages in outgoing.items():
             for message in messages:
                 send(stubs[u], spec.round_id, spec.purpose, message, timeout=0)
+        stage = aggregator.stage
         out, seconds = timed(aggregator.close)
+        unmask = seconds if stage == "unmask" else unmask
         if isinstance(out, Released):
             break
         outgoing = {}
@@ -335,20 +417,41 @@ def run_session(
                 sum(len(k.credential) for k in step.keys) if isinstance(step, KeyList) else certificates
             )
             if answers(u, aggregator.stage):
-                _, decoded = step_from_pb(message, layer="secagg")
+                _, announced = step_from_pb(message, layer=layer)
+                decoded = fetched(stubs[u], spec.round_id, spec.purpose, announced, timeout=0)
                 outgoing[u], took = timed(lambda u=u, decoded=decoded: halves[u].step(decoded))
                 if isinstance(decoded, Inbox):
                     masking[u] = took
-    check_sum(spec.schema, out, inputs)
-    return SessionRun(masking, seconds, up, down, certificates)
+                elif halves[u].done and halves[u].result is not None:
+                    reading[u] = took
+    readers = {"aggregator": out.total} if out.total is not None else {u: halves[u].result for u in reading}
+    if not readers:
+        raise RuntimeError(f"no party read the {layer} sum")
+    for reader, total in readers.items():
+        check_sum(spec.schema, out.survivors, total, inputs, reader=reader)
+    return SessionRun(masking, reading, unmask, up, down, certificates)
 
 
-def check_sum(schema: Schema, out: Released, inputs: Mapping[str, torch.Tensor]) -> None:
-    """The unmasked sum is the survivors' inputs' sum within the codec's stated bound (where it rounds
-    stochastically, the silos' own draws are not known here)."""
+def check_sum(
+    schema: Schema,
+    survivors: Iterable[str],
+    total: torch.Tensor,
+    inputs: Mapping[str, torch.Tensor],
+    *,
+    reader: str,
+) -> None:
+    """The sum `reader` read is the fixed-point sum of the survivors' encoded inputs to the bit, and within
+    the codec's stated bound of their float sum (where it rounds stochastically, each silo's draw is keyed by
+    its own vector, so encoding it here draws the same)."""
     codec = FixedPointCodec(schema, max_silos=len(inputs))
-    truth = schema.unflatten(sum(inputs[u] for u in out.survivors))
-    released = schema.unflatten(out.total)
+    survivors = list(survivors)
+    grid = codec.ring.zeros()
+    for u in survivors:
+        codec.ring.add(grid, codec.encode(inputs[u]))
+    if not torch.equal(total, codec.decode(grid)):
+        raise RuntimeError(f"the sum {reader} read is not the fixed-point sum of the survivors' inputs")
+    truth = schema.unflatten(sum(inputs[u] for u in survivors))
+    released = schema.unflatten(total)
     for f in schema.fields:
         error = float((released[f.name] - truth[f.name]).abs().max())
         if error > codec.error_bound(f.name):
@@ -373,6 +476,33 @@ def flower_version(flower: str) -> str:
     return done.stdout.strip() or "not installed"
 
 
+@dataclass
+class Samples:
+    """One layer's numbers over the repeats of `session_costs`: medians over silos, one per repeat."""
+
+    masking: list[float] = field(default_factory=list)
+    masking_total: list[float] = field(default_factory=list)  # every silo's masking, summed
+    reading: list[float] = field(default_factory=list)  # a silo unmasking the total it was handed (blind)
+    unmask: dict[str, list[float]] = field(default_factory=dict)
+    sizes: SessionRun | None = None
+
+    def add(self, scenario: str, run: SessionRun) -> None:
+        self.unmask.setdefault(scenario, []).append(run.unmask_s)
+        if scenario != "none":
+            return
+        self.masking.append(statistics.median(run.masking_s.values()))
+        self.masking_total.append(sum(run.masking_s.values()))
+        if run.reading_s:
+            self.reading.append(statistics.median(run.reading_s.values()))
+        self.sizes = run
+
+
+def per_silo(table: dict[str, dict[str, int]], silos: Iterable[str]) -> dict[str, int]:
+    """Mean over silos (ids differ in length by a byte or two)."""
+    silos = list(silos)
+    return {m: round(statistics.fmean(table[u][m] for u in silos)) for m in table[silos[0]]}
+
+
 def session_costs(
     n: int,
     repeats: int,
@@ -381,12 +511,15 @@ def session_costs(
     *,
     neighbours: int = 0,
     flower: Flower | None = None,
+    others: tuple[str, ...] = (),
 ) -> dict:
     """Items 1–3 for n silos: medians over `repeats` fresh sessions (new keys and seeds every time).
 
     `neighbours` 0 is the consortium default, the complete graph; otherwise SecAgg+'s degree. The threshold
     is the default: more than two thirds of a seed's holders. With `flower`, each repeat also times Flower
-    SecAgg+'s masked-input stage for the same n and model, right after ours.
+    SecAgg+'s masked-input stage for the same n and model, right after ours. Each layer of `others` (whose
+    sum is secagg's session, `SESSION_LAYERS`) runs the same sessions in each repeat, in alternating order
+    with secagg, and is reported under "layers" against secagg.
     """
     participants = tuple(sorted(f"silo-{k}" for k in range(n)))
     settings = SecAggSettings(neighbours=neighbours)
@@ -399,13 +532,13 @@ def session_costs(
     # losing a silo leaves its neighbours holders - 1 holders of each other's seeds
     scenarios = [s for s in DROPOUTS if s == "none" or holders - 1 >= t]
     drop = participants[-1]
+    layers = ("secagg", *others)
 
     for keystream in keystreams.KEYSTREAMS:  # warm up the ciphers and the allocator
         bare_keystream([secrets.token_bytes(keystreams.SEED_BYTES)], ring.nbytes, keystream)
     bare: dict[str, list[float]] = {k: [] for k in keystreams.KEYSTREAMS}
-    masking, ratios, apply_only, encode, decode, masking_total, flowers = [], [], [], [], [], [], []
-    unmask: dict[str, list[float]] = {s: [] for s in scenarios}
-    sizes: SessionRun | None = None
+    ratios, apply_only, encode, decode, flowers, output_mask = [], [], [], [], [], []
+    samples = {layer: Samples() for layer in layers}
     for repeat in range(repeats):
         # a silo's masks: self + peers
         seeds = [secrets.token_bytes(keystreams.SEED_BYTES) for _ in range(holders)]
@@ -413,30 +546,25 @@ def session_costs(
             bare[keystream].append(bare_keystream(seeds, ring.nbytes, keystream))
         apply_only.append(masks_only(seeds, ring, inputs[participants[0]]))
         encode.append(timed(lambda: codec.encode(flats[participants[0]]))[1])
-        for scenario in scenarios:
-            round_id = f"r{repeat + 1}.a1.{secrets.token_hex(4)}"
-            binding = secrets.token_bytes(32)
-            spec = SumSpec(round_id, "contribution", participants, schema, binding, settings)
-            dropped = {drop: DROPOUTS[scenario]} if DROPOUTS[scenario] else {}
-            run = run_session(spec, members, flats, dropped=dropped)
-            unmask[scenario].append(run.unmask_s)
-            if scenario == "none":
-                typical = statistics.median(run.masking_s.values())
-                masking.append(typical)
-                masking_total.append(sum(run.masking_s.values()))
-                ratios.append(typical / bare[keystreams.MASK_KEYSTREAM][-1])
-                sizes = run
+        if "blind" in others:
+            output_mask.append(output_mask_only(ring, inputs[participants[0]], participants[0]))
+        for layer in layers[:: 1 if repeat % 2 == 0 else -1]:
+            layer_settings = layer_record(layer).settings(neighbours=neighbours)
+            for scenario in scenarios:
+                round_id = f"r{repeat + 1}.a1.{secrets.token_hex(4)}"
+                binding = secrets.token_bytes(32)
+                spec = SumSpec(round_id, "contribution", participants, schema, binding, layer_settings)
+                dropped = {drop: DROPOUTS[scenario]} if DROPOUTS[scenario] else {}
+                samples[layer].add(scenario, run_session(spec, members, flats, dropped=dropped, layer=layer))
+        ratios.append(samples["secagg"].masking[-1] / bare[keystreams.MASK_KEYSTREAM][-1])
         if flower is not None:
             flowers.append(flower_masking(flower.python, n, flower.shapes))
         decode.append(timed(lambda: codec.decode(inputs[participants[0]]))[1])
+
+    base = samples["secagg"]
+    sizes = base.sizes
     assert sizes is not None
-
-    def per_silo(table: dict[str, dict[str, int]]) -> dict[str, int]:
-        """Mean over silos (ids differ in length by a byte or two)."""
-        names = table[participants[0]]
-        return {m: round(statistics.fmean(table[u][m] for u in participants)) for m in names}
-
-    up, down = per_silo(sizes.up), per_silo(sizes.down)
+    up, down = per_silo(sizes.up, participants), per_silo(sizes.down, participants)
     plaintext_payload = to_wire(schema, torch.zeros(schema.size, dtype=torch.float64))
     plaintext_up = stream_bytes(
         submit_stream(
@@ -444,7 +572,7 @@ def session_costs(
         )
     )
     float32_bytes = 4 * schema.size  # the contribution's numbers as float32: the model's entries and n
-    ours = [m + e for m, e in zip(masking, encode, strict=True)]
+    ours = [m + e for m, e in zip(base.masking, encode, strict=True)]
     return {
         "silos": n,
         "neighbours": neighbours,
@@ -457,8 +585,8 @@ def session_costs(
             for e in codec.encodings
         },
         "repeats": repeats,
-        "masking_s_median": median(masking),
-        "masking_all_silos_s_median": median(masking_total),
+        "masking_s_median": median(base.masking),
+        "masking_all_silos_s_median": median(base.masking_total),
         "bare_keystream_s_median": median(bare[keystreams.MASK_KEYSTREAM]),
         "bare_keystream_s_median_by_cipher": {k: median(v) for k, v in bare.items()},
         "keystream": keystreams.MASK_KEYSTREAM,
@@ -480,7 +608,7 @@ def session_costs(
             ),
             "ours": "encode + masked_input (the codec, the envelopes, key agreement, every mask)",
         },
-        "unmask_s_median": {s: median(unmask[s]) if s in unmask else None for s in DROPOUTS},
+        "unmask_s_median": {s: median(base.unmask[s]) if s in base.unmask else None for s in DROPOUTS},
         "unmask_note": ""
         if len(scenarios) == len(DROPOUTS)
         else f"no dropout case: losing one of {holders} holders leaves {holders - 1} < t = {t}, the session "
@@ -500,6 +628,81 @@ def session_costs(
             "plaintext_up": plaintext_up,
             "ratio_up_over_plaintext": round(sum(up.values()) / plaintext_up, 4),
         },
+        "layers": {
+            layer: against_secagg(samples[layer], base, participants, float32_bytes)
+            | ({"output_mask_only_s_median": median(output_mask)} if layer == "blind" else {})
+            for layer in others
+        },
+    }
+
+
+def output_mask_only(ring: Ring, vector: np.ndarray, silo: str) -> float:
+    """Seconds for one blind output mask alone (`privacy.blind.keys.add_mask`: one keystream, its HMAC
+    seed): what a blind silo's masking adds to secagg's."""
+    target, key = vector.copy(), OutputKey.new()
+    started = time.perf_counter()
+    add_mask(ring, target, key, sum_label("r1.a1.x", "contribution", secrets.token_bytes(32)), silo)
+    return time.perf_counter() - started
+
+
+def blind_round_bytes(model: str, n: int) -> dict[str, int]:
+    """What a blind silo sends and is sent each round besides the contribution sum, as silos step the model:
+    the sealed next state (every silo the sum counted reports it, in a ReportState stream; each fetches one
+    at the next round's start, where a secagg silo fetches the aggregator's packed state), its masked
+    evaluation counts (inside that report) and the counts' total handed back (a SumStep)."""
+    method = plan_for(model).build_method()
+    state = method.init_state(seed=0)
+    packed = pack_state(state)
+    sealed = seal_state(
+        OutputKey.new(), consortium="bench", round_number=1, digest=state.digest(), packed=packed
+    )
+    silos = tuple(f"silo-{k}" for k in range(n))
+    ring = FixedPointCodec(evaluation_schema(method.model_spec.num_classes), max_silos=n).ring
+    _, counts = payload_of(MaskedCounts(bytes(ring.nbytes)))
+    total = step_to_pb("r1.a1.00000000", "evaluation", CountsTotal(bytes(ring.nbytes), silos))
+    return {
+        "packed_state": len(packed),
+        "sealed_state": len(sealed),
+        "sealed_state_stream": stream_bytes(pb.ReportStateRequest(chunk=c) for _, c in chunks(sealed)),
+        "masked_counts_payload": len(counts),
+        "counts_total_step": pb.JoinResponse(sum_step=total).ByteSize(),
+    }
+
+
+def against_secagg(samples: Samples, base: Samples, silos: tuple[str, ...], float32_bytes: int) -> dict:
+    """A layer's costs in the same sessions as secagg's: its times and bytes, each with its ratio to secagg's
+    (per repeat, then the median). Every session checked that each party reading the sum read the
+    fixed-point sum of the survivors' inputs to the bit (`check_sum`)."""
+    assert samples.sizes is not None
+    assert base.sizes is not None
+    up, down = per_silo(samples.sizes.up, silos), per_silo(samples.sizes.down, silos)
+    fetched_down = [m for m in down if m.startswith("FetchSum")]
+    base_up = sum(per_silo(base.sizes.up, silos).values())
+    base_down = sum(per_silo(base.sizes.down, silos).values())
+
+    def over_secagg(values: list[float], secagg: list[float]) -> float:
+        return median((v / s for v, s in zip(values, secagg, strict=True)), 3)
+
+    return {
+        "masking_s_median": median(samples.masking),
+        "ratio_masking_over_secagg": over_secagg(samples.masking, base.masking),
+        "masking_all_silos_s_median": median(samples.masking_total),
+        "reading_s_median": median(samples.reading) if samples.reading else None,
+        "unmask_s_median": {s: median(v) for s, v in samples.unmask.items()},
+        "ratio_unmask_over_secagg": over_secagg(samples.unmask["none"], base.unmask["none"]),
+        "sum": "each reader's sum is the fixed-point sum of the survivors' inputs, to the bit",
+        "bytes_per_silo": {
+            "up": up,
+            "down": down,
+            "up_total": sum(up.values()),
+            "down_total": sum(down.values()),
+            "total_fetched": sum(down[m] for m in fetched_down),
+            "float32_contribution": float32_bytes,
+            "ratio_up_over_float32": round(sum(up.values()) / float32_bytes, 4),
+            "ratio_total_fetched_over_float32": round(sum(down[m] for m in fetched_down) / float32_bytes, 4),
+            "ratio_up_over_secagg": round(sum(up.values()) / base_up, 4),
+            "down_beyond_secagg": sum(down.values()) - base_down,
+        },
     }
 
 
@@ -516,12 +719,18 @@ def model_shapes(model: str) -> list[list[int]]:
 
 
 def session(
-    silos: list[int], repeats: int, model: str, graphs: tuple[str, ...] = ("full",), flower: str = ""
+    silos: list[int],
+    repeats: int,
+    model: str,
+    graphs: tuple[str, ...] = ("full",),
+    flower: str = "",
+    layers: tuple[str, ...] = ("secagg",),
 ) -> dict:
     """Every n with each graph of `graphs`, the graphs in turn for each n (a drift of the machine then shows
     in both graphs' numbers at that n rather than between them). SecAgg+ is skipped where its degree gives
     the complete graph (n = 3): that row would repeat the full graph's. With `flower` (a Python with flwr),
-    Flower's masked-input stage is timed beside the full graph's."""
+    Flower's masked-input stage is timed beside the full graph's. `layers` starts with secagg, the others'
+    baseline; blind's entries also carry what its silos send per round besides the sum."""
     schema = contribution_schema(model)
     against = Flower(flower, model_shapes(model)) if flower else None
     with tempfile.TemporaryDirectory() as tmp:
@@ -535,16 +744,21 @@ def session(
                 members,
                 neighbours=neighbours_for(graph, n),
                 flower=against if graph == "full" else None,
+                others=layers[1:],
             )
             for n in silos
             for graph in graphs
             if graph == "full" or neighbours_for(graph, n)
         ]
+    for r in results:
+        if "blind" in r["layers"]:
+            r["layers"]["blind"]["per_round"] = blind_round_bytes(model, r["silos"])
     return {
         "machine": machine(),
         "model": model,
         "words": schema.size,
         "graphs": list(graphs),
+        "layers": list(layers),
         "flwr": flower_version(flower) if flower else None,
         "by_silos": results,
     }
@@ -578,10 +792,31 @@ def session_table(result: dict) -> str:
             f"{unmask:>27} {b['up_total']:>9} {b['down_total']:>8} {b['float32_contribution']:>9} "
             f"{b['ratio_up_over_float32']:>7.4f}{versus}{graph}"
         )
-    return "\n".join(rows)
+    return "\n".join([*rows, *layers_table(result)])
 
 
-# --- item 4: a real consortium, plaintext against secagg --------------------------------------------------
+def layers_table(result: dict) -> list[str]:
+    """The other layers' rows, against secagg's in the same sessions (none where only secagg ran)."""
+    rows = [
+        f"{'n':>3} {'layer':>6} {'mask s':>7} {'x sec':>6} {'out s':>6} {'read s':>7} {'unmask s':>8} "
+        f"{'x sec':>6} {'up B':>9} {'up/f32':>7} {'up/sec':>7} {'fetched B':>9} {'f/f32':>7} {'down+ B':>9}"
+    ]
+    for r in result["by_silos"]:
+        for layer, c in r.get("layers", {}).items():
+            b = c["bytes_per_silo"]
+            rows.append(
+                f"{r['silos']:>3} {layer:>6} {c['masking_s_median']:>7.3f} "
+                f"{c['ratio_masking_over_secagg']:>6.3f} "
+                f"{c.get('output_mask_only_s_median', 0):>6.3f} {c['reading_s_median'] or 0:>7.3f} "
+                f"{c['unmask_s_median']['none']:>8.3f} {c['ratio_unmask_over_secagg']:>6.3f} "
+                f"{b['up_total']:>9} {b['ratio_up_over_float32']:>7.4f} {b['ratio_up_over_secagg']:>7.4f} "
+                f"{b['total_fetched']:>9} {b['ratio_total_fetched_over_float32']:>7.4f} "
+                f"{b['down_beyond_secagg']:>9}"
+            )
+    return rows if len(rows) > 1 else []
+
+
+# --- item 4: a real consortium, layer against layer -------------------------------------------------------
 
 
 class RoundTimes(NamedTuple):
@@ -644,6 +879,7 @@ def consortium_run(
     for path in configs:
         add_to_policy(path, silo_policy or {})
     consortium = Consortium(directory, configs)
+    load_before = loadavg()
     started = time.monotonic()
     code: int | None = None
     watching = monitor(consortium) if monitor else nullcontext({})
@@ -664,6 +900,8 @@ def consortium_run(
         store.close()
     times = round_times(audit)
     later = times[1:]  # the first round's time includes start-up
+    training = slowest_training(directory)
+    rounds_trained = [(a, b) for a, b in itertools.pairwise(times) if b.number in training]
     run = {
         "privacy": privacy,
         "measured": code == 0 and len(times) == n_rounds and len(times) > 1,
@@ -671,10 +909,16 @@ def consortium_run(
         "rounds_committed": len(times),
         "attempts": sum(r.event == "attempt_started" for r in audit),
         "wall_s": round(wall, 1),
+        "loadavg_before": load_before,  # 1, 5 and 15 minutes: others' work on this machine shows here
+        "loadavg_after": loadavg(),
         "round_s": [(b.committed - a.committed) / 1000 for a, b in itertools.pairwise(times)],
         "start_to_last_contribution_s": [(r.last_in - r.started) / 1000 for r in later],
         "last_contribution_to_commit_s": [(r.committed - r.last_in) / 1000 for r in later],
         "commit_to_next_start_s": [(b.started - a.committed) / 1000 for a, b in itertools.pairwise(times)],
+        "slowest_training_s": [training[b.number] for _, b in rounds_trained],
+        "beyond_training_s": [
+            (b.committed - a.committed) / 1000 - training[b.number] for a, b in rounds_trained
+        ],
         # the two layers' models differ by fixed-point rounding after round 1 (~1e-8), then drift apart as
         # training amplifies it, so compare what they reach rather than their weights
         "final_accuracy": evaluated[-1]["accuracy"] if evaluated else None,
@@ -686,6 +930,20 @@ def consortium_run(
     elif code != 0:
         run["reason"] = f"the aggregator exited with {code}: " + " | ".join(consortium.output[-5:])
     return run
+
+
+TRAINED = re.compile(r"round (\d+): trained on \d+ samples in ([0-9.]+) s")  # silo.work's log line
+
+
+def slowest_training(directory: Path) -> dict[int, float]:
+    """Per round, the slowest silo's local training in seconds, from the silos' logs: the same work under
+    every layer (their models agree to the bit or nearly), and the part of a round that others' load on this
+    shared machine moves most, so a round's time beyond it is the steadier measure of what a layer costs."""
+    slowest: dict[int, float] = {}
+    for log in directory.glob("silo-*.log"):
+        for number, seconds in TRAINED.findall(log.read_text()):
+            slowest[int(number)] = max(slowest.get(int(number), 0.0), float(seconds))
+    return slowest
 
 
 def add_to_policy(silo_config: Path, settings: Mapping[str, int]) -> None:
@@ -706,6 +964,7 @@ PHASES = (
     "last_contribution_to_commit_s",
     "commit_to_next_start_s",
 )
+TRAINING = ("slowest_training_s", "beyond_training_s")  # per round with a training line in the silos' logs
 
 
 def pooled(runs: list[dict]) -> dict:
@@ -713,10 +972,15 @@ def pooled(runs: list[dict]) -> dict:
     summary: dict = {"measured": bool(runs) and all(r["measured"] for r in runs)}
     if summary["measured"]:
         summary |= {f"{p}_median": median((x for r in runs for x in r[p]), 3) for p in PHASES}
+        summary |= {
+            f"{p}_median": median((x for r in runs for x in r[p]), 3)
+            for p in TRAINING
+            if all(r.get(p) for r in runs)
+        }
     else:
         summary["reason"] = "; ".join(r["reason"] for r in runs if "reason" in r) or "not run"
     summary["runs"] = [
-        {k: [round(x, 3) for x in v] if k in PHASES else v for k, v in r.items()} for r in runs
+        {k: [round(x, 3) for x in v] if k in (*PHASES, *TRAINING) else v for k, v in r.items()} for r in runs
     ]
     return summary
 
@@ -732,7 +996,8 @@ def rounds(
     layers: tuple[str, ...] = ("plaintext", "secagg"),
 ) -> dict:
     """Runs alternate plaintext, secagg, secagg, plaintext, ... (every layer of `layers`, forwards then
-    backwards) so that a slow drift of this shared machine favours no layer."""
+    backwards) so that a slow drift of this shared machine favours no layer; the first layer is the others'
+    baseline."""
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(keep) if keep else Path(tmp)
@@ -754,19 +1019,7 @@ def rounds(
                         break  # failed or over budget: so would the other layer and the next pair
                 if not run["measured"]:
                     break
-            entry: dict = {"silos": n, **{layer: pooled(runs[layer]) for layer in layers}}
-            plain = entry["plaintext"]
-            for layer in layers[1:]:
-                entry[f"ratio_{layer}_over_plaintext"] = None
-                if plain["measured"] and entry[layer]["measured"]:
-                    entry[f"ratio_{layer}_over_plaintext"] = round(
-                        entry[layer]["round_s_median"] / plain["round_s_median"], 3
-                    )
-                    entry[f"ratio_{layer}_per_pair"] = [
-                        round(statistics.median(s["round_s"]) / statistics.median(p["round_s"]), 3)
-                        for p, s in zip(runs["plaintext"], runs[layer], strict=True)
-                    ]
-            results.append(entry)
+            results.append({"silos": n, **compared(runs, layers)})
     return {
         "machine": machine(),
         "model": model,
@@ -776,18 +1029,45 @@ def rounds(
         "silo_threads": silo_threads,
         "budget_minutes": budget_minutes,
         "layers": list(layers),
+        "baseline": layers[0],
         "by_silos": results,
     }
 
 
+def compared(runs: Mapping[str, list[dict]], layers: tuple[str, ...]) -> dict:
+    """Each layer's runs pooled (`pooled`), and each layer's median round time over the first layer's: over
+    all their rounds, and per pair of runs (the runs of one pass through the layers, forwards or backwards);
+    None where either layer was not measured."""
+    baseline = layers[0]
+    entry: dict = {layer: pooled(runs[layer]) for layer in layers}
+    base = entry[baseline]
+    for layer in layers[1:]:
+        entry[f"ratio_{layer}_over_{baseline}"] = None
+        if base["measured"] and entry[layer]["measured"]:
+            entry[f"ratio_{layer}_over_{baseline}"] = round(
+                entry[layer]["round_s_median"] / base["round_s_median"], 3
+            )
+            entry[f"ratio_{layer}_per_pair"] = [
+                round(statistics.median(s["round_s"]) / statistics.median(p["round_s"]), 3)
+                for p, s in zip(runs[baseline], runs[layer], strict=True)
+            ]
+            if "beyond_training_s_median" in base and "beyond_training_s_median" in entry[layer]:
+                entry[f"beyond_training_{layer}_minus_{baseline}_s"] = round(
+                    entry[layer]["beyond_training_s_median"] - base["beyond_training_s_median"], 3
+                )
+    return entry
+
+
 def rounds_table(result: dict) -> str:
-    layers = result["layers"]
+    layers, baseline = result["layers"], result["baseline"]
     rows = [
         f"{'n':>3} "
         + " ".join(f"{layer + ' s/round':>17}" for layer in layers)
         + " "
-        + " ".join(f"{layer + '/plain':>12}" for layer in layers[1:])
-        + "   phases ("
+        + " ".join(f"{f'{layer}/{baseline}':>16}" for layer in layers[1:])
+        + "   beyond training ("
+        + " | ".join(layers)
+        + ", s)   phases ("
         + " | ".join(layers)
         + "): start → last contribution / → commit / → next start (s)"
     ]
@@ -798,13 +1078,18 @@ def rounds_table(result: dict) -> str:
     def phases(run: dict) -> str:
         return "/".join(f"{run[f'{p}_median']:.3f}" for p in PHASES[1:]) if run["measured"] else run["reason"]
 
+    def beyond(run: dict) -> str:
+        return f"{run['beyond_training_s_median']:.3f}" if "beyond_training_s_median" in run else "-"
+
     for r in result["by_silos"]:
-        ratios = [r[f"ratio_{layer}_over_plaintext"] for layer in layers[1:]]
+        ratios = [r[f"ratio_{layer}_over_{baseline}"] for layer in layers[1:]]
         rows.append(
             f"{r['silos']:>3} "
             + " ".join(cell(r[layer], 17) for layer in layers)
             + " "
-            + " ".join(f"{f'{ratio:.3f}' if ratio else '-':>12}" for ratio in ratios)
+            + " ".join(f"{f'{ratio:.3f}' if ratio else '-':>16}" for ratio in ratios)
+            + "   "
+            + " | ".join(beyond(r[layer]) for layer in layers)
             + "   "
             + " | ".join(phases(r[layer]) for layer in layers)
         )
@@ -821,16 +1106,27 @@ def main() -> None:
     s.add_argument(
         "--graphs", nargs="+", choices=GRAPHS, default=["full"], help="secagg+: 2⌈log2 n⌉ neighbours per silo"
     )
-    r = commands.add_parser("rounds", help="a real consortium's round time, plaintext against secagg")
+    s.add_argument(
+        "--layers",
+        nargs="+",
+        choices=SESSION_LAYERS,
+        default=["secagg"],
+        help="secagg first: the others run the same sessions and are reported against it",
+    )
+    r = commands.add_parser("rounds", help="a real consortium's round time, layer against layer")
     r.add_argument("--silos", type=int, nargs="+", default=[3, 10])
     r.add_argument("--rounds", type=int, default=6, help="per run; the first is excluded from the median")
-    r.add_argument("--pairs", type=int, default=2, help="plaintext/secagg runs each, in alternating order")
+    r.add_argument("--pairs", type=int, default=2, help="runs of each layer, in alternating order")
     r.add_argument("--model", default="resnet8")
     r.add_argument("--silo-threads", type=int, default=SILO_THREADS, help="torch threads per silo")
     r.add_argument("--budget-minutes", type=float, default=15.0, help="per run; beyond it, not measured")
     r.add_argument("--keep", default="", help="keep the consortium directories (logs, database) here")
     r.add_argument(
-        "--layers", nargs="+", default=["plaintext", "secagg"], help="plaintext first: the others' baseline"
+        "--layers",
+        nargs="+",
+        choices=consortium_layers(),
+        default=["plaintext", "secagg"],
+        help="the first is the others' baseline",
     )
     s.add_argument(
         "--flower",
@@ -840,11 +1136,15 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.command == "session":
-        result = session(args.silos, args.repeats, args.model, tuple(args.graphs), args.flower)
+        if args.layers[0] != "secagg" or len(set(args.layers)) < len(args.layers):
+            s.error("--layers starts with secagg, the others' baseline, and names each layer once")
+        result = session(
+            args.silos, args.repeats, args.model, tuple(args.graphs), args.flower, tuple(args.layers)
+        )
         table = session_table(result)
     else:
-        if args.layers[0] != "plaintext":
-            parser.error("--layers starts with plaintext, the baseline of the ratios")
+        if len(set(args.layers)) < max(2, len(args.layers)):
+            r.error("--layers names two layers or more, each once: the first is the others' baseline")
         result = rounds(
             args.silos,
             args.rounds,
