@@ -3,39 +3,22 @@ and consortium rounds compared against whichever layer comes first."""
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
 import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from privacy.ring import FixedPointCodec
+from tests.test_benchmarks_load import bench as bench  # the module-scoped fixture: the script, loaded
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 PHASES = (
     "round_s",
     "start_to_last_contribution_s",
     "last_contribution_to_commit_s",
     "commit_to_next_start_s",
 )
-
-
-@pytest.fixture(scope="module")
-def bench():
-    """benchmarks/secagg.py (benchmarks/ is no package, and the venv has an unrelated `benchmarks`)."""
-    spec = importlib.util.spec_from_file_location("secagg_benchmark_layers", BENCHMARKS / "secagg.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
 
 
 @pytest.fixture(scope="module")
