@@ -25,8 +25,9 @@ import torch
 from attacks.audit import Finding
 from fedlt.aggregation import Field, Schema
 from fedlt.aggregation.gate import Floors, MemoryLedger, ReleaseGate, Subject
-from fedlt.aggregation.halves import Released, SiloHalf, SiloSide, SumAborted, SumSpec, evaluation_schema
+from fedlt.aggregation.halves import SiloHalf, SiloSide, SumAborted, SumSpec, evaluation_schema
 from fedlt.aggregation.round_sums import AggregatorRound, RoundSums, SiloRound
+from fedlt.aggregation.sums import run_round
 from privacy.blind.halves import BlindTotal
 from privacy.blind.layer import BlindSum
 from privacy.crypto import transcript
@@ -109,15 +110,7 @@ def _split(
         for u in SILOS
     }
     aggregator = AggregatorRound(aggregator_side, sums)
-    inbox = [(u, purpose, m) for u, r in rounds.items() for purpose, m in r.start()]
-    while True:
-        for silo, purpose, message in inbox:
-            aggregator.receive(silo, purpose, message)
-        out = aggregator.close()
-        if isinstance(out, Released):
-            break
-        out = [(u, purpose, _forced(aggregator, u, step, target)) for u, purpose, step in out]
-        inbox = [(u, p, m) for u, purpose, step in out for p, m in rounds[u].step(purpose, step)]
+    run_round(aggregator, rounds, relay=lambda u, step: _forced(aggregator, u, step, target))
     halves = {u: _evaluation(sides[u], u, rounds[u].result, labels[u], bound_to_state) for u in SILOS}
     evaluation = aggregator_side.half(next(iter(halves.values()))[0].spec)
     for u, (_, upload) in halves.items():

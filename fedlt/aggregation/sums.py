@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import secrets
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import ClassVar
 
 import numpy as np
@@ -187,8 +187,13 @@ class SumLayer(ABC):
             raise ContributionError(f"contributions {stray} were built for another schema or phase")
 
 
-def run_round(aggregator: AggregatorRound, silos: Mapping[str, SiloRound]) -> Released:
-    """A round's sums with every message delivered at once: the simulator's in-process transport."""
+def run_round(
+    aggregator: AggregatorRound,
+    silos: Mapping[str, SiloRound],
+    relay: Callable[[str, object], object] = lambda _silo, step: step,
+) -> Released:
+    """A round's sums with every message delivered at once: the simulator's in-process transport. `relay`
+    hands each step to its silo as the transport would (an attack's transport forges some)."""
     inbox = [(u, purpose, m) for u, r in silos.items() for purpose, m in r.start()]
     while True:
         for silo, purpose, message in inbox:
@@ -196,4 +201,4 @@ def run_round(aggregator: AggregatorRound, silos: Mapping[str, SiloRound]) -> Re
         out = aggregator.close()
         if isinstance(out, Released):
             return out
-        inbox = [(u, p, m) for u, purpose, step in out for p, m in silos[u].step(purpose, step)]
+        inbox = [(u, p, m) for u, purpose, step in out for p, m in silos[u].step(purpose, relay(u, step))]
