@@ -46,7 +46,7 @@ from attacks.config import Thresholds
 from attacks.decoder import FeatureDecoder, decode, train_decoder
 from attacks.presence import presence_report, presence_scores
 from attacks.report import Subject
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.errors import FedltError
 from fedlt.methods import ModelSpec
 from fedlt.methods.state import GlobalState, unpack_state
@@ -305,7 +305,7 @@ def audit_aggregator_data(
     folder: Path,
     *,
     thresholds: Thresholds,
-    public: LabeledImages | None = None,
+    public: LabeledData | None = None,
     holdings: Mapping[str, Collection[int]] | None = None,
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[Finding]:
@@ -323,7 +323,7 @@ def audit_stored(
     data: AggregatorData,
     *,
     thresholds: Thresholds,
-    public: LabeledImages | None = None,
+    public: LabeledData | None = None,
     holdings: Mapping[str, Collection[int]] | None = None,
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[Finding]:
@@ -345,7 +345,7 @@ class _Models:
     """The model the silos received in each round, and a decoder on its encoder, built once each."""
 
     def __init__(
-        self, data: AggregatorData, public: LabeledImages | None, progress: Callable[[str], None]
+        self, data: AggregatorData, public: LabeledData | None, progress: Callable[[str], None]
     ) -> None:
         self.data = data
         self.public = public
@@ -379,18 +379,18 @@ class _Models:
             return f"the model of round {number} (state {number - 1}) is blanked or sealed by the silos"
         return (
             f"the stored weights fit no registered model for {self.public.num_classes} classes of "
-            f"{self.public.image_shape} images"
+            f"{self.public.input_shape} images"
         )
 
 
-def _network(weights: Mapping[str, torch.Tensor], public: LabeledImages) -> SplitModel | None:
+def _network(weights: Mapping[str, torch.Tensor], public: LabeledData) -> SplitModel | None:
     """The registered network the stored weights fit (the store does not name it), with those weights;
     extra entries (RedGrape's supplementary head) are left out."""
-    side = public.image_shape[1]
+    side = public.input_shape[1]
     for name, entry in MODELS.items():
         if side not in entry.sides:
             continue
-        spec = ModelSpec(name, public.image_shape, public.num_classes)
+        spec = ModelSpec(name, public.input_shape, public.num_classes)
         for private in (False, True):  # under DP a BatchNorm network trains with GroupNorm instead
             model = replace(spec, private=private).build(0)
             wanted = model.state_dict()

@@ -384,7 +384,7 @@ class Audit:
                 per_key = unflatten(flat.float(), uploads.state.model, float_keys(uploads.state.model))
                 delta = [per_key[name] for name, _ in model.named_parameters()]
                 images = invert_delta(
-                    model, delta, count=GRADINV_COUNT, image_shape=public.image_shape, seed=seed
+                    model, delta, count=GRADINV_COUNT, image_shape=public.input_shape, seed=seed
                 )
             paired, images = best_match(originals, images)
             metrics = {**image_metrics(image_report(paired, images, seed=seed), unrelated), **view.metrics}

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.methods.heads import extract_features
 
 
@@ -35,7 +35,7 @@ class FeatureDecoder(nn.Module):
 
 
 def train_decoder(
-    encoder_model: nn.Module, public: LabeledImages, *, epochs: int = 30, seed: int = 0
+    encoder_model: nn.Module, public: LabeledData, *, epochs: int = 30, seed: int = 0
 ) -> FeatureDecoder:
     """Adam on the pixel MSE of decoded public features, full passes in shuffled batches of 64."""
     x = torch.from_numpy(public.x)
@@ -43,7 +43,7 @@ def train_decoder(
     generator = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng():  # seeded weights without touching the caller's global generator
         torch.manual_seed(seed)
-        decoder = FeatureDecoder(z.shape[1], public.image_shape)
+        decoder = FeatureDecoder(z.shape[1], public.input_shape)
     optimizer = torch.optim.Adam(decoder.parameters(), lr=1e-3)
     for _ in range(epochs):
         for batch in torch.randperm(len(x), generator=generator).split(64):
@@ -58,7 +58,7 @@ def decode(decoder: FeatureDecoder, features: torch.Tensor) -> np.ndarray:
     return decoder(features.float()).numpy()
 
 
-def prior(decoder: FeatureDecoder, encoder_model: nn.Module, public: LabeledImages, label: int) -> np.ndarray:
+def prior(decoder: FeatureDecoder, encoder_model: nn.Module, public: LabeledData, label: int) -> np.ndarray:
     """The attacker's guess without any release: its own data's mean feature of the class, decoded."""
     members = torch.from_numpy(public.x[public.y == label])
     return decode(decoder, extract_features(encoder_model, members).mean(dim=0, keepdim=True))

@@ -28,7 +28,7 @@ from fedlt.aggregation import SumLayer, record, tail_guard
 from fedlt.aggregation.halves import AggregatorHalf, AggregatorSide, SiloSide, SumSpec
 from fedlt.aggregation.sums import Contribution, Sums
 from fedlt.config import as_table
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.data.federation import Federation, build_federation
 from fedlt.dp import silo_privacy
 from fedlt.errors import FedltError
@@ -60,7 +60,7 @@ class Planted:
 class Scenario:
     config: AuditConfig
     federation: Federation  # the silos as attacked, with the planted classes
-    public: LabeledImages  # the attacker's own data: the held-out split, never trained on
+    public: LabeledData  # the attacker's own data: the held-out split, never trained on
     state: GlobalState  # FedAvg's model after training
     planted: tuple[Planted, ...]
 
@@ -110,7 +110,7 @@ def _sim_config(config: AuditConfig, method: str, *, epsilon: float):
     )
 
 
-def _plant(federation: Federation) -> tuple[list[LabeledImages], LabeledImages, tuple[Planted, ...]]:
+def _plant(federation: Federation) -> tuple[list[LabeledData], LabeledData, tuple[Planted, ...]]:
     """Keep `PLANTED` records of the rarest classes at the silos holding most of each (a class planted at
     two silos: the rarest class left that two silos hold); every other image of those classes joins the
     public split (so the attacker's data stays disjoint from the silos')."""
@@ -134,7 +134,7 @@ def _plant(federation: Federation) -> tuple[list[LabeledImages], LabeledImages, 
 
 
 def _rarest_held(
-    federation: Federation, silos: list[LabeledImages], keep: tuple[int, ...], taken: set[int]
+    federation: Federation, silos: list[LabeledData], keep: tuple[int, ...], taken: set[int]
 ) -> tuple[int, tuple[int, ...]]:
     """The rarest class not yet planted whose largest holders have `keep` records to give (as many holders
     as `keep` names), and those holders."""
@@ -149,8 +149,8 @@ def _rarest_held(
     )
 
 
-def joined(parts: list[LabeledImages]) -> LabeledImages:
-    return LabeledImages(
+def joined(parts: list[LabeledData]) -> LabeledData:
+    return LabeledData(
         np.concatenate([p.x for p in parts]), np.concatenate([p.y for p in parts]), parts[0].classes
     )
 
@@ -182,7 +182,7 @@ def silo_uploads(scenario: Scenario, method_name: str, epsilon: float) -> Upload
 
 def method_for(scenario: Scenario, name: str, epsilon: float = 0.0) -> Method:
     sim = _sim_config(scenario.config, name, epsilon=epsilon)
-    return make_method(sim, scenario.public.image_shape, len(scenario.public.classes))
+    return make_method(sim, scenario.public.input_shape, len(scenario.public.classes))
 
 
 class Refused(FedltError):

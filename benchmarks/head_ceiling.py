@@ -45,7 +45,7 @@ def ceiling(run: Path, per_class: int, epochs: int) -> dict[str, dict]:
     """The run's final evaluated model, and its backbone with heads re-trained on real balanced features."""
     config = load_sim_config(str(run / "config.toml"), {})
     federation = build_federation(config.data, seed=config.seed)
-    method = make_method(config, federation.test.image_shape, len(federation.classes))
+    method = make_method(config, federation.test.input_shape, len(federation.classes))
     saved = torch.load(run / CHECKPOINT, weights_only=True)
     state = GlobalState(saved["round"], saved["model"], saved["extra"])
     groups = config.metrics.groups(federation.train_counts)

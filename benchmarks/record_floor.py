@@ -56,7 +56,7 @@ from attacks.decoder import decode, prior, train_decoder
 from attacks.moments import RESTARTS, invert_moments, record_errors
 from attacks.scenario import attacked_state, build_scenario, method_for
 from attacks.scoring import best_match, per_image
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.errors import FedltError
 from fedlt.methods import SiloContext
 from fedlt.methods.heads import extract_features
@@ -114,7 +114,7 @@ class Setting:
         self.images = scenario.public
         self.priors = {label: self._prior(label) for label in self.classes}
 
-    def released(self, victims: LabeledImages, label: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    def released(self, victims: LabeledData, label: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Σz, Σzzᵀ (packed) and the count of `victims`' class as the aggregator reads them."""
         ctx = SiloContext(self.state.round + 1, "silo-0", self.seed)
         values = self.ccvr.local_round(self.state, victims, ctx).values
@@ -138,8 +138,8 @@ class Setting:
 
 
 def _pools(
-    public: LabeledImages, classes: list[int], size: int, seed: int
-) -> tuple[dict[int, np.ndarray], LabeledImages]:
+    public: LabeledData, classes: list[int], size: int, seed: int
+) -> tuple[dict[int, np.ndarray], LabeledData]:
     """`size` held-out images of each victim class (indices into `public`), and the rest: the attacker's."""
     rng = np.random.default_rng(seed)
     pools = {}

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from fedlt.aggregation import Sums, make_layer
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.data.federation import build_federation
 from fedlt.data.longtail import longtail_counts
 from fedlt.methods import GlobalState, ModelSpec, ServerContext, SiloContext, TrainConfig
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         str(ROOT / "configs" / "demo.toml"), {"imbalance": args.imbalance}, method={"name": "sfd", **options}
     )
     federation = build_federation(config.data, seed=config.seed)
-    method = make_method(config, federation.test.image_shape, len(federation.classes))
+    method = make_method(config, federation.test.input_shape, len(federation.classes))
     layer = make_layer("plaintext")
     trained = method.init_state(seed=config.seed)
     if args.checkpoint:
@@ -127,7 +127,7 @@ def paper_round(args: argparse.Namespace, options: dict) -> int:
     counts = longtail_counts(5000, 10, args.imbalance)
     gen = torch.Generator().manual_seed(0)
     y = torch.repeat_interleave(torch.arange(10), torch.tensor(counts))
-    images = LabeledImages(
+    images = LabeledData(
         torch.rand(len(y), 3, 32, 32, generator=gen).numpy(), y.numpy(), tuple(map(str, range(10)))
     )
     share = images.subset(torch.randperm(len(y), generator=gen)[: len(y) // PAPER_SILOS].numpy())

@@ -49,7 +49,7 @@ def main() -> None:
 
     train, _ = split_balanced_test(load_embedded(args.dataset), per_class=100, seed=0)
     config = TrainConfig(local_epochs=args.epochs, batch_size=32, lr=0.05, momentum=0.9)
-    spec = ModelSpec(args.model, train.image_shape, train.num_classes)
+    spec = ModelSpec(args.model, train.input_shape, train.num_classes)
     method = FedAvg(options=FedAvgOptions(), train=config, model=spec, rounds=1)
     state = method.init_state(seed=0)
     ctx = SiloContext(1, "silo-0", 0)

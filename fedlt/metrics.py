@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fedlt.config import setting
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 
 GROUPS = ("many", "medium", "few")
 
@@ -75,5 +75,5 @@ def accuracy_from_counts(
     return report
 
 
-def evaluate(model: nn.Module, test: LabeledImages, groups: dict[str, list[int]]) -> dict[str, object]:
+def evaluate(model: nn.Module, test: LabeledData, groups: dict[str, list[int]]) -> dict[str, object]:
     return accuracy_report(test.y, predict(model, test.x), groups, test.num_classes)

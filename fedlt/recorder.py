@@ -15,7 +15,7 @@ import numpy as np
 from torch import nn
 
 from fedlt.atomic import atomic_write_text
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.metrics import GROUPS, ShotThresholds, accuracy_from_counts, evaluate
 from fedlt.reports import accuracy_table, percent, plot_curves, plot_per_class
 
@@ -31,7 +31,7 @@ class RunRecorder:
         out: Path,
         *,
         title: str,
-        test: LabeledImages | None,
+        test: LabeledData | None,
         train_counts: Sequence[int] | None,
         thresholds: ShotThresholds,
         header: dict,

@@ -37,7 +37,7 @@ from fedlt.aggregation import Schema, layer_names, tail_guard
 from fedlt.aggregation.gate import Floors, ReleaseGate
 from fedlt.aggregation.halves import SiloSide
 from fedlt.aggregation.round_sums import RoundSums
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.errors import DataError, FedltError
 from fedlt.methods import GlobalState, Method
 from fedlt.methods.state import unpack_state
@@ -92,8 +92,8 @@ class AdmittedSpec:
     sums: RoundSums  # with the layer's parameters as signed (`sums.settings`)
     side: SiloSide
     me: str
-    data: LabeledImages
-    held_out: LabeledImages | None
+    data: LabeledData
+    held_out: LabeledData | None
 
     @property
     def trains(self) -> bool:
@@ -132,8 +132,8 @@ class Admission:
         sides: dict[str, SiloSide],
         plans: PlanCache,
         standing: Standing,
-        local: LabeledImages,
-        local_held_out: LabeledImages | None,
+        local: LabeledData,
+        local_held_out: LabeledData | None,
     ) -> None:
         self.config, self.trust, self.keys, self.sides = config, trust, keys, sides
         self.plans, self.standing = plans, standing
@@ -339,12 +339,12 @@ class Admission:
 
     def _in_label_space(
         self, spec: round_pb2.RoundSpec, plan: RoundPlan
-    ) -> tuple[LabeledImages, LabeledImages | None]:
+    ) -> tuple[LabeledData, LabeledData | None]:
         """This silo's data, and its held-out slice, in the plan's label space."""
-        if tuple(plan.model.image_shape) != self.local.image_shape:
+        if tuple(plan.model.image_shape) != self.local.input_shape:
             raise RefusedRound(
                 f"{spec.round_id}: the model takes {plan.model.image_shape} images; local data is "
-                f"{self.local.image_shape}",
+                f"{self.local.input_shape}",
                 code=pb.REFUSAL_CODE_DATA,
             )
         try:

@@ -14,7 +14,7 @@ from fedlt.aggregation import layer_names
 from fedlt.aggregation.registry import DEFAULT_LAYER
 from fedlt.aggregation.tail_guard import ONLY_UNDER_DP
 from fedlt.config import parse_section, read_toml, resolve, setting
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.data.federation import DataConfig, Federation, build_federation
 from fedlt.data.files import load_dataset
 from fedlt.dp import DPSettings
@@ -220,14 +220,14 @@ class SiloConfig:
     def path(self, value: str) -> Path:
         return resolve(self.base_dir, value)
 
-    def load_data(self) -> LabeledImages:
+    def load_data(self) -> LabeledData:
         data = self.data
         if data.source == "embedded":
             federation = _federation(data.recipe, data.seed)
             return federation.silos[data.index]
         return self._files(data.path, data.format, data.labels)
 
-    def load_evaluation(self) -> LabeledImages | None:
+    def load_evaluation(self) -> LabeledData | None:
         """The held-out slice to evaluate on; None when there is none (then only zero counts go out)."""
         section = self.evaluation
         if section.path:
@@ -238,7 +238,7 @@ class SiloConfig:
             return None
         return held_out.subset(np.arange(section.part, len(held_out), section.parts))
 
-    def _files(self, path: str, format: str, labels: str) -> LabeledImages:
+    def _files(self, path: str, format: str, labels: str) -> LabeledData:
         options = {"labels": str(self.path(labels))} if labels else {}
         return load_dataset(self.path(path), format=format or None, **options)
 

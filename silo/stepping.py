@@ -44,7 +44,7 @@ from fedlt.aggregation.halves import (
     evaluation_schema,
 )
 from fedlt.aggregation.registry import SharedSecret
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.methods import GlobalState, Method, ServerContext, SiloContext
 from fedlt.methods.base import reported_counts
 from fedlt.methods.state import pack_state, unpack_state
@@ -107,7 +107,7 @@ def opened_state(
     raise refusals[0]
 
 
-def evaluation_counts(method: Method, state: GlobalState, held_out: LabeledImages | None) -> torch.Tensor:
+def evaluation_counts(method: Method, state: GlobalState, held_out: LabeledData | None) -> torch.Tensor:
     """Correct and total per class on the held-out slice (zeros without one), as one vector."""
     classes = method.model_spec.num_classes
     if held_out is None or not len(held_out):
@@ -132,8 +132,8 @@ def round_contribution(
     schema: Schema,
     method: Method,
     state: GlobalState,
-    data: LabeledImages,
-    held_out: LabeledImages | None,
+    data: LabeledData,
+    held_out: LabeledData | None,
     ctx: SiloContext,
 ) -> Contribution:
     """This silo's contribution to a round of `schema` (as `expected_schema` checked it): the method's local
@@ -158,7 +158,7 @@ def step_and_report(
     secret: SharedSecret,
     state: GlobalState,
     method: Method,
-    held_out: LabeledImages | None,
+    held_out: LabeledData | None,
     gate: ReleaseGate,
     keep: Callable[[pb.StateReportHeader, bytes], None] | None = None,
 ) -> tuple[SiloHalf, str]:

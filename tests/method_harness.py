@@ -4,17 +4,17 @@ method over them: enough to walk a method through its phases in a unit test."""
 import numpy as np
 
 from fedlt.aggregation.plaintext import PlaintextSum
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.methods import ModelSpec, ServerContext, SiloContext
 
 SPEC = ModelSpec("cnn-small", (1, 8, 8), 4)
 
 
-def tiny_silos() -> list[LabeledImages]:
+def tiny_silos() -> list[LabeledData]:
     rng = np.random.default_rng(0)
     labels = [[0, 0, 1, 1, 0, 1, 0, 1], [1, 1, 2, 2, 2, 1], [0, 2, 2, 0, 2, 0, 0]]
     return [
-        LabeledImages(
+        LabeledData(
             rng.random((len(y), 1, 8, 8), dtype=np.float32), np.array(y, dtype=np.int64), tuple("abcd")
         )
         for y in labels

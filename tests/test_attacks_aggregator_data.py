@@ -41,7 +41,7 @@ from attacks.evaluate import DEFAULT_CONFIG, main
 from fedlt.aggregation import tail_guard
 from fedlt.aggregation.plaintext import PlaintextSum
 from fedlt.aggregation.sums import SumLayer
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.data.embedded import load_embedded, split_balanced_test
 from fedlt.methods import ModelSpec, ServerContext, SiloContext, TrainConfig
 from fedlt.methods.heads import extract_features
@@ -82,7 +82,7 @@ class World:
         self.silos = {}
         for k, (silo, counts) in enumerate(HOLDINGS.items()):
             rows = [i for c, n in counts.items() for i in np.flatnonzero(train.y == c)[10 * k : 10 * k + n]]
-            self.silos[silo] = LabeledImages(train.x[rows], train.y[rows], train.classes)
+            self.silos[silo] = LabeledData(train.x[rows], train.y[rows], train.classes)
         self.contributions = [
             self.method.local_round(self.initial, self.silos[s], SiloContext(1, s, 0)) for s in SILOS
         ]

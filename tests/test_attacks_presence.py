@@ -36,7 +36,7 @@ def world() -> tuple[Federation, SplitModel]:
     """The federation and a briefly trained global model, on one thread (deterministic, and the machine's
     other cores stay free)."""
     fed = build_federation(RECIPE, seed=SEED)
-    model = ModelSpec("cnn-small", fed.test.image_shape, CLASSES).build(SEED)
+    model = ModelSpec("cnn-small", fed.test.input_shape, CLASSES).build(SEED)
     x = torch.from_numpy(np.concatenate([s.x for s in fed.silos]))
     y = torch.from_numpy(np.concatenate([s.y for s in fed.silos]))
     threads = torch.get_num_threads()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.errors import ContributionError
 from fedlt.methods import SiloContext, TrainConfig, balanced
 from fedlt.methods.balanced import CLASS_COUNTS, PRIORS, Balanced, BalancedOptions
@@ -65,7 +65,7 @@ def test_the_adjusted_loss_leaves_the_balanced_posterior_on_inputs_that_say_noth
     Balanced Softmax f(x) + log π is, so f(x) is flat: a tail class is predicted as often as a head class."""
     rng = np.random.default_rng(1)
     y = np.repeat([0, 1, 2, 3], [160, 40, 16, 4])
-    data = LabeledImages(rng.random((len(y), 1, 8, 8), dtype=np.float32), y, tuple("abcd"))
+    data = LabeledData(rng.random((len(y), 1, 8, 8), dtype=np.float32), y, tuple("abcd"))
     counts = torch.tensor(np.bincount(y, minlength=4), dtype=torch.float64)
     train = TrainConfig(local_epochs=15, batch_size=16, lr=0.05, momentum=0.9)
 

@@ -34,9 +34,9 @@ class PerClassFedAvg(FedAvg):
         super().__init__(**kwargs)
         self.sums_seen: list[dict[str, torch.Tensor]] = []
 
-    def schema(self, state):
+    def _schema(self, state):
         extra = Field("per_class", (CLASSES, 2), 100.0, per_class=True)
-        return Schema((*super().schema(state).fields, extra))
+        return Schema((*super()._schema(state).fields, extra))
 
     def _server_step(self, state, sums, ctx):
         self.sums_seen.append({k: v.clone() for k, v in sums.items()})

@@ -39,7 +39,7 @@ from aggregator.key_service import KeyServiceRelay
 from fedlt.aggregation import SumLayer, record
 from fedlt.aggregation.gate import Floors, MemoryLedger, ReleaseGate
 from fedlt.aggregation.halves import BadMessage, SumAborted, SumSpec, evaluation_schema
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.errors import FedltError
 from fedlt.methods import ServerContext
 from fedlt.methods.state import GlobalState, pack_state, unpack_state
@@ -79,13 +79,13 @@ SIDES = {silo: CkksSiloSide(lambda _: SECRET, sign=signer(silo), peers=PEERS) fo
 AGGREGATOR = CkksAggregatorSide(SECRET.public)
 
 
-def held_out(silo: str) -> LabeledImages:
+def held_out(silo: str) -> LabeledData:
     """Each silo's own test slice: random images, labels skewed its own way (what the masks must hide)."""
     rng = np.random.default_rng(list(SILOS).index(silo) + 1)
     weights = rng.dirichlet(np.full(CLASSES, 0.5))
     y = rng.choice(CLASSES, size=40, p=weights).astype(np.int64)
     x = rng.random((len(y), *PLAN.model.image_shape), dtype=np.float32)
-    return LabeledImages(x, y, PLAN.model.classes)
+    return LabeledData(x, y, PLAN.model.classes)
 
 
 HELD_OUT = {silo: held_out(silo) for silo in SILOS}

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fedlt.aggregation.plaintext import PlaintextSum
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.methods import ModelSpec, ServerContext, SiloContext, TrainConfig
 from fedlt.methods.creff import CReFF, CReFFOptions
 from fedlt.methods.heads import head_of
@@ -22,7 +22,7 @@ def _creff(**options):
 def _silo(labels, seed):
     rng = np.random.default_rng(seed)
     x = rng.random((len(labels), 1, 8, 8), dtype=np.float32)
-    return LabeledImages(x, np.asarray(labels, dtype=np.int64), tuple("abcd"))
+    return LabeledData(x, np.asarray(labels, dtype=np.int64), tuple("abcd"))
 
 
 def _synthetic_gradient(method, features, head, label):

@@ -389,7 +389,7 @@ def test_load_dataset_infers_each_format(tmp_path):
 
     folder = tmp_path / "folder"
     _save(folder / "cls" / "1.png", _u8(3, 3))
-    assert load_dataset(folder, color="rgb").image_shape == (3, 3, 3)
+    assert load_dataset(folder, color="rgb").input_shape == (3, 3, 3)
 
     cifar = tmp_path / "cifar"
     cifar.mkdir()

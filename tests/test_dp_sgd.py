@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.dp import DPSettings
 from fedlt.methods import ModelSpec, SiloContext, TrainConfig
 from fedlt.methods.fedavg import FedAvg, FedAvgOptions
@@ -328,7 +328,7 @@ def test_fedavg_local_round_under_dp_reports_the_noisy_count():
         rng=SecureRandom.seeded(1),
     )
     rng = np.random.default_rng(12)
-    data = LabeledImages(
+    data = LabeledData(
         rng.random((24, 1, 8, 8), dtype=np.float32),
         rng.integers(0, 10, 24).astype(np.int64),
         tuple("0123456789"),

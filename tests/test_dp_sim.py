@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from fedlt.aggregation import make_layer
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.dp import DPSettings
 from fedlt.errors import ConfigError
 from fedlt.methods import GlobalState, ModelSpec, ServerContext, SiloContext, TrainConfig
@@ -223,10 +223,10 @@ def _private(method, seed: str) -> SiloPrivacy:
     )
 
 
-def _images(n: int, seed: int) -> LabeledImages:
+def _images(n: int, seed: int) -> LabeledData:
     rng = np.random.default_rng(seed)
     x = rng.random((n, 1, 8, 8), dtype=np.float32)
-    return LabeledImages(x, rng.integers(0, 4, n).astype(np.int64), ("a", "b", "c", "d"))
+    return LabeledData(x, rng.integers(0, 4, n).astype(np.int64), ("a", "b", "c", "d"))
 
 
 def test_sfd_under_dp_with_no_contrastive_term_trains_a_round():

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.data.embedded import load_embedded, split_balanced_test
 from fedlt.data.federation import DataConfig, build_federation
 from fedlt.errors import DataError
@@ -30,7 +30,7 @@ def test_unknown_dataset_lists_the_known_ones():
 def test_balanced_test_split_is_disjoint_and_balanced():
     y = np.repeat(np.arange(4), [12, 9, 15, 10]).astype(np.int64)
     x = (np.arange(len(y), dtype=np.float32) / len(y)).reshape(-1, 1, 1, 1)  # each row names its index
-    data = LabeledImages(x, y, ("a", "b", "c", "d"))
+    data = LabeledData(x, y, ("a", "b", "c", "d"))
     train, test = split_balanced_test(data, per_class=3, seed=0)
     assert test.class_counts().tolist() == [3, 3, 3, 3]
     train_idx, test_idx = set(train.x.ravel().tolist()), set(test.x.ravel().tolist())

@@ -4,7 +4,7 @@ import torch
 
 from fedlt.aggregation import Field, Schema, make_layer
 from fedlt.aggregation.plaintext import PlaintextSum
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.methods import METHODS, ModelSpec, ServerContext, SiloContext, TrainConfig
 from fedlt.methods.fedavg import FedAvg, FedAvgOptions
 from fedlt.methods.fedprox import FedProx, FedProxOptions
@@ -18,7 +18,7 @@ TRAIN = TrainConfig(local_epochs=1, batch_size=8, lr=0.1)
 def _silo(n, seed):
     rng = np.random.default_rng(seed)
     x = rng.random((n, 1, 8, 8), dtype=np.float32)
-    return LabeledImages(x, rng.integers(0, 10, n).astype(np.int64), tuple("0123456789"))
+    return LabeledData(x, rng.integers(0, 10, n).astype(np.int64), tuple("0123456789"))
 
 
 def _fedavg(**options):

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.data.longtail import longtail_counts, longtail_subsample
 
 
@@ -46,7 +46,7 @@ def test_invalid_arguments():
 def _toy(counts):
     y = np.concatenate([np.full(n, c) for c, n in enumerate(counts)]).astype(np.int64)
     x = np.random.default_rng(0).random((len(y), 1, 2, 2), dtype=np.float32)
-    return LabeledImages(x, y, tuple(str(c) for c in range(len(counts))))
+    return LabeledData(x, y, tuple(str(c) for c in range(len(counts))))
 
 
 def test_subsample_takes_exact_counts_from_smallest_class_size():

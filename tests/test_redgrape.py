@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from fedlt.aggregation.plaintext import PlaintextSum
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.methods import ModelSpec, ServerContext, SiloContext, TrainConfig
 from fedlt.methods.heads import head_gradient
 from fedlt.methods.redgrape import Rebalancing, RedGrape, RedGrapeOptions, balanced_indices, two_stream
@@ -20,7 +20,7 @@ def _redgrape(**options):
 def _silo(labels, seed):
     rng = np.random.default_rng(seed)
     x = rng.random((len(labels), 1, 8, 8), dtype=np.float32)
-    return LabeledImages(x, np.asarray(labels, dtype=np.int64), tuple("abcd"))
+    return LabeledData(x, np.asarray(labels, dtype=np.int64), tuple("abcd"))
 
 
 def _known_prototypes(classes=4, width=129, seed=0):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from fedlt.aggregation.plaintext import PlaintextSum
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.errors import ConfigError
 from fedlt.methods import ModelSpec, ServerContext, SiloContext, TrainConfig
 from fedlt.methods.abbl import (
@@ -74,7 +74,7 @@ def test_random_features_are_the_same_for_the_same_seed_and_differ_across_seeds(
 def _silo(labels, seed):
     rng = np.random.default_rng(seed)
     x = rng.random((len(labels), 1, 8, 8), dtype=np.float32)
-    return LabeledImages(x, np.asarray(labels, dtype=np.int64), tuple("abcd"))
+    return LabeledData(x, np.asarray(labels, dtype=np.int64), tuple("abcd"))
 
 
 def test_statistics_from_sums_equal_those_of_the_pooled_features():

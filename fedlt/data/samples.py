@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.data.federation import DataConfig, build_federation
 from fedlt.errors import FedltError
 
@@ -44,11 +44,11 @@ def write_sample_silos(out: Path, *, silos: int, seed: int = 0) -> list[Path]:
     return folders
 
 
-def named(data: LabeledImages) -> LabeledImages:
-    return LabeledImages(data.x, data.y, CLASS_NAMES, data.source)
+def named(data: LabeledData) -> LabeledData:
+    return LabeledData(data.x, data.y, CLASS_NAMES, data.source)
 
 
-def write_image_folder(root: Path, data: LabeledImages) -> None:
+def write_image_folder(root: Path, data: LabeledData) -> None:
     """One folder per class the data holds (a silo without a class has no folder for it)."""
     for k, (image, label) in enumerate(zip(data.x, data.y, strict=True)):
         folder = root / data.classes[label]
@@ -56,7 +56,7 @@ def write_image_folder(root: Path, data: LabeledImages) -> None:
         Image.fromarray(np.rint(image[0] * 255).astype(np.uint8)).save(folder / f"{k:05d}.png")
 
 
-def write_npz(path: Path, data: LabeledImages, *, shift: int) -> None:
+def write_npz(path: Path, data: LabeledData, *, shift: int) -> None:
     """The classes listed in reverse and rotated by `shift`, as another system might order them: loaders must
     go by name."""
     reverse = data.classes[::-1]

@@ -38,7 +38,7 @@ from torch import nn
 
 from fedlt.aggregation import Contribution, Field, Schema, Sums
 from fedlt.config import setting
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.errors import ContributionError
 from fedlt.methods.abbl import adaptive_cross_entropy, prior_of_counts
 from fedlt.methods.augment import random_shift, shift_pixels
@@ -91,18 +91,18 @@ class Balanced(CCVR):
     def trains(self, state: GlobalState) -> bool:
         return self.priors_known(state) and super().trains(state)
 
-    def schema(self, state: GlobalState) -> Schema:
+    def _schema(self, state: GlobalState) -> Schema:
         if not self.priors_known(state):
             return Schema(
                 (count_field(self.model_spec.num_classes, float(self.options.max_silo_samples)),),
                 phase=PRIORS,
             )
-        return super().schema(state)
+        return super()._schema(state)
 
-    def local_round(self, state: GlobalState, data: LabeledImages, ctx: SiloContext) -> Contribution:
+    def _local_round(self, state: GlobalState, data: LabeledData, ctx: SiloContext) -> Contribution:
         if not self.priors_known(state):
             return self.schema(state).contribution(count=reported_counts(data.class_counts(), ctx))
-        return super().local_round(state, data, ctx)
+        return super()._local_round(state, data, ctx)
 
     def _server_step(self, state: GlobalState, sums: Sums, ctx: ServerContext) -> GlobalState:
         if self.priors_known(state):  # the post-hoc steps keep only their own entries: carry N_c on

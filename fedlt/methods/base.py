@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from fedlt.aggregation import Contribution, Field, Schema, Sums
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.dp import DPSettings
 from fedlt.errors import ContributionError
 from fedlt.methods.local import GradHook, PrivateRound, TrainConfig
@@ -136,13 +136,19 @@ class Method(ABC):
     def init_state(self, *, seed: int) -> GlobalState:
         return GlobalState(0, self.network(derive_seed(seed, "model-init")).state_dict())
 
-    @abstractmethod
     def schema(self, state: GlobalState) -> Schema:
         """The fields of the coming round; may depend on the state (a method's phase)."""
+        return self._schema(state)
+
+    def local_round(self, state: GlobalState, data: LabeledData, ctx: SiloContext) -> Contribution:
+        """Silo half: train on local data and return what the consortium sums."""
+        return self._local_round(state, data, ctx)
 
     @abstractmethod
-    def local_round(self, state: GlobalState, data: LabeledImages, ctx: SiloContext) -> Contribution:
-        """Silo half: train on local data and return what the consortium sums."""
+    def _schema(self, state: GlobalState) -> Schema: ...
+
+    @abstractmethod
+    def _local_round(self, state: GlobalState, data: LabeledData, ctx: SiloContext) -> Contribution: ...
 
     def server_step(self, state: GlobalState, sums: Sums, ctx: ServerContext) -> GlobalState:
         """Server half; refuses anything but sums made by a privacy layer for this round's schema."""

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from fedlt.aggregation import Contribution, Field, Schema, Sums
 from fedlt.config import setting
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.methods.base import ServerContext, SiloContext, reported_counts
 from fedlt.methods.fedavg import FedAvg, FedAvgOptions
 from fedlt.methods.heads import (
@@ -73,7 +73,7 @@ class CReFF(FedAvg):
         features = torch.randn(spec.num_classes * m, dim, generator=generator)
         return GlobalState(0, state.model, {"features": features, "head.weight": weight, "head.bias": bias})
 
-    def schema(self, state: GlobalState) -> Schema:
+    def _schema(self, state: GlobalState) -> Schema:
         classes, dim = state.extra["head.weight"].shape
         return Schema((*self.model_fields(state), *self.gradient_fields(classes, dim)))
 
@@ -90,7 +90,7 @@ class CReFF(FedAvg):
     def statistics_plan(self) -> tuple[tuple[Field, ...], int]:
         return self.gradient_fields(self.model_spec.num_classes, self.feature_dim), self.rounds
 
-    def local_round(self, state: GlobalState, data: LabeledImages, ctx: SiloContext) -> Contribution:
+    def _local_round(self, state: GlobalState, data: LabeledData, ctx: SiloContext) -> Contribution:
         # the gradients are taken on the received backbone, before local training moves it
         model = self.load(with_head(state.model, state.extra["head.weight"], state.extra["head.bias"]))
         grads = class_gradient_values(

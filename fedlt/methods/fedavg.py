@@ -22,7 +22,7 @@ import torch
 
 from fedlt.aggregation import Contribution, Field, Schema, Sums
 from fedlt.config import setting
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.errors import ContributionError
 from fedlt.methods.base import Method, ServerContext, SiloContext
 from fedlt.methods.local import train_local
@@ -45,7 +45,7 @@ class FedAvg(Method):
     name = "fedavg"
     Options = FedAvgOptions
 
-    def schema(self, state: GlobalState) -> Schema:
+    def _schema(self, state: GlobalState) -> Schema:
         return Schema(self.model_fields(state))
 
     def model_fields(self, state: GlobalState) -> tuple[Field, ...]:
@@ -57,10 +57,10 @@ class FedAvg(Method):
             ),
         )
 
-    def local_round(self, state: GlobalState, data: LabeledImages, ctx: SiloContext) -> Contribution:
+    def _local_round(self, state: GlobalState, data: LabeledData, ctx: SiloContext) -> Contribution:
         return self.schema(state).contribution(**self.trained_delta(state, data, ctx))
 
-    def trained_delta(self, state: GlobalState, data: LabeledImages, ctx: SiloContext) -> dict:
+    def trained_delta(self, state: GlobalState, data: LabeledData, ctx: SiloContext) -> dict:
         """Local training from the global model: the fields `delta` = (n_k / N_r)·Δw_k and `n` = n_k."""
         n = len(data)
         if not 0 < n <= self.options.max_silo_samples:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedlt.aggregation import Field
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.dp import DPSettings
 from fedlt.models import SplitModel
 
@@ -125,7 +125,7 @@ def clip_features(z: torch.Tensor, norm: float) -> torch.Tensor:
 
 def class_gradient_values(
     model: SplitModel,
-    data: LabeledImages,
+    data: LabeledData,
     *,
     dp: DPSettings | None = None,
     counts: torch.Tensor | None = None,

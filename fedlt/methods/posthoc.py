@@ -18,7 +18,7 @@ import torch
 
 from fedlt.aggregation import Contribution, Field, Schema, Sums
 from fedlt.config import setting
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.errors import ContributionError
 from fedlt.methods.base import ServerContext, SiloContext, reported_counts
 from fedlt.methods.feature_stats import ClassGaussians, class_sums, upper_size
@@ -71,7 +71,7 @@ class PostHocHead(FedAvg):
     def with_statistics(self, state: GlobalState) -> bool:
         return self.closing(state) or not self.closes_after_training()
 
-    def schema(self, state: GlobalState) -> Schema:
+    def _schema(self, state: GlobalState) -> Schema:
         if self.closing(state):
             return Schema(self.statistics_fields(), phase=CLOSING)
         statistics = self.statistics_fields() if self.with_statistics(state) else ()
@@ -102,7 +102,7 @@ class PostHocHead(FedAvg):
     def statistics_plan(self) -> tuple[tuple[Field, ...], int]:
         return self.statistics_fields(), 1 if self.closes_after_training() else self.rounds
 
-    def local_round(self, state: GlobalState, data: LabeledImages, ctx: SiloContext) -> Contribution:
+    def _local_round(self, state: GlobalState, data: LabeledData, ctx: SiloContext) -> Contribution:
         values = {}
         if self.with_statistics(state):
             z = extract_features(self.load(state.model), torch.from_numpy(data.x))

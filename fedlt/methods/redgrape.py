@@ -31,7 +31,7 @@ from torch import nn
 
 from fedlt.aggregation import Contribution, Field, Schema, Sums
 from fedlt.config import setting
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.methods.base import ServerContext, SiloContext, reported_counts
 from fedlt.methods.fedavg import FedAvg, FedAvgOptions
 from fedlt.methods.heads import class_gradient_fields, class_gradient_values, head_gradient, mean_over_holders
@@ -65,7 +65,7 @@ class RedGrape(FedAvg):
         extra = {"prototypes": torch.zeros(classes, classes, dim + 1), "known": torch.zeros(classes)}
         return GlobalState(0, state.model, extra)
 
-    def schema(self, state: GlobalState) -> Schema:
+    def _schema(self, state: GlobalState) -> Schema:
         return Schema((*self.model_fields(state), *self.statistics_plan()[0]))
 
     def statistics_plan(self) -> tuple[tuple[Field, ...], int]:
@@ -79,7 +79,7 @@ class RedGrape(FedAvg):
         )
         return grads, self.rounds
 
-    def local_round(self, state: GlobalState, data: LabeledImages, ctx: SiloContext) -> Contribution:
+    def _local_round(self, state: GlobalState, data: LabeledData, ctx: SiloContext) -> Contribution:
         counts = reported_counts(data.class_counts(), ctx)  # the gradients are taken on the received model
         grads = class_gradient_values(self.load(state.model), data, dp=self.dp, counts=counts)
         return self.schema(state).contribution(**self.trained_delta(state, data, ctx), **grads)

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
-from fedlt.data.arrays import LabeledImages
+from fedlt.data.arrays import LabeledData
 from fedlt.methods import GlobalState, Method
 from fedlt.methods.heads import extract_features
 from fedlt.seeding import derive_seed
@@ -106,7 +106,7 @@ def simulated_mask_secret(seed: int, silo_id: str) -> bytes:
 def class_mean_disclosure(
     method: Method,
     state: GlobalState,
-    data: LabeledImages,
+    data: LabeledData,
     mask: str,
     stream: MaskStream,
     *,

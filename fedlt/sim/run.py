@@ -60,7 +60,7 @@ def run_simulation(
     """`federation` replaces the one `config.data` describes (the privacy audit trains on silos it has
     edited); a resumed run must be given the same."""
     federation = federation or build_federation(config.data, seed=config.seed)
-    method = make_method(config, federation.test.image_shape, len(federation.classes))
+    method = make_method(config, federation.test.input_shape, len(federation.classes))
     layer = make_layer(config.privacy)
     out.mkdir(parents=True, exist_ok=True)
     state, rounds, book, layer_saved, ledgers = _resume(out, config, method) or (
