@@ -199,7 +199,7 @@ def _inverting_problems(plan: RoundPlan, layer: str, settings: object) -> list[s
 def load_consortium_config(path: str | Path) -> ConsortiumConfig:
     path = Path(path)
     tree = read_toml(path)
-    plan_tree = {k: tree.pop(k) for k in ("model", "train", "method", "selection", "dp") if k in tree}
+    plan_tree = {k: tree.pop(k) for k in ("model", "train", "method", "selection", "dp", "data") if k in tree}
     problems: list[str] = []
     sections_of_layers = layer_sections()
     sections = {

@@ -125,7 +125,7 @@ def timing(repeats: int, threads: int) -> dict:
     times: dict[str, list[float]] = {"plain": [], "dp-sgd": []}
     for k in range(repeats + 1):  # the first pair warms up and is dropped
         for kind in times:
-            model = build_model("cnn", image_shape=data.input_shape, num_classes=10, seed=k)
+            model = build_model("cnn", input_shape=data.input_shape, num_classes=10, seed=k)
             private = None
             if kind == "dp-sgd":
                 ledger = PrivacyLedger(Budget(dp.epsilon, dp.delta))

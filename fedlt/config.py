@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import re
 import tomllib
 import types
 import typing
@@ -95,12 +96,13 @@ def as_toml(obj: Any) -> str:
 
 def render_toml(tree: Mapping[str, Any]) -> str:
     scalars, tables = _split(tree)
-    lines = [f"{k} = {_toml_value(v)}" for k, v in scalars.items()]
+    lines = [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars.items()]
     lines += _tables(tables, prefix="")
     return "\n".join(lines) + "\n"
 
 
 _INVALID = object()
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def _check_value(hint: Any, value: Any, where: str, limits: Mapping[str, Any], problems: list[str]):
@@ -134,6 +136,8 @@ def _check_value(hint: Any, value: Any, where: str, limits: Mapping[str, Any], p
 def _check_tuple(expected: Any, value: Any, where: str, problems: list[str]):
     """`tuple[T, ...]` settings are TOML arrays whose items are all T (a bool is not an int here either)."""
     item = typing.get_args(expected)[0]
+    if item is float and isinstance(value, list):  # as for a float setting, an integer is a float here
+        value = [float(v) if isinstance(v, int) and not isinstance(v, bool) else v for v in value]
     if not isinstance(value, list) or not all(
         isinstance(v, item) and not (item is int and isinstance(v, bool)) for v in value
     ):
@@ -188,9 +192,15 @@ def _tables(tables: Mapping[str, Any], prefix: str) -> list[str]:
     lines: list[str] = []
     for name, table in tables.items():
         scalars, sub = _split(table)
-        lines += ["", f"[{prefix}{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in scalars.items()]
-        lines += _tables(sub, prefix=f"{prefix}{name}.")
+        header = f"{prefix}{_toml_key(name)}"
+        lines += ["", f"[{header}]"] + [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars.items()]
+        lines += _tables(sub, prefix=f"{header}.")
     return lines
+
+
+def _toml_key(key: str) -> str:
+    """A bare key where TOML allows one, else a quoted one (a table column named `amount (EUR)`)."""
+    return key if _BARE_KEY.fullmatch(key) else _toml_value(key)
 
 
 def _toml_value(v: Any) -> str:
@@ -200,4 +210,6 @@ def _toml_value(v: Any) -> str:
         return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, Mapping):  # a table inside an array: inline
+        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + " }"
     return repr(v)

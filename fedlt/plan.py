@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from fedlt.aggregation import Schema, evaluation_block
-from fedlt.config import as_toml, parse_section, setting
+from fedlt.config import as_table, as_toml, parse_section, setting
+from fedlt.data.images import ImageSettings
+from fedlt.data.source import Wanted
+from fedlt.data.table import TableSchema
 from fedlt.dp import DPSettings
 from fedlt.errors import ConfigError
 from fedlt.methods import Method, MethodChoice, ModelSpec, TrainConfig, method_class
@@ -52,6 +55,28 @@ class ModelSection:
 
 
 @dataclass(frozen=True)
+class DataPlan:
+    """What every silo's data must look like, signed with the plan so that every silo prepares its own files
+    the same way (`fedlt.data.source`): rows of a `table` schema, or images prepared per `images` to the
+    model's `image_shape`."""
+
+    table: TableSchema | None = None
+    images: ImageSettings = field(default_factory=ImageSettings)
+
+    def problems(self, image_shape: tuple[int, ...]) -> list[str]:
+        """The table's schema, or the image settings against the model's `image_shape`."""
+        return self.images.problems(image_shape) if self.table is None else self.table.problems()
+
+    def to_table(self) -> dict[str, Any]:
+        """Only what differs from images as they are: a plan without a `[data]` section reads and hashes
+        as before it had one."""
+        table: dict[str, Any] = {} if self.table is None else {"table": self.table.to_table()}
+        if self.images != ImageSettings():
+            table["images"] = as_table(self.images)
+        return table
+
+
+@dataclass(frozen=True)
 class EvaluationPlan:
     """Whether silos add held-out evaluation counts to every round's sum (`aggregation.evaluation_block`),
     signed with the plan so that each silo knows to; a consortium sets it from its `[evaluation]` section."""
@@ -70,11 +95,23 @@ class RoundPlan:
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     dp: DPSettings = field(default_factory=DPSettings)
     evaluation: EvaluationPlan = field(default_factory=EvaluationPlan)
+    data: DataPlan = field(default_factory=DataPlan)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """One sample's shape: the encoded features of a table row, else `[model] image_shape`."""
+        if self.data.table is not None:
+            return (len(self.data.table.layout().features),)
+        return self.model.image_shape
+
+    def wanted(self) -> Wanted:
+        """What every silo's data must be prepared into for this plan (`fedlt.data.source`)."""
+        return Wanted(self.data.table, self.data.images, self.input_shape, self.model.classes)
 
     def problems(self) -> list[str]:
         """What the field-by-field checks cannot see."""
         problems = self.selection.problems() + self.dp.problems(discloses=self.selection.discloses)
-        problems += self.model.problems()
+        problems += self.model.problems() + self.data.problems(self.model.image_shape)
         shape = self.model.image_shape
         if len(shape) != 3 or min(shape, default=0) < 1:
             problems.append(f"model.image_shape: expected [channels, height, width], got {list(shape)}")
@@ -90,9 +127,13 @@ class RoundPlan:
         return problems
 
     def build_method(self) -> Method:
-        channels, height, width = self.model.image_shape
+        table = None if self.data.table is None else self.data.table.layout()
         spec = ModelSpec(
-            self.model.name, (channels, height, width), len(self.model.classes), options=self.model.options
+            self.model.name,
+            self.input_shape,
+            len(self.model.classes),
+            options=self.model.options,
+            table=table,
         )
         return method_class(self.method.name)(
             options=self.method.options, train=self.train, model=spec, rounds=self.rounds, dp=self.dp
@@ -107,6 +148,12 @@ class RoundPlan:
         return evaluation_block.round_schema(
             None if remaining == 0 else schema, len(self.model.classes), first=starting_round == 0
         )
+
+    def to_table(self) -> dict[str, Any]:
+        """As written, without an empty `[data]` (a plan of images as they are hashes as it always did)."""
+        table = {f.name: getattr(self, f.name) for f in fields(self)}
+        table = {k: as_table(v) if is_dataclass(v) else v for k, v in table.items()}
+        return {k: v for k, v in table.items() if not (k == "data" and not v)}
 
     def to_toml(self) -> str:
         return as_toml(self)

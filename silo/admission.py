@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import grpc
 import torch
@@ -38,6 +38,7 @@ from fedlt.aggregation.gate import Floors, ReleaseGate
 from fedlt.aggregation.halves import SiloSide
 from fedlt.aggregation.round_sums import RoundSums
 from fedlt.data.arrays import LabeledData
+from fedlt.data.source import DataSource, Wanted
 from fedlt.errors import DataError, FedltError
 from fedlt.methods import GlobalState, Method
 from fedlt.methods.state import unpack_state
@@ -119,8 +120,8 @@ class AdmittedRound(AdmittedSpec):
 
 class Admission:
     """Checks each RoundSpec and its starting state, and refuses, telling the aggregator, what it will not
-    act on. `sides`: this silo's side of each layer its policy lists; `local` and `local_held_out`: its data
-    as its files label it."""
+    act on. `sides`: this silo's side of each layer its policy lists; `local` and `local_held_out`: its files,
+    opened, which each plan prepares its own way (`fedlt.data.source`)."""
 
     def __init__(
         self,
@@ -132,12 +133,13 @@ class Admission:
         sides: dict[str, SiloSide],
         plans: PlanCache,
         standing: Standing,
-        local: LabeledData,
-        local_held_out: LabeledData | None,
+        local: DataSource,
+        local_held_out: DataSource | None,
     ) -> None:
         self.config, self.trust, self.keys, self.sides = config, trust, keys, sides
         self.plans, self.standing = plans, standing
         self.local, self.local_held_out = local, local_held_out
+        self._prepared: tuple[Wanted, LabeledData, LabeledData | None] | None = None
         self.gate = ReleaseGate(
             consortium=trust.roster.consortium,
             floors=Floors(config.policy.min_participants, config.policy.min_survivors),
@@ -340,21 +342,18 @@ class Admission:
     def _in_label_space(
         self, spec: round_pb2.RoundSpec, plan: RoundPlan
     ) -> tuple[LabeledData, LabeledData | None]:
-        """This silo's data, and its held-out slice, in the plan's label space."""
-        if tuple(plan.model.image_shape) != self.local.input_shape:
-            raise RefusedRound(
-                f"{spec.round_id}: the model takes {plan.model.image_shape} images; local data is "
-                f"{self.local.input_shape}",
-                code=pb.REFUSAL_CODE_DATA,
-            )
-        try:
-            data = self.local.in_label_space(plan.model.classes)
-            held_out = self.local_held_out
-            if held_out is not None:
-                held_out = held_out.in_label_space(plan.model.classes)
-        except DataError as exc:
-            raise RefusedRound(f"{spec.round_id}: local data {exc}", code=pb.REFUSAL_CODE_DATA) from None
-        return data, held_out
+        """This silo's data, and its held-out slice, prepared as the plan wants them (resized, encoded by its
+        schema, labelled by its class names); kept for the next round of the same plan."""
+        wanted = plan.wanted()
+        if self._prepared is None or self._prepared[0] != wanted:
+            self._prepared = None  # the last plan's arrays go before this one's are made
+            try:
+                data = self.local.prepared(wanted)
+                held_out = None if self.local_held_out is None else self.local_held_out.prepared(wanted)
+            except DataError as exc:
+                raise RefusedRound(f"{spec.round_id}: local data {exc}", code=pb.REFUSAL_CODE_DATA) from None
+            self._prepared = (wanted, data, held_out)
+        return self._prepared[1], self._prepared[2]
 
 
 def _key_parameters(spec: round_pb2.RoundSpec, sums: RoundSums | str | None) -> object:
@@ -432,17 +431,20 @@ def _unfit_model(method: Method, state: GlobalState) -> str:
 
 class PlanCache:
     """The method and DP of the plan at hand, by the plan's `config_sha256`; the privacy ledger is the silo's
-    one ledger across plans, read once at start and kept in step."""
+    one ledger across plans, read once at start and kept in step. The method computes on `device`, this
+    silo's `[compute] device`: a plan's text never names one, and one that did would be overruled here."""
 
-    def __init__(self, privacy_ledger: PrivacyLedger) -> None:
+    def __init__(self, privacy_ledger: PrivacyLedger, *, device: str = "cpu") -> None:
         self.privacy_ledger = privacy_ledger
+        self.device = device
         self._method: tuple[str, Method] | None = None
         self._privacy: tuple[str, SiloPrivacy] | None = None
 
     def method(self, plan: RoundPlan, config_sha256: str) -> Method:
         """The same plan from round to round reuses one method (and its working model)."""
         if self._method is None or self._method[0] != config_sha256:
-            self._method = (config_sha256, plan.build_method())
+            own = replace(plan, train=replace(plan.train, device=self.device))
+            self._method = (config_sha256, own.build_method())
         return self._method[1]
 
     def privacy(self, plan: RoundPlan, config_sha256: str) -> SiloPrivacy | None:

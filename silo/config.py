@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
-
-import numpy as np
+from typing import Any
 
 from fedlt.aggregation import layer_names
 from fedlt.aggregation.registry import DEFAULT_LAYER
 from fedlt.aggregation.tail_guard import ONLY_UNDER_DP
 from fedlt.config import parse_section, read_toml, resolve, setting
-from fedlt.data.arrays import LabeledData
 from fedlt.data.federation import DataConfig, Federation, build_federation
-from fedlt.data.files import load_dataset
+from fedlt.data.source import FORMATS, DataSource, Slice, embedded, open_source
+from fedlt.device import DEVICE_FORM, device_checked
 from fedlt.dp import DPSettings
 from fedlt.errors import ConfigError
 from fedlt.keepalive import MIN_SECONDS
@@ -55,8 +55,8 @@ class DataSection:
 
     source: str = setting("files", choices=("files", "embedded"))
     path: str = ""
-    format: str = setting("", choices=("", "npz", "folder", "cifar10", "idx"))
-    labels: str = setting("", doc="labels file, for the idx format")
+    format: str = setting("", choices=("", *FORMATS), doc="empty: inferred from the path")
+    labels: str = setting("", doc="labels file: the idx format's, or a dicom folder's CSV of file,label")
     index: int = setting(0, ge=0, doc="embedded: which silo of the recipe this is")
     seed: int = setting(0, ge=0, doc="embedded: the recipe's seed")
     recipe: DataConfig = field(default_factory=DataConfig)
@@ -176,7 +176,7 @@ class EvaluationSection:
     it."""
 
     path: str = setting("", doc="held-out files, as in [data]; empty: the embedded recipe's test split")
-    format: str = setting("", choices=("", "npz", "folder", "cifar10", "idx"))
+    format: str = setting("", choices=("", *FORMATS))
     labels: str = ""
     part: int = setting(0, ge=0)
     parts: int = setting(1, ge=1)
@@ -203,7 +203,19 @@ class DPSection:
 
 @dataclass(frozen=True)
 class ComputeSection:
+    """This silo's hardware, its own choice whatever plan it joins (`fedlt.device`)."""
+
     threads: int = setting(0, ge=0, doc="CPU threads for training; 0 uses every core")
+    device: str = setting(
+        "auto",
+        doc=f"{DEVICE_FORM}: where this silo trains, computes its statistics and evaluates; auto is a GPU "
+        "where torch sees one. Server steps this silo runs stay on the CPU, where every silo agrees",
+    )
+
+    @classmethod
+    def from_table(cls, table: Mapping[str, Any], where: str, problems: list[str]) -> ComputeSection:
+        """`device` checked for its form here; whether this machine has it, when the agent starts."""
+        return parse_section(cls, device_checked(table, where, problems), where, problems)
 
 
 @dataclass(frozen=True)
@@ -220,27 +232,29 @@ class SiloConfig:
     def path(self, value: str) -> Path:
         return resolve(self.base_dir, value)
 
-    def load_data(self) -> LabeledData:
+    def load_data(self) -> DataSource:
+        """This silo's files, opened (each plan prepares them its own way at admission)."""
         data = self.data
         if data.source == "embedded":
             federation = _federation(data.recipe, data.seed)
-            return federation.silos[data.index]
+            return embedded(federation.silos[data.index], federation.table)
         return self._files(data.path, data.format, data.labels)
 
-    def load_evaluation(self) -> LabeledData | None:
+    def load_evaluation(self) -> DataSource | None:
         """The held-out slice to evaluate on; None when there is none (then only zero counts go out)."""
         section = self.evaluation
         if section.path:
             held_out = self._files(section.path, section.format, section.labels)
         elif self.data.source == "embedded":
-            held_out = _federation(self.data.recipe, self.data.seed).test
+            federation = _federation(self.data.recipe, self.data.seed)
+            held_out = embedded(federation.test, federation.table)
         else:
             return None
-        return held_out.subset(np.arange(section.part, len(held_out), section.parts))
+        return Slice(held_out, section.part, section.parts)
 
-    def _files(self, path: str, format: str, labels: str) -> LabeledData:
+    def _files(self, path: str, format: str, labels: str) -> DataSource:
         options = {"labels": str(self.path(labels))} if labels else {}
-        return load_dataset(self.path(path), format=format or None, **options)
+        return open_source(self.path(path), format=format or None, **options)
 
 
 @functools.cache

@@ -103,10 +103,12 @@ class Consortium:
         privacy: str = "secagg",
         plan: RoundPlan = PLAN,
         stage_timeout: float | None = None,
+        recipe: DataConfig = RECIPE,
     ) -> Consortium:
         """`stage_timeout`: `[timeouts] stage` (default: the aggregator's), how long a failed secure-sum stage
-        holds up the retry."""
-        recipe = DataConfig(**{**RECIPE.__dict__, "silos": silos})
+        holds up the retry. `recipe`: the embedded recipe the silos' shards and the aggregator's evaluation
+        split come from."""
+        recipe = DataConfig(**{**recipe.__dict__, "silos": silos})
         stage = {} if stage_timeout is None else {"stage": stage_timeout}
         _, silo_configs = write_consortium(
             directory,

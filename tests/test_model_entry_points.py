@@ -134,7 +134,7 @@ def digits_plan(name: str, options: str = "") -> str:
 
 def test_a_final_linear_is_found_and_becomes_the_classifier(packages):
     package = packages()
-    model = build_model(package.entry(), image_shape=(1, 8, 8), num_classes=10, seed=0)
+    model = build_model(package.entry(), input_shape=(1, 8, 8), num_classes=10, seed=0)
     assert isinstance(model.classifier, torch.nn.Linear)
     assert (model.feature_dim, model.num_classes) == (16, 10)
     assert isinstance(model.encoder[3], torch.nn.Identity)  # the Linear's place in the encoder
@@ -144,7 +144,7 @@ def test_a_final_linear_is_found_and_becomes_the_classifier(packages):
 
 
 def test_a_declared_split_is_used_even_where_the_last_child_is_not_the_classifier(packages):
-    model = build_model(packages().entry("Declared"), image_shape=(1, 8, 8), num_classes=10, seed=0)
+    model = build_model(packages().entry("Declared"), input_shape=(1, 8, 8), num_classes=10, seed=0)
     assert model.feature_dim == 32
     assert isinstance(model.encoder[-1], torch.nn.Tanh)
 
@@ -161,7 +161,7 @@ def test_a_declared_split_is_used_even_where_the_last_child_is_not_the_classifie
 )
 def test_a_network_without_a_usable_split_is_a_clear_config_error(packages, factory, problem):
     with pytest.raises(ConfigError, match=r"model\.name") as err:
-        build_model(packages().entry(factory), image_shape=(1, 8, 8), num_classes=10, seed=0)
+        build_model(packages().entry(factory), input_shape=(1, 8, 8), num_classes=10, seed=0)
     assert problem in str(err.value)
 
 
@@ -201,7 +201,7 @@ def state_digest(model: torch.nn.Module) -> str:
     ],
 )
 def test_built_in_models_are_bit_identical_to_before_entry_points(name, shape, expected):
-    assert state_digest(build_model(name, image_shape=shape, num_classes=10, seed=0)) == expected
+    assert state_digest(build_model(name, input_shape=shape, num_classes=10, seed=0)) == expected
 
 
 def test_a_built_in_plan_hashes_as_before_entry_points():
@@ -240,7 +240,7 @@ def test_malformed_options_are_refused_when_the_plan_is_read(packages, lines, pr
     ("name", "options", "problem"),
     [
         ("cnn-small", "[model.options]\nhidden = 3\n", "the built-in model cnn-small takes no options"),
-        ("vgg", "", "unknown model 'vgg'; allowed: 'cnn', 'cnn-small', 'resnet8', or an entry point"),
+        ("vgg", "", "unknown model 'vgg'; allowed: 'cnn', 'cnn-small', 'resnet8', 'mlp', or an entry point"),
         ("pkg.mod:factory:x", "", "unknown model"),
         ("pkg.class:f", "", "unknown model"),
         ("os.system", "", "unknown model"),
@@ -622,7 +622,7 @@ def test_a_monai_densenet_splits_at_its_class_layers_output(tmp_path, monkeypatc
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
         model = build_model(
-            "monai_wrapper_for_tests:densenet121", image_shape=(1, 32, 32), num_classes=10, seed=0
+            "monai_wrapper_for_tests:densenet121", input_shape=(1, 32, 32), num_classes=10, seed=0
         )
     finally:
         sys.modules.pop("monai_wrapper_for_tests", None)

@@ -14,7 +14,7 @@ from fedlt.models import build_model
     ],
 )
 def test_split_model_contract(name, shape, params, feature_dim):
-    model = build_model(name, image_shape=shape, num_classes=10, seed=0)
+    model = build_model(name, input_shape=shape, num_classes=10, seed=0)
     x = torch.rand(4, *shape)
     z = model.encoder(x)
     assert z.shape == (4, feature_dim)
@@ -25,7 +25,7 @@ def test_split_model_contract(name, shape, params, feature_dim):
 
 
 def test_resnet8_size_matches_creff():
-    model = build_model("resnet8", image_shape=(3, 32, 32), num_classes=10, seed=0)
+    model = build_model("resnet8", input_shape=(3, 32, 32), num_classes=10, seed=0)
     total = sum(p.numel() for p in model.parameters())
     assert 1.22e6 < total < 1.24e6
     convs = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Conv2d))
@@ -33,7 +33,7 @@ def test_resnet8_size_matches_creff():
 
 
 def test_resnet8_also_takes_28x28():
-    model = build_model("resnet8", image_shape=(1, 28, 28), num_classes=10, seed=0)
+    model = build_model("resnet8", input_shape=(1, 28, 28), num_classes=10, seed=0)
     assert model(torch.rand(2, 1, 28, 28)).shape == (2, 10)
 
 
@@ -41,10 +41,10 @@ def test_seed_fixes_weights_without_touching_global_rng():
     torch.manual_seed(123)
     before = torch.rand(1)
     torch.manual_seed(123)
-    a = build_model("cnn-small", image_shape=(1, 8, 8), num_classes=10, seed=7)
+    a = build_model("cnn-small", input_shape=(1, 8, 8), num_classes=10, seed=7)
     after = torch.rand(1)
-    b = build_model("cnn-small", image_shape=(1, 8, 8), num_classes=10, seed=7)
-    c = build_model("cnn-small", image_shape=(1, 8, 8), num_classes=10, seed=8)
+    b = build_model("cnn-small", input_shape=(1, 8, 8), num_classes=10, seed=7)
+    c = build_model("cnn-small", input_shape=(1, 8, 8), num_classes=10, seed=8)
     assert torch.equal(before, after)
     assert all(
         torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
@@ -54,6 +54,6 @@ def test_seed_fixes_weights_without_touching_global_rng():
 
 def test_wrong_input_size_is_a_config_error():
     with pytest.raises(ConfigError, match="cnn takes 28x28 images, got 8x8"):
-        build_model("cnn", image_shape=(1, 8, 8), num_classes=10, seed=0)
+        build_model("cnn", input_shape=(1, 8, 8), num_classes=10, seed=0)
     with pytest.raises(ConfigError, match="allowed: cnn, cnn-small, resnet8"):
-        build_model("vgg", image_shape=(1, 8, 8), num_classes=10, seed=0)
+        build_model("vgg", input_shape=(1, 8, 8), num_classes=10, seed=0)

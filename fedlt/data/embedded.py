@@ -1,12 +1,19 @@
-"""The datasets that ship inside installed packages, so demos and tests need no download."""
+"""The datasets that ship inside installed packages, or are generated from a fixed seed, so demos and tests
+need no download: two of images, and one table (`transactions`, `fedlt.data.synthetic_table`) for studies of
+table rows."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
+import pandas as pd
 
 from fedlt.data.arrays import LabeledData
+from fedlt.data.synthetic_table import SCHEMA as TABLE_SCHEMA
+from fedlt.data.synthetic_table import long_tailed_table
+from fedlt.data.table import RawTable, TableSchema
 from fedlt.errors import DataError
 
 DIGIT_CLASSES = tuple(str(d) for d in range(10))
@@ -28,7 +35,24 @@ def _digits() -> LabeledData:
     return LabeledData(images, bunch.target.astype(np.int64), DIGIT_CLASSES, "sklearn digits")
 
 
-EMBEDDED: dict[str, Callable[[], LabeledData]] = {"mnist5k": _mnist5k, "digits": _digits}
+TRANSACTIONS_PER_CLASS = 600  # as MNIST-5k's 500 a class, with 100 more for the held-out split
+
+
+def _transactions() -> LabeledData:
+    """The synthetic bank table, balanced (IF 1, fixed seed): the recipe cuts its long tail as for images."""
+    table = long_tailed_table(0, n_max=TRANSACTIONS_PER_CLASS - 100, imbalance=1.0, test_per_class=100)
+    frame = pd.concat([table.train, table.test], ignore_index=True)
+    raw = RawTable(Path("fedlt synthetic transactions"), frame, frame.index.to_numpy() + 1)
+    return raw.encode(TABLE_SCHEMA, table.classes)
+
+
+EMBEDDED: dict[str, Callable[[], LabeledData]] = {
+    "mnist5k": _mnist5k,
+    "digits": _digits,
+    "transactions": _transactions,
+}
+# the schema of each embedded table: a plan's [data.table] for it
+EMBEDDED_TABLES: dict[str, TableSchema] = {"transactions": TABLE_SCHEMA}
 
 
 def load_embedded(name: str) -> LabeledData:

@@ -12,9 +12,10 @@ import numpy as np
 
 from fedlt.config import setting
 from fedlt.data.arrays import LabeledData
-from fedlt.data.embedded import EMBEDDED, load_embedded, split_balanced_test
+from fedlt.data.embedded import EMBEDDED, EMBEDDED_TABLES, load_embedded, split_balanced_test
 from fedlt.data.longtail import longtail_subsample
 from fedlt.data.partition import dirichlet_partition, label_skew
+from fedlt.data.table import TableLayout, TableSchema
 from fedlt.seeding import derive_seed
 
 
@@ -34,10 +35,16 @@ class Federation:
     test: LabeledData
     train_counts: np.ndarray
     label_skew: float
+    table: TableSchema | None = None
 
     @property
     def classes(self) -> tuple[str, ...]:
         return self.test.classes
+
+    @property
+    def layout(self) -> TableLayout | None:
+        """How the rows of a table federation are encoded; None for images."""
+        return None if self.table is None else self.table.layout()
 
 
 def build_federation(config: DataConfig, *, seed: int) -> Federation:
@@ -58,4 +65,5 @@ def build_federation(config: DataConfig, *, seed: int) -> Federation:
         test=test,
         train_counts=train.class_counts(),
         label_skew=label_skew(train.y, parts),
+        table=EMBEDDED_TABLES.get(config.dataset),
     )

@@ -2,6 +2,8 @@
 
 Every loader returns `LabeledData` and turns every problem with the files into a `DataError` that
 names the offending file, so the CLIs can print one clear line instead of a library's traceback.
+`open_source` is the door a silo uses: image and DICOM folders of any size stay files until a plan
+prepares them (`fedlt.data.images`, `fedlt.data.dicom`).
 """
 
 from __future__ import annotations
@@ -19,12 +21,20 @@ import numpy as np
 from PIL import Image, ImageMode
 
 from fedlt.data.arrays import LabeledData
+from fedlt.data.dicom import LABELS_FILE, load_dicom_folder, read_dicom_folder
+from fedlt.data.images import (
+    ImageFiles,
+    different_size,
+    existing,
+    header,
+    labelled_files,
+    read_image_folder,
+    reading,
+)
 from fedlt.errors import DataError
 
 Color = Literal["gray", "rgb"]
 Split = Literal["train", "test"]
-
-IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff"})
 
 CIFAR10_CLASSES = (
     "airplane",
@@ -72,33 +82,6 @@ _CIFAR_COLUMNS = 3 * _CIFAR_SIDE * _CIFAR_SIDE
 
 
 # --- shared helpers ---------------------------------------------------------------------------
-
-
-@contextmanager
-def _reading(source: Path, action: str) -> Iterator[None]:
-    """Re-raise a library's exception as a DataError naming the file.
-
-    numpy, Pillow, gzip and pickle raise many unrelated exception types on bad input, so any
-    exception is caught; our own DataErrors pass through untouched.
-    """
-    try:
-        yield
-    except DataError:
-        raise
-    except Exception as exc:
-        raise DataError(source, f"{action}: {exc}") from exc
-
-
-def _existing(path: str | Path, *, directory: bool | None = None) -> Path:
-    """Fail early with one clear message rather than deep inside a library; None accepts either."""
-    p = Path(path)
-    if not p.exists():
-        raise DataError(p, "no such file or directory")
-    if directory is True and not p.is_dir():
-        raise DataError(p, "expected a directory, found a file")
-    if directory is False and p.is_dir():
-        raise DataError(p, "expected a file, found a directory")
-    return p
 
 
 def _to_nchw(x: np.ndarray, source: Path) -> np.ndarray:
@@ -153,11 +136,11 @@ def _numbered_classes(y: np.ndarray, source: Path) -> tuple[str, ...]:
 
 def load_npz(path: str | Path, *, classes: Sequence[str] | None = None) -> LabeledData:
     """Load an .npz with arrays `x`, `y` and optionally `classes`; pickle is refused."""
-    source = _existing(path, directory=False)
+    source = existing(path, directory=False)
     _check_npz_magic(source)
-    with _reading(source, "cannot read as .npz"):
+    with reading(source, "cannot read as .npz"):
         archive = np.load(source, allow_pickle=False)
-    with archive, _reading(source, "cannot read array from .npz"), _refusing_pickles(source):
+    with archive, reading(source, "cannot read array from .npz"), _refusing_pickles(source):
         missing = [name for name in ("x", "y") if name not in archive.files]
         if missing:
             found = ", ".join(archive.files) or "none"
@@ -178,7 +161,7 @@ def load_npz(path: str | Path, *, classes: Sequence[str] | None = None) -> Label
 def _check_npz_magic(source: Path) -> None:
     """An .npz is a zip archive; numpy reads anything else as a pickle and, refusing it, advises
     `allow_pickle`, which would run code from the file. Say what the file is instead."""
-    with _reading(source, "cannot read"), source.open("rb") as fh:
+    with reading(source, "cannot read"), source.open("rb") as fh:
         head = fh.read(_SNIFF_BYTES)
     if head.startswith(_ZIP_MAGIC):
         return
@@ -217,7 +200,7 @@ def _refusing_pickles(source: Path) -> Iterator[None]:
 def _stored_class_names(stored: np.ndarray, source: Path) -> tuple[str, ...]:
     if stored.ndim != 1 or stored.dtype.kind not in "US":
         raise DataError(source, f"array 'classes' must be 1-D strings, got {stored.dtype.name}")
-    with _reading(source, "cannot decode array 'classes'"):
+    with reading(source, "cannot decode array 'classes'"):
         return tuple(s.decode() if isinstance(s, bytes) else str(s) for s in stored.tolist())
 
 
@@ -225,57 +208,35 @@ def _stored_class_names(stored: np.ndarray, source: Path) -> tuple[str, ...]:
 
 
 def load_image_folder(path: str | Path, *, color: Color | None = None) -> LabeledData:
-    """Load one sub-folder per class; `color=None` keeps colour only if some image has it."""
-    root = _existing(path, directory=True)
+    """Load one sub-folder per class, every image of one size; `color=None` keeps colour only if some image
+    has it. Images of mixed sizes are prepared for a plan instead (`open_source`, `fedlt.data.images`)."""
+    root = existing(path, directory=True)
     if color not in (None, "gray", "rgb"):
         raise DataError(root, f"color must be 'gray', 'rgb' or None, got {color!r}")
-    class_dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    if not class_dirs:
-        raise DataError(root, "no class sub-folders (put each class's images in its own folder)")
-    files = [(f, label) for label, folder in enumerate(class_dirs) for f in _image_files(folder)]
-    if not files:
-        raise DataError(root, f"no images with extensions {', '.join(sorted(IMAGE_EXTENSIONS))}")
+    classes, files = labelled_files(root)
     modes = _check_headers([file for file, _ in files])
     if color is None:
         color = "rgb" if any(ImageMode.getmode(m).basemode != "L" for m in modes) else "gray"
     pixels = np.stack([_read_pixels(file, "RGB" if color == "rgb" else "L") for file, _ in files])
     labels = np.array([label for _, label in files], dtype=np.int64)
     images = _to_unit_float(_to_nchw(pixels, root), root)
-    return LabeledData(images, labels, tuple(p.name for p in class_dirs), str(root))
-
-
-def _image_files(folder: Path) -> list[Path]:
-    return sorted(
-        p
-        for p in folder.iterdir()
-        if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS
-    )
+    return LabeledData(images, labels, classes, str(root))
 
 
 def _check_headers(files: list[Path]) -> set[str]:
     """Read only the headers, so a size or depth mismatch is reported before decoding any pixels."""
     modes: set[str] = set()
-    first = files[0]
-    first_size: tuple[int, int] | None = None
+    first, first_size = files[0], header(files[0])[1]
     for file in files:
-        with _reading(file, "cannot read image"), Image.open(file) as image:
-            mode, size = image.mode, image.size
-        if ImageMode.getmode(mode).typestr not in ("|u1", "|b1"):
-            raise DataError(file, f"image mode {mode} is not 8-bit, the only depth supported")
-        if first_size is None:
-            first_size = size
-        elif size != first_size:
-            raise DataError(
-                file,
-                f"image is {size[0]}x{size[1]} but {first.parent.name}/{first.name} is "
-                f"{first_size[0]}x{first_size[1]}; all images must have the same size",
-            )
+        mode, size, _ = header(file)
+        if size != first_size:
+            raise DataError(file, different_size(size, first, first_size))
         modes.add(mode)
     return modes
 
 
 def _read_pixels(file: Path, mode: str) -> np.ndarray:
-    with _reading(file, "cannot read image"), Image.open(file) as image:
+    with reading(file, "cannot read image"), Image.open(file) as image:
         return np.asarray(image.convert(mode))
 
 
@@ -284,14 +245,14 @@ def _read_pixels(file: Path, mode: str) -> np.ndarray:
 
 def load_cifar10_batches(path: str | Path, *, split: Split = "train") -> LabeledData:
     """Load the CIFAR-10 "python version" directory without trusting its pickles."""
-    root = _existing(path, directory=True)
+    root = existing(path, directory=True)
     if split == "train":
         batch_files = [root / f"data_batch_{i}" for i in range(1, 6)]
         batch_files = [p for p in batch_files if p.is_file()]
         if not batch_files:
             raise DataError(root, "no training batches data_batch_1 .. data_batch_5")
     elif split == "test":
-        batch_files = [_existing(root / "test_batch", directory=False)]
+        batch_files = [existing(root / "test_batch", directory=False)]
     else:
         raise DataError(root, f"split must be 'train' or 'test', got {split!r}")
     batches = [_read_cifar_batch(p) for p in batch_files]
@@ -318,7 +279,7 @@ class _NumpyOnlyUnpickler(pickle.Unpickler):
 
 
 def _unpickle_dict(file: Path) -> dict[Any, Any]:
-    with _reading(file, "cannot unpickle"), file.open("rb") as handle:
+    with reading(file, "cannot unpickle"), file.open("rb") as handle:
         loaded = _NumpyOnlyUnpickler(handle, file).load()
     if not isinstance(loaded, dict):
         raise DataError(file, f"expected a pickled dict, found {type(loaded).__name__}")
@@ -350,7 +311,7 @@ def _cifar_class_names(meta: Path) -> tuple[str, ...]:
     names = _field(_unpickle_dict(meta), "label_names", meta)
     if not isinstance(names, list | tuple) or not all(isinstance(n, bytes | str) for n in names):
         raise DataError(meta, "'label_names' must be a list of strings")
-    with _reading(meta, "cannot decode 'label_names'"):
+    with reading(meta, "cannot decode 'label_names'"):
         return tuple(n.decode() if isinstance(n, bytes) else n for n in names)
 
 
@@ -359,8 +320,8 @@ def _cifar_class_names(meta: Path) -> tuple[str, ...]:
 
 def load_idx(images_path: str | Path, labels_path: str | Path) -> LabeledData:
     """Load an IDX image/label pair (MNIST's format), gzipped or not."""
-    images_file = _existing(images_path, directory=False)
-    labels_file = _existing(labels_path, directory=False)
+    images_file = existing(images_path, directory=False)
+    labels_file = existing(labels_path, directory=False)
     images, labels = _read_idx(images_file), _read_idx(labels_file)
     if images.ndim != 3:
         raise DataError(images_file, f"IDX images must be 3-D (N, H, W), got shape {images.shape}")
@@ -372,7 +333,7 @@ def load_idx(images_path: str | Path, labels_path: str | Path) -> LabeledData:
 
 
 def _read_idx(file: Path) -> np.ndarray:
-    with _reading(file, "cannot read"):
+    with reading(file, "cannot read"):
         raw = file.read_bytes()
         if raw.startswith(_GZIP_MAGIC):
             raw = gzip.decompress(raw)
@@ -404,11 +365,19 @@ _LOADERS: dict[str, Callable[..., LabeledData]] = {
     "folder": load_image_folder,
     "cifar10": load_cifar10_batches,
     "idx": _load_idx_option,
+    "dicom": load_dicom_folder,
+}
+
+# formats whose files a plan prepares (resized, in its channels) -> the opener and the options it takes
+_FILE_SETS: dict[str, tuple[Callable[..., ImageFiles], tuple[str, ...]]] = {
+    "folder": (read_image_folder, ()),
+    "dicom": (read_dicom_folder, ("labels",)),
 }
 
 
 def load_dataset(path: str | Path, *, format: str | None = None, **options: Any) -> LabeledData:
-    """One entry point for configs and CLIs; infers the format when it is not given."""
+    """One entry point for configs and CLIs; infers the format when it is not given. Images are taken at
+    the size the files have (one size for all); `open_source` has them prepared for a plan instead."""
     if format is None:
         format = _infer_format(path, options)
     loader = _LOADERS.get(format)
@@ -417,11 +386,35 @@ def load_dataset(path: str | Path, *, format: str | None = None, **options: Any)
     return loader(path, **options)
 
 
+def open_source(path: str | Path, *, format: str | None = None, **options: Any) -> ImageFiles | LabeledData:
+    """A silo's files as a plan will want them: an image or DICOM folder opened with its headers checked but
+    nothing decoded (`ImageFiles.prepared` makes it the plan's image_shape), or arrays (npz, cifar10, idx)
+    loaded as `load_dataset` does, since they are not resized. Infers the format when it is not given."""
+    if format is None:
+        format = _infer_format(path, options)
+    if format not in _FILE_SETS:
+        return load_dataset(path, format=format, **options)
+    opener, accepted = _FILE_SETS[format]
+    unknown = [name for name in options if name not in accepted]
+    if unknown:
+        takes = f"only {', '.join(accepted)}" if accepted else "none"
+        raise DataError(
+            path,
+            f"format {format!r} takes options {takes}, got {', '.join(unknown)} (the plan's image_shape "
+            "and [data.images] say how images are prepared)",
+        )
+    return opener(path, **options)
+
+
 def _infer_format(path: str | Path, options: dict[str, Any]) -> str:
-    path = _existing(path)
+    """A folder holding *.dcm files or a labels.csv is DICOM (other DICOM folders need format="dicom")."""
+    path = existing(path)
     if path.is_dir():
-        cifar = (path / "data_batch_1").exists() or (path / "test_batch").exists()
-        return "cifar10" if cifar else "folder"
+        if (path / "data_batch_1").exists() or (path / "test_batch").exists():
+            return "cifar10"
+        if (path / LABELS_FILE).is_file() or any(p.suffix.lower() == ".dcm" for p in path.rglob("*")):
+            return "dicom"
+        return "folder"
     if path.suffix.lower() == ".npz":
         return "npz"
     if "labels" in options:

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 
 def shift_pixels(x: torch.Tensor, fraction: float) -> int:
     """The largest move for images like `x` (N, C, H, W): `fraction` of the shorter side, rounded (2 pixels
-    of MNIST's 28 at 0.07, 1 of the 8 of sklearn's digits)."""
-    return round(fraction * min(x.shape[-2:]))
+    of MNIST's 28 at 0.07, 1 of the 8 of sklearn's digits); 0 for table rows (N, F), which have no pixels
+    to move."""
+    return round(fraction * min(x.shape[-2:])) if x.ndim == 4 else 0
 
 
 def random_shift(x: torch.Tensor, limit: int, generator: torch.Generator) -> torch.Tensor:

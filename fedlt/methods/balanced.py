@@ -39,6 +39,7 @@ from torch import nn
 from fedlt.aggregation import Contribution, Field, Schema, Sums
 from fedlt.config import setting
 from fedlt.data.arrays import LabeledData
+from fedlt.device import model_device
 from fedlt.errors import ContributionError
 from fedlt.methods.abbl import adaptive_cross_entropy, prior_of_counts
 from fedlt.methods.augment import random_shift, shift_pixels
@@ -88,8 +89,8 @@ class Balanced(CCVR):
     def remaining_rounds(self, state: GlobalState) -> int:
         return super().remaining_rounds(state) + int(not self.priors_known(state))
 
-    def trains(self, state: GlobalState) -> bool:
-        return self.priors_known(state) and super().trains(state)
+    def _trains(self, state: GlobalState) -> bool:
+        return self.priors_known(state) and super()._trains(state)
 
     def _schema(self, state: GlobalState) -> Schema:
         if not self.priors_known(state):
@@ -121,7 +122,7 @@ class Balanced(CCVR):
         if self.options.tau == 0 and self.options.shift == 0:
             super().train_model(model, x, y, state, ctx)
             return
-        prior = self.adjusting_prior(state, y, ctx)
+        prior = self.adjusting_prior(state, y, ctx).to(model_device(model))
         tau, shift, moves = self.options.tau, shift_pixels(x, self.options.shift), ctx.generator("shift")
 
         def adjusted(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:

@@ -13,40 +13,51 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 
 from fedlt.aggregation import Contribution, Field, Schema, Sums
 from fedlt.data.arrays import LabeledData
+from fedlt.device import resolve_device
 from fedlt.dp import DPSettings
 from fedlt.errors import ContributionError
+from fedlt.methods import standardise
 from fedlt.methods.local import GradHook, PrivateRound, TrainConfig
 from fedlt.methods.state import GlobalState
 from fedlt.models import ModelOptions, SplitModel, build_model, dp_compatible
+from fedlt.models.standardise import standardise_layer, standardising
 from fedlt.seeding import derive_seed, torch_generator
+
+if TYPE_CHECKING:
+    from fedlt.data.table import TableLayout
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     """`name`: a built-in model or an entry point, with `options` for its factory (`fedlt.models.entry`).
-    `private`: the model trains with DP-SGD, so layers that mix a batch's samples are replaced."""
+    `input_shape`: one sample's, (C, H, W) or (features,). `table`: the rows are encoded by this layout, and
+    the model standardises them first (`fedlt.models.standardise`). `private`: the model trains with DP-SGD,
+    so layers that mix a batch's samples are replaced."""
 
     name: str
-    image_shape: tuple[int, int, int]
+    input_shape: tuple[int, ...]
     num_classes: int
     private: bool = False
     options: ModelOptions = field(default_factory=ModelOptions)
+    table: TableLayout | None = None
 
     def build(self, seed: int) -> SplitModel:
         model = build_model(
             self.name,
-            image_shape=self.image_shape,
+            input_shape=self.input_shape,
             num_classes=self.num_classes,
             seed=seed,
             options=self.options,
         )
+        if self.table is not None:
+            model = standardising(model, self.table.numeric, self.table.indicators)
         return dp_compatible(model) if self.private else model
 
 
@@ -102,26 +113,52 @@ class Method(ABC):
         self.rounds = rounds
         self._work: SplitModel | None = None
 
+    @property
+    def device(self) -> torch.device:
+        """Where this party's silo half computes (`[train] device`, a silo's `[compute] device`); the server
+        half stays on the CPU, where every party that steps computes the same state (`fedlt.device`)."""
+        return resolve_device(self.train.device, setting="train.device")
+
     def statistics_plan(self) -> tuple[tuple[Field, ...], int]:
         """The statistics of records the plan releases besides the model change, and in how many rounds:
         a silo under DP budgets their noise before it picks its DP-SGD σ. None by default."""
         return (), 0
 
     def trained_rounds(self, state: GlobalState) -> int:
-        """Training rounds `state` has been through (every round, unless the method has a closing phase)."""
-        return state.round
+        """Training rounds `state` has been through (every round, unless the method has a closing phase,
+        less a table study's opening round)."""
+        return state.round - int(self._standardiser() is not None and not self.opens(state))
 
     def remaining_rounds(self, state: GlobalState) -> int:
-        """Rounds a driver still runs from `state`: the training rounds left, then any closing phase.
+        """Rounds a driver still runs from `state`: any opening round, the training rounds left, then any
+        closing phase.
 
         Counted from the state rather than from round numbers, so a finished run whose `rounds` grew
         trains on and closes again."""
-        return max(self.rounds - self.trained_rounds(state), 0)
+        return max(self.rounds - self.trained_rounds(state), 0) + int(self.opens(state))
 
     def trains(self, state: GlobalState) -> bool:
-        """Whether the coming round trains: only training rounds pick a subset of silos; a closing
-        statistics round wants every silo's data."""
+        """Whether the coming round trains: only training rounds pick a subset of silos; an opening or
+        closing statistics round wants every silo's data."""
+        return not self.opens(state) and self._trains(state)
+
+    def _trains(self, state: GlobalState) -> bool:
         return True
+
+    def opens(self, state: GlobalState) -> bool:
+        """Whether the coming round is a table study's opening round (`fedlt.methods.standardise`): the
+        model standardises numeric features, and its statistics are not filled yet."""
+        prefix = self._standardiser()
+        return prefix is not None and not standardise.is_ready(state, prefix)
+
+    def _standardiser(self) -> str | None:
+        """The state-dict prefix of the model's Standardise layer, where an opening round fills it: table
+        rows with numeric columns, and no DP (under which features keep the schema's scaling)."""
+        table = self.model_spec.table
+        if self.dp is not None or table is None or not table.numeric:
+            return None
+        found = standardise_layer(self.working_model())
+        return None if found is None else found[0]
 
     def build_model(self, seed: int) -> SplitModel:
         """The method's network; methods with an extra head (RedGrape) add it here."""
@@ -138,10 +175,16 @@ class Method(ABC):
 
     def schema(self, state: GlobalState) -> Schema:
         """The fields of the coming round; may depend on the state (a method's phase)."""
+        if self.opens(state):
+            return standardise.schema(len(self.model_spec.table.numeric))
         return self._schema(state)
 
     def local_round(self, state: GlobalState, data: LabeledData, ctx: SiloContext) -> Contribution:
         """Silo half: train on local data and return what the consortium sums."""
+        if self.opens(state):
+            table = self.model_spec.table
+            moments = standardise.moments(data.x, table.numeric, table.indicators)
+            return self.schema(state).contribution(**moments)
         return self._local_round(state, data, ctx)
 
     @abstractmethod
@@ -156,6 +199,8 @@ class Method(ABC):
             raise TypeError(f"server_step takes Sums from a privacy layer, got {type(sums).__name__}")
         if sums.schema != self.schema(state):
             raise ContributionError("sums were made for another schema or phase than this round's")
+        if self.opens(state):
+            return standardise.standardised(state, sums, self._standardiser())
         return self._server_step(state, sums, ctx)
 
     @abstractmethod

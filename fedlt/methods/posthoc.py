@@ -19,6 +19,7 @@ import torch
 from fedlt.aggregation import Contribution, Field, Schema, Sums
 from fedlt.config import setting
 from fedlt.data.arrays import LabeledData
+from fedlt.device import placed
 from fedlt.errors import ContributionError
 from fedlt.methods.base import ServerContext, SiloContext, reported_counts
 from fedlt.methods.feature_stats import ClassGaussians, class_sums, upper_size
@@ -65,7 +66,7 @@ class PostHocHead(FedAvg):
     def closing(self, state: GlobalState) -> bool:
         return self.closes_after_training() and self.trained_rounds(state) >= self.rounds
 
-    def trains(self, state: GlobalState) -> bool:
+    def _trains(self, state: GlobalState) -> bool:
         return not self.closing(state)
 
     def with_statistics(self, state: GlobalState) -> bool:
@@ -105,11 +106,14 @@ class PostHocHead(FedAvg):
     def _local_round(self, state: GlobalState, data: LabeledData, ctx: SiloContext) -> Contribution:
         values = {}
         if self.with_statistics(state):
-            z = extract_features(self.load(state.model), torch.from_numpy(data.x))
+            model = self.load(state.model)
+            with placed(model, self.device):
+                z = extract_features(model, torch.from_numpy(data.x))
             if self.dp:
                 z = clip_features(z, self.dp.feature_norm)
             bound = self.options.feature_bound
-            values = self.statistics(z.clamp(-bound, bound), torch.from_numpy(data.y), ctx)
+            y = torch.from_numpy(data.y).to(z.device)
+            values = {k: v.cpu() for k, v in self.statistics(z.clamp(-bound, bound), y, ctx).items()}
             if self.dp:
                 values["count"] = reported_counts(data.class_counts(), ctx)
         if not self.closing(state):
@@ -117,7 +121,7 @@ class PostHocHead(FedAvg):
         return self.schema(state).contribution(**values)
 
     def statistics(self, z: torch.Tensor, y: torch.Tensor, ctx: SiloContext) -> dict[str, torch.Tensor]:
-        """The values of `statistics_fields` for one silo's (clipped) features."""
+        """The values of `statistics_fields` for one silo's (clipped) features, on their device."""
         return class_sums(z, y, self.model_spec.num_classes)
 
     def _server_step(self, state: GlobalState, sums: Sums, ctx: ServerContext) -> GlobalState:

@@ -2,9 +2,10 @@
 how the factory's network becomes a SplitModel.
 
 The factory's contract (docs/bring-your-own.md): fedlt calls `factory(num_classes=C, **options)`, adding
-`image_shape=(channels, height, width)` only when the factory names a parameter `image_shape` (not through
-`**kwargs`, which torchvision's builders forward to the network's constructor), under fedlt's seed as a
-built-in is built. It returns a `torch.nn.Module` that is
+`input_shape` (one sample's shape: `(channels, height, width)` of an image, `(features,)` of an encoded table
+row) only when the factory names a parameter `input_shape`, and, for images, `image_shape` only when it names
+`image_shape` (never through `**kwargs`, which torchvision's builders forward to the network's constructor),
+under fedlt's seed as a built-in is built. It returns a `torch.nn.Module` that is
 - a SplitModel, used as it is;
 - a module with an `encoder` module and a `classifier` nn.Linear, whose forward is classifier(encoder(x));
 - or a module whose last child, followed through last children, is an nn.Linear (torchvision's ResNet `fc`,
@@ -38,7 +39,7 @@ from fedlt.models.base import SplitModel
 _ENTRY = re.compile(r"(?P<module>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):(?P<factory>[A-Za-z_]\w*)", re.ASCII)
 ENTRY_FORM = "'package.module:factory'"
 # set by fedlt from the plan, never by `[model] options`
-RESERVED_OPTIONS = ("num_classes", "image_shape")
+RESERVED_OPTIONS = ("num_classes", "image_shape", "input_shape")
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ def _option_problem(name: str, value: Any) -> str:
     if not name.isidentifier() or keyword.iskeyword(name):
         return "not a Python keyword-argument name"
     if name in RESERVED_OPTIONS:
-        return "set by fedlt from the plan (model.classes, model.image_shape), not an option"
+        return "set by fedlt from the plan (model.classes, the input shape), not an option"
     values = value if isinstance(value, list) else [value]
     if isinstance(value, list) and any(isinstance(v, list) for v in value):
         return "arrays of arrays are not plain values; pass a flat array"
@@ -110,14 +111,16 @@ def _option_problem(name: str, value: Any) -> str:
 
 
 def build_entry(
-    entry: EntryPoint, *, image_shape: tuple[int, int, int], num_classes: int, options: ModelOptions
+    entry: EntryPoint, *, input_shape: tuple[int, ...], num_classes: int, options: ModelOptions
 ) -> SplitModel:
     """The factory's network as a SplitModel; the caller seeds torch's generator (`fedlt.models.build_model`).
     Every failure of the user's code is a ConfigError naming the entry point."""
     factory = _factory(entry)
     kwargs: dict[str, Any] = {"num_classes": num_classes, **options.to_table()}
-    if _names_parameter(factory, "image_shape"):
-        kwargs["image_shape"] = image_shape
+    if _names_parameter(factory, "input_shape"):
+        kwargs["input_shape"] = input_shape
+    if len(input_shape) == 3 and _names_parameter(factory, "image_shape"):
+        kwargs["image_shape"] = input_shape
     try:
         network = factory(**kwargs)
     except Exception as exc:
@@ -125,13 +128,13 @@ def build_entry(
         raise _error(f"{entry}({args}) failed: {type(exc).__name__}: {exc}") from exc
     if not isinstance(network, nn.Module):
         raise _error(f"{entry} returned a {type(network).__name__}, not a torch.nn.Module")
-    reference = _outputs(network, image_shape, entry)
+    reference = _outputs(network, input_shape, entry)
     model = split(network, entry)
     if model.num_classes != num_classes:
         raise _error(
             f"{entry}'s classifier has {model.num_classes} outputs, but the plan has {num_classes} classes",
         )
-    if not torch.allclose(_outputs(model, image_shape, entry), reference, rtol=1e-5, atol=1e-6):
+    if not torch.allclose(_outputs(model, input_shape, entry), reference, rtol=1e-5, atol=1e-6):
         raise _error(
             f"{entry}'s output is not classifier(encoder(x)) of its split: declare `encoder` and "
             "`classifier` that compose to its forward, or make its output layer its last child",
@@ -191,10 +194,10 @@ def _names_parameter(factory: Callable[..., Any], name: str) -> bool:
         return False
 
 
-def _outputs(model: nn.Module, image_shape: tuple[int, int, int], entry: EntryPoint | str) -> torch.Tensor:
+def _outputs(model: nn.Module, input_shape: tuple[int, ...], entry: EntryPoint | str) -> torch.Tensor:
     """`model` on a seeded batch of two, in eval mode and without gradients, so that neither the model's
     buffers (BatchNorm's running statistics) nor torch's global generator change."""
-    x = torch.randn((2, *image_shape), generator=torch.Generator().manual_seed(0))
+    x = torch.randn((2, *input_shape), generator=torch.Generator().manual_seed(0))
     modes = {m: m.training for m in model.modules()}
     model.eval()
     try:
@@ -202,7 +205,7 @@ def _outputs(model: nn.Module, image_shape: tuple[int, int, int], entry: EntryPo
             return model(x)
     except Exception as exc:
         raise _error(
-            f"{entry} failed on a batch of {list(image_shape)} inputs: {type(exc).__name__}: {exc}"
+            f"{entry} failed on a batch of {list(input_shape)} inputs: {type(exc).__name__}: {exc}"
         ) from exc
     finally:
         for m, training in modes.items():

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,10 +21,11 @@ from fedlt.aggregation import make_layer
 from fedlt.atomic import atomic_write, atomic_write_text
 from fedlt.config import as_table, as_toml
 from fedlt.data.federation import Federation, build_federation
+from fedlt.device import resolve_device
 from fedlt.dp import silo_privacy
 from fedlt.errors import FedltError
 from fedlt.methods import GlobalState, Method, ModelSpec, ServerContext, SiloContext, method_class
-from fedlt.models import DEFAULT_FOR_SIDE
+from fedlt.models import default_model
 from fedlt.recorder import RunRecorder, round_line
 from fedlt.selection import (
     SelectionBook,
@@ -34,6 +36,9 @@ from fedlt.selection import (
     simulated_mask_secret,
 )
 from fedlt.sim.config import SimConfig
+
+if TYPE_CHECKING:
+    from fedlt.data.table import TableLayout
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -59,8 +64,11 @@ def run_simulation(
 ) -> RunResult:
     """`federation` replaces the one `config.data` describes (the privacy audit trains on silos it has
     edited); a resumed run must be given the same."""
+    device = resolve_device(config.train.device, setting="train.device")  # no such GPU: refused before work
     federation = federation or build_federation(config.data, seed=config.seed)
-    method = make_method(config, federation.test.input_shape, len(federation.classes))
+    method = make_method(
+        config, federation.test.input_shape, len(federation.classes), table=federation.layout
+    )
     layer = make_layer(config.privacy)
     out.mkdir(parents=True, exist_ok=True)
     state, rounds, book, layer_saved, ledgers = _resume(out, config, method) or (
@@ -79,8 +87,13 @@ def run_simulation(
         test=federation.test,
         train_counts=federation.train_counts,
         thresholds=config.metrics,
-        header={"config": as_table(config), "dataset": _dataset_facts(config, federation)},
+        header={
+            "config": as_table(config),
+            "dataset": _dataset_facts(config, federation),
+            "device": str(device),  # not in the config's table (a run resumes on any device): said here
+        },
         rounds=rounds,
+        device=device,
     )
     atomic_write_text(out / "config.toml", as_toml(config))
     silos = {f"silo-{k}": silo for k, silo in enumerate(federation.silos)}
@@ -148,12 +161,14 @@ def run_simulation(
     return RunResult({**recorder.header, "rounds": recorder.rounds}, table, state)
 
 
-def make_method(config: SimConfig, image_shape: tuple[int, int, int], num_classes: int) -> Method:
-    """The configured method for data of this shape; `model = "auto"` picks by image size."""
-    auto = DEFAULT_FOR_SIDE.get(image_shape[1], "resnet8")
-    name = config.model.name if config.model.name != "auto" else auto
+def make_method(
+    config: SimConfig, input_shape: tuple[int, ...], num_classes: int, *, table: TableLayout | None = None
+) -> Method:
+    """The configured method for data of this shape (`table`: rows encoded by that layout); `model = "auto"`
+    picks by image size, or `mlp` for table rows."""
+    name = config.model.name if config.model.name != "auto" else default_model(input_shape)
     cls = method_class(config.method.name)
-    spec = ModelSpec(name, image_shape, num_classes, options=config.model.options)
+    spec = ModelSpec(name, input_shape, num_classes, options=config.model.options, table=table)
     return cls(
         options=config.method.options, train=config.train, model=spec, rounds=config.rounds, dp=config.dp
     )
