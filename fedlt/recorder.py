@@ -12,10 +12,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+import torch
 from torch import nn
 
 from fedlt.atomic import atomic_write_text
 from fedlt.data.arrays import LabeledData
+from fedlt.device import CPU
 from fedlt.metrics import GROUPS, ShotThresholds, accuracy_from_counts, evaluate
 from fedlt.reports import accuracy_table, percent, plot_curves, plot_per_class
 
@@ -24,7 +26,8 @@ METRICS = "metrics.json"
 
 class RunRecorder:
     """`test` None: the run is evaluated elsewhere and only its per-class counts come here (`counted`), for
-    a model of `classes`; `train_counts` may then arrive later (`know_train_counts`)."""
+    a model of `classes`; `train_counts` may then arrive later (`know_train_counts`). `device`: where
+    `evaluate` runs the model (`fedlt.device`)."""
 
     def __init__(
         self,
@@ -37,8 +40,10 @@ class RunRecorder:
         header: dict,
         rounds: Sequence[dict] = (),
         classes: Sequence[str] = (),
+        device: torch.device = CPU,
     ) -> None:
         self.out = out
+        self.device = device
         self.title = title
         self.test = test
         self.classes = tuple(test.classes) if test is not None else tuple(classes)
@@ -66,7 +71,7 @@ class RunRecorder:
 
     def evaluate(self, round_number: int, model: nn.Module, **facts: object) -> dict:
         """The round's entry: accuracies of `model` after `round_number`, plus any facts to keep with them."""
-        return {"round": round_number, **evaluate(model, self.test, self.groups), **facts}
+        return {"round": round_number, **evaluate(model, self.test, self.groups, device=self.device), **facts}
 
     def counted(self, round_number: int, correct: list[int], total: list[int], **facts: object) -> dict:
         """The round's entry from per-class counts summed at the silos (where only they hold the model)."""

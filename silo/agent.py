@@ -22,6 +22,7 @@ import torch
 
 from fedlt.aggregation import make_layer, record
 from fedlt.aggregation.halves import PartyKeys, Signer, SiloSide
+from fedlt.device import resolve_device
 from fedlt.dir_lock import DirectoryLock
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import round_pb2
@@ -46,6 +47,10 @@ class SiloAgent:
     def __init__(self, config: SiloConfig, *, stop: threading.Event | None = None) -> None:
         self.config = config
         self.stop = stop or threading.Event()
+        # this silo's own device, whatever a plan says; a GPU that is not there stops the agent here, saying
+        # so, before anything is written
+        self.device = resolve_device(config.compute.device, setting="compute.device")
+        log.info("computing on %s (compute.device = %r)", self.device, config.compute.device)
         self.state_dir = config.path(config.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         # one agent per state directory, for this process's life: a second would lose the first's records
@@ -77,7 +82,8 @@ class SiloAgent:
         # held-out data, evaluated inside a sum under whichever layer
         local_held_out = config.load_evaluation()
         self.standing, self.progress = Standing(), Progress(self.state_dir)
-        self.plans, self.pending = PlanCache(self.privacy_ledger), PendingContribution(self.state_dir)
+        self.plans = PlanCache(self.privacy_ledger, device=str(self.device))
+        self.pending = PendingContribution(self.state_dir)
         self.admission = Admission(
             config,
             trust=self.trust,

@@ -45,6 +45,7 @@ from fedlt.aggregation.halves import (
 )
 from fedlt.aggregation.registry import SharedSecret
 from fedlt.data.arrays import LabeledData
+from fedlt.device import resolve_device
 from fedlt.methods import GlobalState, Method, ServerContext, SiloContext
 from fedlt.methods.base import reported_counts
 from fedlt.methods.state import pack_state, unpack_state
@@ -108,11 +109,13 @@ def opened_state(
 
 
 def evaluation_counts(method: Method, state: GlobalState, held_out: LabeledData | None) -> torch.Tensor:
-    """Correct and total per class on the held-out slice (zeros without one), as one vector."""
+    """Correct and total per class on the held-out slice (zeros without one), as one vector; the model runs
+    on this silo's device (`[compute] device`)."""
     classes = method.model_spec.num_classes
     if held_out is None or not len(held_out):
         return torch.zeros(2 * classes, dtype=torch.float64)
-    predicted = predict(method.eval_model(state), held_out.x)
+    device = resolve_device(method.train.device, setting="compute.device")
+    predicted = predict(method.eval_model(state), held_out.x, device=device)
     correct = np.bincount(held_out.y[held_out.y == predicted], minlength=classes)
     total = np.bincount(held_out.y, minlength=classes)
     return torch.from_numpy(np.concatenate([correct, total]).astype(np.float64))

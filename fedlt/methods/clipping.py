@@ -63,7 +63,7 @@ class PerRecordClipping:
         backprops = torch.autograd.grad(
             per_record.sum(), [seen[layer][1] for layer in layers], allow_unused=True
         )
-        squared = torch.zeros(len(per_record))
+        squared = torch.zeros(len(per_record), device=per_record.device)
         parts = []
         for layer, g in zip(layers, backprops, strict=True):
             if g is None:  # the output does not reach the loss: no record moves this layer

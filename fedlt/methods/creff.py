@@ -94,7 +94,7 @@ class CReFF(FedAvg):
         # the gradients are taken on the received backbone, before local training moves it
         model = self.load(with_head(state.model, state.extra["head.weight"], state.extra["head.bias"]))
         grads = class_gradient_values(
-            model, data, dp=self.dp, counts=reported_counts(data.class_counts(), ctx)
+            model, data, device=self.device, dp=self.dp, counts=reported_counts(data.class_counts(), ctx)
         )
         return self.schema(state).contribution(**self.trained_delta(state, data, ctx), **grads)
 

@@ -18,6 +18,8 @@ reach gets noise only.
 A gradient edit (`before_step`: FedProx's proximal term) runs after clipping and noise, on the privatised
 gradient: it reads no record, so it is post-processing and costs nothing; an edit that read records would
 escape the accounting, which is why RedGrape drops its local balanced-set gradient under DP.
+
+On a GPU the batches and the noise move to the model; both are still drawn on the CPU, from the CSPRNG.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import nn
 
+from fedlt.device import model_device
 from fedlt.methods.clipping import PerRecordClipping
 from fedlt.methods.local import GradHook, Loss, PrivateRound, TrainConfig
 
@@ -83,6 +86,7 @@ def train_private(
     noise = PrefetchedNoise(
         private.noise_stream(), sum(p.numel() for p in params), sigma * private.max_grad_norm
     )
+    device = model_device(model)
     try:
         model.train()
         for _ in range(steps):
@@ -90,8 +94,8 @@ def train_private(
             optimizer.zero_grad(set_to_none=True)
             if len(idx):  # an empty batch is a step too: no gradient, only noise
                 clipping.start()
-                clipping.backward(loss(model, x[idx], y[idx]))
-            privatise(params, noise.take(), rate * n)
+                clipping.backward(loss(model, x[idx].to(device), y[idx].to(device)))
+            privatise(params, noise.take().to(device), rate * n)
             if before_step is not None:
                 before_step()
             optimizer.step()

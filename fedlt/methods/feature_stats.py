@@ -19,12 +19,13 @@ def upper_size(dim: int) -> int:
 
 
 def class_sums(z: torch.Tensor, y: torch.Tensor, classes: int) -> dict[str, torch.Tensor]:
-    """feature_sum (C, d), outer_sum (C, d(d+1)/2) and count (C,) of one silo's features, in float64."""
+    """feature_sum (C, d), outer_sum (C, d(d+1)/2) and count (C,) of one silo's features, in float64, on
+    the features' device."""
     z64 = z.double()
     dim = z64.shape[1]
-    rows, cols = torch.triu_indices(dim, dim)
+    rows, cols = torch.triu_indices(dim, dim, device=z.device)
     members = F.one_hot(y, classes).double()
-    outer = torch.zeros(classes, upper_size(dim), dtype=torch.float64)
+    outer = torch.zeros(classes, upper_size(dim), dtype=torch.float64, device=z.device)
     for c in torch.unique(y).tolist():
         zc = z64[y == c]
         outer[c] = (zc.T @ zc)[rows, cols]

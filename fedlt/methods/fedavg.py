@@ -23,6 +23,7 @@ import torch
 from fedlt.aggregation import Contribution, Field, Schema, Sums
 from fedlt.config import setting
 from fedlt.data.arrays import LabeledData
+from fedlt.device import placed
 from fedlt.errors import ContributionError
 from fedlt.methods.base import Method, ServerContext, SiloContext
 from fedlt.methods.local import train_local
@@ -70,7 +71,8 @@ class FedAvg(Method):
             )
         model = self.load(state.model)
         keys = float_keys(state.model)
-        self.train_model(model, torch.from_numpy(data.x), torch.from_numpy(data.y), state, ctx)
+        with placed(model, self.device):
+            self.train_model(model, torch.from_numpy(data.x), torch.from_numpy(data.y), state, ctx)
         delta = flatten(model.state_dict(), keys) - flatten(state.model, keys)
         delta = delta.double().clamp(-self.options.delta_bound, self.options.delta_bound)
         if ctx.private is not None:  # the weight is released too: counts noised once per run (DP)
@@ -101,6 +103,7 @@ class FedAvg(Method):
     def train_model(
         self, model: SplitModel, x: torch.Tensor, y: torch.Tensor, state: GlobalState, ctx: SiloContext
     ) -> None:
+        """Local training of `model`, already on `self.device`, from (x, y) on the CPU."""
         hook = self.before_step(model)
         train_local(model, x, y, self.train, ctx.generator("shuffle"), before_step=hook, private=ctx.private)
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from fedlt.aggregation import Field
 from fedlt.data.arrays import LabeledData
+from fedlt.device import CPU, model_device, placed
 from fedlt.dp import DPSettings
 from fedlt.models import SplitModel
 
@@ -24,11 +25,15 @@ FEATURE_BATCH = 256
 
 
 def extract_features(model: SplitModel, x: torch.Tensor) -> torch.Tensor:
-    """Encoder outputs in eval mode (BatchNorm running statistics), without gradients."""
+    """Encoder outputs in eval mode (BatchNorm running statistics), without gradients; each batch of `x`
+    moves to the model, and the features stay there."""
     was_training = model.training
     model.eval()
+    device = model_device(model)
     with torch.no_grad():
-        z = torch.cat([model.encoder(x[i : i + FEATURE_BATCH]) for i in range(0, len(x), FEATURE_BATCH)])
+        z = torch.cat(
+            [model.encoder(x[i : i + FEATURE_BATCH].to(device)) for i in range(0, len(x), FEATURE_BATCH)]
+        )
     model.train(was_training)
     return z
 
@@ -127,18 +132,21 @@ def class_gradient_values(
     model: SplitModel,
     data: LabeledData,
     *,
+    device: torch.device = CPU,
     dp: DPSettings | None = None,
     counts: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The values of `class_gradient_fields` for `model`'s head over the silo's features; under DP with
-    `counts`, the silo's reported (noised) class counts."""
-    z = extract_features(model, torch.from_numpy(data.x))
-    if dp is None:
-        present, grads = class_head_gradients(*head_of(model), z, torch.from_numpy(data.y))
-        return {"grad": grads.flatten(1), "present": present}
-    z = clip_features(z, dp.feature_norm)
-    _, grads = class_head_gradients(*head_of(model), z, torch.from_numpy(data.y), mean=False)
-    return {"grad": grads.flatten(1), "present": counts}
+    """The values of `class_gradient_fields` for `model`'s head over the silo's features, computed on
+    `device` and returned on the CPU; under DP with `counts`, the silo's reported (noised) class counts."""
+    with placed(model, device):
+        z = extract_features(model, torch.from_numpy(data.x))
+        y = torch.from_numpy(data.y).to(device)
+        if dp is None:
+            present, grads = class_head_gradients(*head_of(model), z, y)
+            return {"grad": grads.flatten(1).cpu(), "present": present.cpu()}
+        z = clip_features(z, dp.feature_norm)
+        _, grads = class_head_gradients(*head_of(model), z, y, mean=False)
+        return {"grad": grads.flatten(1).cpu(), "present": counts}
 
 
 def mean_over_holders(summed: torch.Tensor, holders: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

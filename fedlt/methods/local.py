@@ -8,26 +8,46 @@ to within 10% of a bare loop.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedlt.config import setting
+from fedlt.config import parse_section, setting
+from fedlt.device import DEVICE_FORM, device_checked, model_device
 
 
 @dataclass(frozen=True)
 class TrainConfig:
+    """`device` is where this party trains and evaluates (`fedlt.device`): its own choice, so a plan's text
+    leaves it out (`to_table`)."""
+
     local_epochs: int = setting(1, ge=1)
     batch_size: int = setting(32, ge=1)
     lr: float = setting(0.05, gt=0.0)
     momentum: float = setting(0.0, ge=0.0, le=1.0)
     weight_decay: float = setting(0.0, ge=0.0)
     min_steps: int = setting(0, ge=0, doc="a silo trains more epochs until it has taken this many steps")
+    device: str = setting(
+        "auto",
+        doc=f"{DEVICE_FORM}: where this party trains and evaluates; auto is a GPU where torch sees one. "
+        "Never part of a plan: a silo sets it in silo.toml's [compute]",
+    )
+
+    @classmethod
+    def from_table(cls, table: Mapping[str, Any], where: str, problems: list[str]) -> TrainConfig:
+        """The settings, with `device` checked for its form only: what hardware there is is asked where the
+        device is used (`fedlt.device.resolve_device`), so a plan reads the same on every machine."""
+        return parse_section(cls, device_checked(table, where, problems), where, problems)
+
+    def to_table(self) -> dict[str, Any]:
+        """Without `device`, each party's own: a plan's text and hash, and a simulator run's fingerprint (a
+        run may resume on another device), are what they were before the setting existed."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "device"}
 
     def epochs(self, samples: int) -> int:
         """`local_epochs`, or more where a silo is so small that they would take fewer than `min_steps`."""
@@ -85,7 +105,10 @@ def train_local(
     when `private` is given (`fedlt.methods.dpsgd`).
 
     `before_step` may edit gradients (FedProx's proximal term); `after_step` may move parameters after the
-    optimizer has (RedGrape's re-balancing step). Under DP-SGD both see only privatised gradients."""
+    optimizer has (RedGrape's re-balancing step). Under DP-SGD both see only privatised gradients.
+
+    The model may be on a GPU (`fedlt.device.placed`); (x, y) stay where they are, on the CPU, and each
+    batch moves to the model: the seeded order is drawn on the CPU, so a GPU run visits the same batches."""
     if private is not None:
         from fedlt.methods.dpsgd import train_private  # Opacus loads only for private training
 
@@ -96,12 +119,13 @@ def train_local(
         model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
     )
     model.train()
+    device = model_device(model)
     n = len(y)
     for _ in range(config.epochs(n)):
         order = torch.randperm(n, generator=generator)
         for start in range(0, n, config.batch_size):
             idx = order[start : start + config.batch_size]
-            xb, yb = x[idx], y[idx]
+            xb, yb = x[idx].to(device), y[idx].to(device)
             value = F.cross_entropy(model(xb), yb) if loss is None else loss(model, xb, yb).mean()
             optimizer.zero_grad(set_to_none=True)
             value.backward()

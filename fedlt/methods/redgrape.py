@@ -32,6 +32,7 @@ from torch import nn
 from fedlt.aggregation import Contribution, Field, Schema, Sums
 from fedlt.config import setting
 from fedlt.data.arrays import LabeledData
+from fedlt.device import model_device
 from fedlt.methods.base import ServerContext, SiloContext, reported_counts
 from fedlt.methods.fedavg import FedAvg, FedAvgOptions
 from fedlt.methods.heads import class_gradient_fields, class_gradient_values, head_gradient, mean_over_holders
@@ -81,7 +82,8 @@ class RedGrape(FedAvg):
 
     def _local_round(self, state: GlobalState, data: LabeledData, ctx: SiloContext) -> Contribution:
         counts = reported_counts(data.class_counts(), ctx)  # the gradients are taken on the received model
-        grads = class_gradient_values(self.load(state.model), data, dp=self.dp, counts=counts)
+        model = self.load(state.model)
+        grads = class_gradient_values(model, data, device=self.device, dp=self.dp, counts=counts)
         return self.schema(state).contribution(**self.trained_delta(state, data, ctx), **grads)
 
     def train_model(
@@ -145,13 +147,15 @@ class Rebalancing:
         lam: float,
         lr: float,
     ) -> None:
-        self.model, self.x_bal, self.y_bal = model, x_bal, y_bal
+        device = model_device(model)
+        self.model, self.x_bal, self.y_bal = model, x_bal.to(device), y_bal.to(device)
         self.step_size = lam * lr
         local_classes = torch.zeros(model.num_classes, dtype=torch.bool)
         local_classes[torch.unique(y_bal)] = True
         self.local_count = int(local_classes.sum())
         borrowed = (extra["known"] > 0) & ~local_classes
-        self.borrowed = extra["prototypes"][borrowed].sum(0)  # Σ of prototypes for classes not held locally
+        # Σ of prototypes for classes not held locally
+        self.borrowed = extra["prototypes"][borrowed].sum(0).to(device)
         self.active = lam > 0 and bool((extra["known"] > 0).any())
         self.update: tuple[torch.Tensor, torch.Tensor] | None = None
 

@@ -36,5 +36,6 @@ class RandomFourierFeatures:
         self.features = features
 
     def __call__(self, z: torch.Tensor) -> torch.Tensor:
-        projected = z @ self.frequencies.to(z.dtype).T
+        """φ(z), in z's dtype and on its device."""
+        projected = z @ self.frequencies.to(z).T
         return self.scale * torch.cat([torch.cos(projected), torch.sin(projected)], dim=-1)

@@ -33,6 +33,7 @@ from torch import nn
 
 from fedlt.aggregation import Field, Sums
 from fedlt.config import setting
+from fedlt.device import model_device
 from fedlt.errors import ConfigError
 from fedlt.methods.abbl import (
     adaptive_contrastive,
@@ -127,7 +128,7 @@ class SFD(PostHocHead):
         o = self.options
         # the prior is a statistic of every record: under DP, of the counts noised once per run
         counts = reported_counts(torch.bincount(y, minlength=model.num_classes).numpy(), ctx)
-        prior = prior_of_counts(counts.float(), o.beta_pi)
+        prior = prior_of_counts(counts.float(), o.beta_pi).to(model_device(model))
         weight = contrastive_weight(
             o.scl_weight, min(self.trained_rounds(state) + 1, self.rounds), self.rounds
         )

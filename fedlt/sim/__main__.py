@@ -34,6 +34,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--alpha", type=float, help="Dirichlet α of the non-IID split")
     p.add_argument("--silos", type=int)
     p.add_argument("--local-epochs", type=int)
+    p.add_argument("--device", help='where to train and evaluate: "auto", "cpu", "cuda" or "cuda:N"')
     models = "; ".join(f"{name} ({entry.doc})" for name, entry in MODELS.items())
     p.add_argument("--model", help=f"auto (by image size) or one of: {models}")
     p.add_argument("--privacy", help="privacy layer")
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             "alpha",
             "silos",
             "local_epochs",
+            "device",
             "model",
             "privacy",
             "per_round",

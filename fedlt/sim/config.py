@@ -66,6 +66,7 @@ FLAG_KEYS: dict[str, tuple[str, ...]] = {
     "silos": ("data", "silos"),
     "model": ("model", "name"),
     "local_epochs": ("train", "local_epochs"),
+    "device": ("train", "device"),
     "method": ("method", "name"),
     "per_round": ("selection", "per_round"),
     "selection": ("selection", "strategy"),
