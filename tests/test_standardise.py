@@ -12,6 +12,8 @@ from fedlt.dp import DPSettings
 from fedlt.errors import ContributionError
 from fedlt.methods import METHODS, ModelSpec, ServerContext, SiloContext, TrainConfig, standardise
 from fedlt.models.standardise import standardise_layer
+from tests.test_review_attacks import NAMES, layer_for
+from tests.test_review_attacks import ledgers as ledgers  # a fixture, found by its name
 
 SCHEMA = TableSchema(
     "outcome",
@@ -144,3 +146,30 @@ def test_image_studies_have_no_opening_round():
     )
     assert not m.opens(m.init_state(seed=0))
     assert m.remaining_rounds(m.init_state(seed=0)) == 1
+
+
+@pytest.mark.parametrize("whole_roster", [False, True])
+def test_a_silos_moments_cannot_be_had_by_differencing_two_opening_rounds(ledgers, whole_roster):
+    """The aggregator makes two initial states (any seed makes a fresh one, and a fresh release key), sums
+    the opening round over all four silos from one and over three from the other: the difference was the
+    fourth silo's moments, exactly. The moments leave only in sums over the whole roster, so the three keep
+    theirs home and the round sums nothing."""
+    local = dict(zip(NAMES, [*SILOS, silo(np.random.default_rng(9), 12, 0.2)], strict=True))
+    m = method()
+
+    def opening(seed: int, silos: list[str]) -> dict:
+        state = m.init_state(seed=seed)
+        contributions = [m.local_round(state, local[u], SiloContext(1, u, 0)) for u in silos]
+        layer = layer_for(ledgers, roster=NAMES if whole_roster else None)
+        return dict(
+            layer.aggregate(m.schema(state), contributions, silos=silos, trained_from=state.content_digest())
+        )
+
+    everyone, three = opening(0, NAMES), opening(1, NAMES[1:])
+    victim = standardise.moments(local[NAMES[0]].x, LAYOUT.numeric, LAYOUT.indicators)
+    if not whole_roster:  # the attack as it worked
+        for name, value in victim.items():
+            assert torch.allclose(everyone[name] - three[name], value, atol=1e-5)
+        return
+    assert all(bool((three[name] == 0).all()) for name in victim)
+    assert bool((everyone[standardise.COUNT] > 0).all())
