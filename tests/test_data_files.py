@@ -24,6 +24,7 @@ from fedlt.data.files import (
     load_image_folder,
     load_npz,
 )
+from fedlt.data.images import read_image_folder
 from fedlt.errors import DataError
 
 RNG = np.random.default_rng(0)
@@ -196,12 +197,13 @@ def test_image_folder_corrupt_image(tmp_path, content):
         load_image_folder(tmp_path)
 
 
-def test_image_folder_refuses_16_bit_images(tmp_path):
+@pytest.mark.parametrize("read", [load_image_folder, read_image_folder])
+def test_image_folder_refuses_16_bit_images_when_opened(tmp_path, read):
     deep = tmp_path / "a" / "deep.png"
     deep.parent.mkdir()
     Image.fromarray(np.full((4, 5), 40000, np.uint16)).save(deep)
     with _raises_naming(deep, "not 8-bit"):
-        load_image_folder(tmp_path)
+        read(tmp_path)
 
 
 def test_image_folder_empty_root_and_no_images(tmp_path):

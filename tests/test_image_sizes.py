@@ -208,14 +208,6 @@ def test_resize_none_refuses_another_size_naming_file_and_sizes(tmp_path):
         files.prepared((1, 16, 16), ImageSettings())
 
 
-def test_sixteen_bit_images_are_refused_when_opened(tmp_path):
-    deep = tmp_path / "a" / "deep.png"
-    deep.parent.mkdir()
-    Image.fromarray(np.full((4, 5), 40000, np.uint16)).save(deep)
-    with _one_line_naming(deep, "mode I;16 is not 8-bit"):
-        read_image_folder(tmp_path)
-
-
 def test_multi_frame_images_are_refused_when_opened(tmp_path):
     stack = tmp_path / "a" / "stack.tif"
     stack.parent.mkdir()
