@@ -98,11 +98,7 @@ def write_export(
         **facts,
         "method": plan.method.name,
         "plan": {"sha256": plan.sha256(), "toml": plan.to_toml()},
-        "model": {
-            "name": plan.model.name,
-            "image_shape": list(plan.model.image_shape),
-            "classes": list(plan.model.classes),
-        },
+        "model": _model_facts(plan),
         "dp": as_table(plan.dp),
         "state": {**facts.get("state", {}), "round": state.round, "digest": state.digest()},
         "weights": {
@@ -186,10 +182,30 @@ def _plan_of(card: Mapping[str, Any], directory: Path) -> RoundPlan:
         raise ExportError(f"{exc}\n(this fedlt cannot build the model that plan names)") from None
 
 
+def _model_facts(plan: RoundPlan) -> dict[str, Any]:
+    """The network and its input: images of a shape, or table rows, naming their encoded features in order."""
+    model: dict[str, Any] = {"name": plan.model.name}
+    if plan.data.table is None:
+        model["image_shape"] = list(plan.model.image_shape)
+    else:
+        model["features"] = list(plan.data.table.layout().features)
+    return {**model, "classes": list(plan.model.classes)}
+
+
+def _input_line(model: Mapping[str, Any]) -> str:
+    if "features" in model:
+        return (
+            f"{model['name']}, input float32 table rows of {len(model['features'])} features in [0, 1], "
+            "encoded by the plan's [data.table] (`fedlt.data.table.read_table(path).features(schema)`); its "
+            "first layer standardises the numeric ones with the consortium's pooled means and deviations"
+        )
+    shape = ", ".join(str(s) for s in model["image_shape"])
+    return f"{model['name']}, input float32 images in [0, 1] (8-bit pixels / 255), shape (N, {shape})"
+
+
 def render_card(card: Mapping[str, Any]) -> str:
     """The card for a person: what the model is, how well it does, who vouches for it, how to load it."""
     model, state, weights = card["model"], card["state"], card["weights"]
-    shape = ", ".join(str(s) for s in model["image_shape"])
     rounds = card["rounds"]
     committed = "not known" if rounds["committed"] is None else rounds["committed"]
     rows = [
@@ -200,8 +216,8 @@ def render_card(card: Mapping[str, Any]) -> str:
         ("differential privacy", _dp_line(card["dp"])),
         (
             "model",
-            f"{model['name']}, input float32 images in [0, 1] (8-bit pixels / 255), shape (N, {shape}), "
-            f"{len(model['classes'])} classes; the output's index k is the plan's k-th class",
+            f"{_input_line(model)}; {len(model['classes'])} classes, the output's index k is the plan's k-th "
+            "class",
         ),
         (
             "round exported",

@@ -13,13 +13,15 @@ import numpy as np
 import torch
 from PIL import Image
 
+from aggregator.__main__ import main as aggregator_main
 from fedlt.config import render_toml
 from fedlt.data.federation import DataConfig, Federation, build_federation
 from fedlt.data.images import ImageSettings
 from fedlt.data.partition import label_skew
 from fedlt.data.source import open_source
 from fedlt.data.synthetic_table import write_silo_tables
-from fedlt.data.table import TableSchema
+from fedlt.data.table import TableSchema, read_table
+from fedlt.export import load_exported
 from fedlt.plan import DataPlan, ModelSection
 from fedlt.sim.config import ModelChoice, SimConfig
 from fedlt.sim.run import run_simulation
@@ -114,6 +116,22 @@ def test_csv_tables_with_an_outside_model_under_secagg_match_the_simulator_bit_f
     assert final.round == 3  # the opening round, then two of training
     assert bool(final.model["encoder.0.ready"])
     assert_same_state(final, expected)
+    # exported, the model takes a bank's raw rows encoded by the schema and standardises them itself
+    out = tmp_path / "exported"
+    assert (
+        aggregator_main(
+            ["export", "--config", str(consortium.directory / "consortium.toml"), "--out", str(out)]
+        )
+        == 0
+    )
+    model, card = load_exported(out)
+    assert card["model"]["features"] == list(schema.layout().features)
+    rows = torch.from_numpy(read_table(files[0] / "held-out.csv").features(schema))
+    simulated_model = plan.build_method().network(0)
+    simulated_model.load_state_dict(expected.model)
+    simulated_model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(rows), simulated_model(rows))
 
 
 def test_image_folders_of_mixed_sizes_under_secagg_match_the_simulator_bit_for_bit(tmp_path):

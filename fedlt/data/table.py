@@ -212,22 +212,32 @@ class RawTable:
     def encode(self, schema: TableSchema, classes: tuple[str, ...]) -> LabeledData:
         """Features by `schema.layout()`, labels by the position of their name in `classes` (a plan's label
         space); every problem in the file at once, as one DataError."""
-        lacking = [
-            name for name in (schema.label, *(c.name for c in schema.columns)) if name not in self.frame
-        ]
+        problems: list[str] = []
+        x = self._features(schema, (schema.label,), problems)
+        y = _encode_label(schema.label, self.frame[schema.label], classes, self.rows, problems)
+        if problems:
+            raise DataError(self.path, "; ".join(problems))
+        return LabeledData(x, y, tuple(classes), str(self.path))
+
+    def features(self, schema: TableSchema) -> np.ndarray:
+        """The rows encoded by `schema.layout()` without labels: the input of a model exported from a table
+        study, for rows to predict."""
+        problems: list[str] = []
+        x = self._features(schema, (), problems)
+        if problems:
+            raise DataError(self.path, "; ".join(problems))
+        return x
+
+    def _features(self, schema: TableSchema, also: tuple[str, ...], problems: list[str]) -> np.ndarray:
+        lacking = [name for name in (*also, *(c.name for c in schema.columns)) if name not in self.frame]
         if lacking:
             raise DataError(self.path, f"has no column {', '.join(map(repr, lacking))} (named in data.table)")
         if self.frame.empty:
             raise DataError(self.path, "has no rows")
-        problems: list[str] = []
         blocks = [
             _encode_column(column, self.frame[column.name], self.rows, problems) for column in schema.columns
         ]
-        y = _encode_label(schema.label, self.frame[schema.label], classes, self.rows, problems)
-        if problems:
-            raise DataError(self.path, "; ".join(problems))
-        x = np.concatenate(blocks, axis=1).astype(np.float32)
-        return LabeledData(x, y, tuple(classes), str(self.path))
+        return np.concatenate(blocks, axis=1).astype(np.float32)
 
 
 def read_table(path: str | Path, format: str | None = None) -> RawTable:
