@@ -98,7 +98,7 @@ def render_toml(tree: Mapping[str, Any]) -> str:
     scalars, tables = _split(tree)
     lines = [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars.items()]
     lines += _tables(tables, prefix="")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines).lstrip("\n") + "\n"
 
 
 _INVALID = object()
@@ -193,7 +193,8 @@ def _tables(tables: Mapping[str, Any], prefix: str) -> list[str]:
     for name, table in tables.items():
         scalars, sub = _split(table)
         header = f"{prefix}{_toml_key(name)}"
-        lines += ["", f"[{header}]"] + [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars.items()]
+        if scalars or not sub:  # a table holding only tables needs no header of its own
+            lines += ["", f"[{header}]"] + [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars.items()]
         lines += _tables(sub, prefix=f"{header}.")
     return lines
 

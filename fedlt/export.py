@@ -143,7 +143,13 @@ def load_exported(directory: str | Path) -> tuple[nn.Module, dict[str, Any]]:
         digest = GlobalState(card["state"]["round"], weights).digest()
         if digest != card["state"]["digest"]:
             raise ExportError(f"the weights in {path} are not the state {card['state']['digest'][:16]}")
-    model = _plan_of(card, directory).build_method().network(0)
+    try:
+        model = _plan_of(card, directory).build_method().network(0)
+    except ConfigError as exc:  # a model named by entry point whose package is not installed here
+        raise ExportError(
+            f"{exc}\n(the card's model {card['model']['name']} is named by entry point: install its package "
+            "where you load the model)"
+        ) from None
     try:
         model.load_state_dict(weights)
     except RuntimeError as exc:

@@ -150,9 +150,12 @@ class RoundPlan:
         )
 
     def to_table(self) -> dict[str, Any]:
-        """As written, without an empty `[data]` (a plan of images as they are hashes as it always did)."""
+        """As written, without an empty `[data]` (a plan of images as they are hashes as it always did), and
+        without `[model] image_shape` in a study of table rows."""
         table = {f.name: getattr(self, f.name) for f in fields(self)}
         table = {k: as_table(v) if is_dataclass(v) else v for k, v in table.items()}
+        if self.data.table is not None:  # rows have no image shape: the schema gives the input
+            del table["model"]["image_shape"]
         return {k: v for k, v in table.items() if not (k == "data" and not v)}
 
     def to_toml(self) -> str:

@@ -8,7 +8,9 @@
 - `silo.work`: disclosure and training, the contribution kept on disk until its upload is taken;
 - `silo.finish`: this silo's part in the round's sums, the model stepped where only silos read the sum, the
   evaluation sum, and the progress kept;
-- `silo.transport`: every call to the aggregator, handed to each part by the session.
+- `silo.transport`: every call to the aggregator, handed to each part by the session;
+- `fedlt.telemetry.prometheus.SiloMetrics`: this silo's own counts, served to its Prometheus where
+  `[monitoring] prometheus` asks.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ from fedlt.aggregation import make_layer, record
 from fedlt.aggregation.halves import PartyKeys, Signer, SiloSide
 from fedlt.device import resolve_device
 from fedlt.dir_lock import DirectoryLock
+from fedlt.errors import ConfigError
+from fedlt.telemetry.prometheus import MetricsServer, SiloMetrics
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import round_pb2
 from privacy.peers import ConsortiumPeers
-from silo.admission import Admission, PlanCache
+from silo.admission import Admission, PlanCache, RefusedRound
 from silo.budget import ledger_path, open_ledger
 from silo.config import SiloConfig
 from silo.connection import Connection, Progress, RunningCertificate, Standing
@@ -50,7 +54,6 @@ class SiloAgent:
         # this silo's own device, whatever a plan says; a GPU that is not there stops the agent here, saying
         # so, before anything is written
         self.device = resolve_device(config.compute.device, setting="compute.device")
-        log.info("computing on %s (compute.device = %r)", self.device, config.compute.device)
         self.state_dir = config.path(config.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         # one agent per state directory, for this process's life: a second would lose the first's records
@@ -62,6 +65,7 @@ class SiloAgent:
         # this silo's certificate and key: checked now (an expired one stops the agent, saying so), and
         # watched for a renewed pair installed over them
         self.certificate = RunningCertificate(config)
+        log.info("computing on %s (compute.device = %r)", self.device, config.compute.device)
         conn = config.connection
         self.trust = SiloTrust(
             self.state_dir,
@@ -74,6 +78,11 @@ class SiloAgent:
         self.privacy_ledger = open_ledger(config)  # one per silo, across plans; read once, then kept in step
         self.privacy_ledger.keep()
         self.ledger.note_privacy_ledger()
+        self.metrics = SiloMetrics(
+            refusal_codes=[_code_name(code) for code in pb.RefusalCode.values() if code],
+            epsilon_spent=self.privacy_ledger.spent,
+            epsilon_budget=config.dp.epsilon,
+        )
         self.certificate.expiry_warnings()
         # the key service, for each layer the policy lists that asks for one
         self.keys = KeyService(
@@ -95,6 +104,8 @@ class SiloAgent:
             local=local,
             local_held_out=local_held_out,
         )
+        # the admission refuses through its `refuse`, and hands it to the work: every refusal passes here
+        self._refuse, self.admission.refuse = self.admission.refuse, self._refused
         self.work = Work(
             self.state_dir,
             config.policy,
@@ -127,14 +138,34 @@ class SiloAgent:
             follow=self.follow,
             on_switch=self.finish.drop,
         )
+        # bound now, so that a port in use stops the agent at its start, saying so; served by `run`
+        self.metrics_endpoint = _metrics_endpoint(config, self.metrics)
 
     def run(self) -> int:
-        """Keep a session up until the consortium is finished (`silo.connection.Connection.run`)."""
-        return self.connection.run()
+        """Keep a session up until the consortium is finished (`silo.connection.Connection.run`), serving
+        this silo's metrics meanwhile where it is asked to."""
+        endpoint = self.metrics_endpoint
+        if endpoint is None:
+            return self.connection.run()
+        endpoint.start()
+        log.info("metrics for Prometheus at %s", endpoint.url)
+        try:
+            return self.connection.run()
+        finally:
+            endpoint.stop()
 
     def follow(self, transport: SiloTransport, stream: Iterator[pb.JoinResponse]) -> bool:
         """Act on directives until the stream ends; True when the consortium is finished."""
+        self.metrics.contact()
+        self.metrics.connected.set(1)
+        try:
+            return self._follow(transport, stream)
+        finally:
+            self.metrics.connected.set(0)
+
+    def _follow(self, transport: SiloTransport, stream: Iterator[pb.JoinResponse]) -> bool:
         for directive in stream:
+            self.metrics.contact()
             if (
                 directive.roster
                 and self.trust.offer_roster(directive.roster)
@@ -172,7 +203,28 @@ class SiloAgent:
         payload = self.pending.resent(started) if started.trains else None
         payload = payload or self.work.train(transport, started)
         if payload is not None:
+            self.metrics.rounds.inc()
             self.finish.take_part(transport, started, payload)
+
+    def _refused(self, transport: SiloTransport, round_id: str, refusal: RefusedRound) -> None:
+        self.metrics.refusals.labels(_code_name(refusal.code)).inc()
+        self._refuse(transport, round_id, refusal)
+
+
+def _code_name(code: int) -> str:
+    """A RefusalCode as operators read it: `REFUSAL_CODE_POLICY` is "policy"."""
+    return pb.RefusalCode.Name(code).removeprefix("REFUSAL_CODE_").lower()
+
+
+def _metrics_endpoint(config: SiloConfig, metrics: SiloMetrics) -> MetricsServer | None:
+    """The endpoint `[monitoring] prometheus` names, bound; None where it names none."""
+    listen = config.monitoring.prometheus
+    if not listen:
+        return None
+    try:
+        return MetricsServer(listen, metrics.exposition)
+    except OSError as exc:
+        raise ConfigError("monitoring.prometheus", [f"cannot serve metrics on {listen}: {exc}"]) from None
 
 
 def _sides(config: SiloConfig, keys: KeyService, trust: SiloTrust, sign: Signer) -> dict[str, SiloSide]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -22,6 +23,7 @@ from fedlt.errors import ConfigError
 from fedlt.keepalive import MIN_SECONDS
 from fedlt.methods import METHODS
 from fedlt.models.entry import ENTRY_FORM, parse_entry
+from fedlt.telemetry.prometheus import is_loopback, split_listen
 
 
 @dataclass(frozen=True)
@@ -219,6 +221,38 @@ class ComputeSection:
 
 
 @dataclass(frozen=True)
+class MonitoringSection:
+    """This silo's own Prometheus endpoint (`fedlt.telemetry.prometheus.SiloMetrics`), off by default: only
+    what the silo itself knows (the rounds it took part in, its refusals by code, the ε its ledger spent,
+    its last contact with the aggregator). It has no authentication, so it listens on loopback unless its
+    administrator says otherwise."""
+
+    prometheus: str = setting(
+        "", doc="host:port to serve /metrics on, e.g. 127.0.0.1:9465 (empty: none; port 0 lets the OS choose)"
+    )
+    prometheus_remote: bool = setting(
+        False,
+        doc="allow an address other than loopback: whoever reaches it reads the metrics, so only on a "
+        "network this silo's administrator controls",
+    )
+
+    def problems(self) -> list[str]:
+        if not self.prometheus:
+            return []
+        try:
+            host, _ = split_listen(self.prometheus)
+        except ValueError as exc:
+            return [f"monitoring.prometheus: {exc}, such as '127.0.0.1:9465'"]
+        if not is_loopback(host) and not self.prometheus_remote:
+            return [
+                f"monitoring.prometheus: {host} is not a loopback address and the endpoint has no "
+                "authentication: listen on 127.0.0.1 (and scrape through an SSH tunnel), or set "
+                "monitoring.prometheus_remote = true on a network this silo's administrator controls"
+            ]
+        return []
+
+
+@dataclass(frozen=True)
 class SiloConfig:
     connection: ConnectionSection = field(default_factory=ConnectionSection)
     data: DataSection = field(default_factory=DataSection)
@@ -226,11 +260,13 @@ class SiloConfig:
     compute: ComputeSection = field(default_factory=ComputeSection)
     dp: DPSection = field(default_factory=DPSection)
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)
+    monitoring: MonitoringSection = field(default_factory=MonitoringSection)
     state_dir: str = setting("silo-state", doc="progress and pending uploads survive restarts here")
     base_dir: Path = Path()
 
     def path(self, value: str) -> Path:
-        return resolve(self.base_dir, value)
+        """`value` relative to silo.toml's folder, normalised (`a/../b` as `b`): messages name it plainly."""
+        return Path(os.path.normpath(resolve(self.base_dir, value)))
 
     def load_data(self) -> DataSource:
         """This silo's files, opened (each plan prepares them its own way at admission)."""
@@ -271,6 +307,7 @@ def load_silo_config(path: str | Path) -> SiloConfig:
     config = parse_section(SiloConfig, tree, "", problems)
     config = replace(config, base_dir=path.parent)
     problems += config.policy.problems()
+    problems += config.monitoring.problems()
     if config.data.source == "files" and not config.data.path:
         problems.append("data.path: required when data.source = 'files'")
     if config.data.source == "embedded" and config.data.index >= config.data.recipe.silos:

@@ -26,6 +26,7 @@ imported, a module is the one the process runs until it restarts.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -67,9 +68,12 @@ def source_digest(entry: EntryPoint) -> str:
 
 
 def pin_line(text: str) -> str:
-    """The `[policy] models` item that allows `text`, as `python -m silo models pin` prints it."""
+    """The `[policy] models` item that allows `text`, as `python -m silo models pin` prints it; refused
+    where the module's source plainly defines no such factory (read, never imported)."""
     entry = entry_point(text)
-    return f'{{ entry = "{entry}", sha256 = "{source_digest(entry)}" }}'
+    digest = source_digest(entry)
+    _check_defined(entry)
+    return f'{{ entry = "{entry}", sha256 = "{digest}" }}'
 
 
 def model_refusals(name: str, pins: Mapping[str, str]) -> list[str]:
@@ -79,7 +83,10 @@ def model_refusals(name: str, pins: Mapping[str, str]) -> list[str]:
     if name in MODELS:
         return []
     if name not in pins:
-        return [f"model {name!r} is not an entry point policy.models allows"]
+        return [
+            f"model {name!r} is not an entry point policy.models allows (after reviewing its code, pin it: "
+            f"python -m silo models pin {name})"
+        ]
     try:
         digest = source_digest(entry_point(name))
     except UnpinnableModel as exc:  # the detail names this silo's paths: its log has it, the refusal not
@@ -148,3 +155,42 @@ def _check_submodule(root: Path, entry: EntryPoint) -> None:
     ]
     if not any(path.is_file() for path in candidates):
         raise UnpinnableModel(f"the package {entry.top_level} at {root} has no module {entry.module}")
+
+
+def _check_defined(entry: EntryPoint) -> None:
+    """That the module's Python source binds the factory's name at its top level (a def, a class, an
+    assignment or an import), so a misspelt factory is refused when pinned, not at the first round. Source
+    that binds names in ways not read here (`from x import *`, a module `__getattr__`) or is not Python
+    source passes: the round start still checks."""
+    source = _module_source(entry)
+    if source is None:
+        return
+    try:
+        tree = ast.parse(source.read_bytes(), filename=str(source))
+    except (OSError, SyntaxError, ValueError):
+        return
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            if any(alias.name == "*" for alias in node.names):
+                return
+            names.update((alias.asname or alias.name).partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    if entry.factory not in names and "__getattr__" not in names:
+        raise UnpinnableModel(f"{entry.module} ({source}) defines no {entry.factory!r} at its top level")
+
+
+def _module_source(entry: EntryPoint) -> Path | None:
+    """The .py file of the entry point's module, found without importing it; None if it has none."""
+    spec = importlib.util.find_spec(entry.top_level)
+    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+        return None
+    inner = entry.module.split(".")[1:]
+    if not inner:  # a single-file module, or the package's __init__.py
+        return Path(spec.origin)
+    target = Path(spec.origin).parent.joinpath(*inner)
+    return next((c for c in (target / "__init__.py", target.with_suffix(".py")) if c.is_file()), None)

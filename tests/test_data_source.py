@@ -16,7 +16,7 @@ from fedlt.data.images import ImageSettings
 from fedlt.data.source import ArraySource, ImageSource, Slice, TableSource, Wanted, open_source
 from fedlt.data.table import Column, TableSchema
 from fedlt.errors import DataError
-from fedlt.plan import DataPlan, ModelSection
+from fedlt.plan import DataPlan, ModelSection, RoundPlan
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.wire import schema_to_pb
 from silo.admission import RefusedRound
@@ -82,6 +82,13 @@ def test_data_of_another_kind_than_the_plan_wants_is_one_line_naming_what_each_s
         source.prepared(asked)
     assert problem in str(refused.value)
     assert "\n" not in str(refused.value)
+
+
+def test_a_table_plan_reads_back_as_written_without_an_image_shape():
+    text = TABLE_PLAN.to_toml()
+    assert "image_shape" not in text
+    assert "[data.table.columns.age]" in text
+    assert RoundPlan.from_toml(text, "plan") == TABLE_PLAN
 
 
 def test_a_held_out_slice_takes_every_parts_th_prepared_row(tmp_path):

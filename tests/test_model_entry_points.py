@@ -314,6 +314,21 @@ def test_a_single_file_module_is_pinned_by_that_file(tmp_path, monkeypatch):
     assert source_digest(parse_pinned("lonely_model_mod:f")) == expected
 
 
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from torch.nn import Linear as tiny\n",
+        "tiny = lambda num_classes: None\n",
+        "from elsewhere import *\n",  # binds names this reading cannot see: left to the round start
+        "def __getattr__(name):\n    return None\n",
+    ],
+)
+def test_a_factory_bound_other_than_by_def_is_pinned(tmp_path, monkeypatch, source):
+    (tmp_path / "bound_model_mod.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "bound_model_mod:tiny" in pin_line("bound_model_mod:tiny")
+
+
 def test_models_pin_prints_the_policy_item_without_importing(packages, capsys):
     package = packages()
     assert silo_main(["models", "pin", package.entry()]) == 0
@@ -331,6 +346,8 @@ def test_models_pin_prints_the_policy_item_without_importing(packages, capsys):
         ("no_such_package_here.nets:tiny", "no installed module or package named 'no_such_package_here'"),
         ("tiny", "'tiny' is not an entry point 'package.module:factory'"),
         ("{pkg}.absent:tiny", "has no module {pkg}.absent"),
+        ("{pkg}.nets:tiny_typo", "{pkg}.nets ("),  # a misspelt factory, caught when pinned, not at round 1
+        ("{pkg}.nets:tiny_typo", "defines no 'tiny_typo' at its top level"),
     ],
 )
 def test_models_pin_says_in_one_line_why_it_cannot_pin(packages, capsys, entry, error):

@@ -5,11 +5,13 @@ simulator reaches on the same files, bit for bit."""
 from __future__ import annotations
 
 import os
+import sys
 import tomllib
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -21,7 +23,7 @@ from fedlt.data.partition import label_skew
 from fedlt.data.source import open_source
 from fedlt.data.synthetic_table import write_silo_tables
 from fedlt.data.table import TableSchema, read_table
-from fedlt.export import load_exported
+from fedlt.export import ExportError, load_exported
 from fedlt.plan import DataPlan, ModelSection
 from fedlt.sim.config import ModelChoice, SimConfig
 from fedlt.sim.run import run_simulation
@@ -132,6 +134,12 @@ def test_csv_tables_with_an_outside_model_under_secagg_match_the_simulator_bit_f
     simulated_model.eval()
     with torch.no_grad():
         assert torch.equal(model(rows), simulated_model(rows))
+    # where the model's package is not installed, loading says so in a line
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(site.parent)])
+    for name in ("bank_models.nets", "bank_models"):
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(ExportError, match="install its package where you load the model"):
+        load_exported(out)
 
 
 def test_image_folders_of_mixed_sizes_under_secagg_match_the_simulator_bit_for_bit(tmp_path):
