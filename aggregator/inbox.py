@@ -160,10 +160,11 @@ class RoundInbox:
         """A silo the attempt in flight invites will not take part: no stage waits for it from now on, the
         attempt ends at once if the silos left cannot reach its floor (`RoundTable.short_of_floor`), and later
         attempts leave the silo out while its refusal stands (`RoundTable.standing`). The first refusal of an
-        attempt stands."""
+        attempt stands; one for the attempt just aborted (another silo's refusal ended it first) is kept and
+        shown all the same."""
         table = self.table
         with table.lock:
-            attempt = table.invited(silo_id, round_id, disclosing=True)
+            attempt = table.invited(silo_id, round_id, disclosing=True, aborted=True)
             if silo_id in attempt.refused:
                 return
             refusal = SiloRefusal(

@@ -241,6 +241,7 @@ class RoundTable:
         self.sessions = Sessions(self.lock)
         self.held = held
         self.attempt: Attempt | None = None
+        self.aborted: Attempt | None = None  # the last attempt aborted: refusals may still arrive for it
         self.stage = Stage.GATHERING
         self.last_contributed: dict[str, int] = {}
         self.let_down: set[str] = set()  # invited to train in an aborted attempt of this round, gave nothing
@@ -252,9 +253,14 @@ class RoundTable:
         """Committed rounds plus those the method still needs (training rounds, then any closing phase)."""
         return self.held.round + self.held.remaining
 
-    def invited(self, silo_id: str, round_id: str, *, disclosing: bool = False) -> Attempt:
-        """The attempt in flight, if it invites `silo_id` (to train, or also only to disclose)."""
+    def invited(
+        self, silo_id: str, round_id: str, *, disclosing: bool = False, aborted: bool = False
+    ) -> Attempt:
+        """The attempt in flight, if it invites `silo_id` (to train, or also only to disclose); with
+        `aborted`, also the last attempt aborted (a refusal sent as another silo's ended it is still news)."""
         attempt = self.attempt
+        if aborted and (attempt is None or attempt.round_id != round_id) and self.aborted is not None:
+            attempt = self.aborted
         if attempt is None or attempt.round_id != round_id:
             current = attempt.round_id if attempt else "none"
             raise WrongRound(f"no attempt {round_id!r} in flight (current: {current})")

@@ -420,7 +420,7 @@ class RoundDriver:
             table.sessions.abort(
                 sorted({*attempt.participants, *attempt.disclosers}), attempt.round_id, reason
             )
-            table.attempt = None
+            table.attempt, table.aborted = None, attempt
         log.warning("round %d: attempt %s aborted: %s", attempt.round, attempt.round_id, reason)
 
 

@@ -208,6 +208,29 @@ def test_only_an_invited_silo_refuses_only_the_attempt_in_flight_and_its_first_w
     driver.store.close()
 
 
+def test_a_second_refusal_arriving_after_the_first_ended_the_attempt_is_kept_and_shown(tmp_path):
+    """Two silos refusing at once (found walking through docs/bring-your-own.md): the first ended the attempt,
+    and the second's refusal was turned away as for no attempt in flight, so the operator never saw why it
+    would not take part, and the next attempt invited it again."""
+    driver = make_driver(tmp_path, min_silos=3)
+    for silo in SILOS:
+        driver.inbox.connect(silo)
+    with driving(driver):
+        attempt = until(driver, lambda: driver.table.attempt, "attempt")
+        driver.inbox.refuse("a", attempt.round_id, "policy", WORDS)
+        until(driver, lambda: driver.table.attempt is None, "end of the attempt")
+        driver.inbox.refuse("b", attempt.round_id, "data", "this silo's data does not fit the plan")
+        assert [r["silo"] for r in refusals(driver.store)] == ["a", "b"]
+        shown = {s["silo_id"]: s.get("refusal") for s in driver.inbox.status()["silos"]}
+        assert shown["b"]["code"] == "data"
+        with driver.table.lock:
+            assert driver.table.ready() == ["c"]
+        with pytest.raises(NotParticipant):  # only a silo that attempt invited
+            driver.inbox.refuse("z", attempt.round_id, "policy", WORDS)
+        with pytest.raises(WrongRound):  # and only the attempt that just ended, no older one
+            driver.inbox.refuse("c", "r1.a0.deadbeef", "policy", WORDS)
+
+
 def test_a_refusal_stands_for_its_state_its_session_and_the_rounds_timeout_only(tmp_path):
     """A refusal for a passing reason (a CKKS key not fetched yet) must not keep a silo out forever."""
     driver = make_driver(tmp_path, min_silos=2)
