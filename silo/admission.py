@@ -38,7 +38,7 @@ from fedlt.aggregation.gate import Floors, ReleaseGate
 from fedlt.aggregation.halves import SiloSide
 from fedlt.aggregation.round_sums import RoundSums
 from fedlt.data.arrays import LabeledData
-from fedlt.data.source import DataSource, Wanted
+from fedlt.data.source import DataSource, Wanted, prepared_bytes
 from fedlt.errors import DataError, FedltError
 from fedlt.methods import GlobalState, Method
 from fedlt.methods.state import unpack_state
@@ -347,6 +347,15 @@ class Admission:
         wanted = plan.wanted()
         if self._prepared is None or self._prepared[0] != wanted:
             self._prepared = None  # the last plan's arrays go before this one's are made
+            sources = [self.local] if self.local_held_out is None else [self.local, self.local_held_out]
+            size = prepared_bytes(wanted, sources)
+            if size > self.config.policy.data_limit():  # sized before a sample is decoded
+                raise RefusedRound(
+                    f"{spec.round_id}: the plan's input shape {list(wanted.input_shape)} would make this "
+                    f"silo's {sum(map(len, sources))} samples {size / 2**20:,.0f} MB, more than "
+                    "policy.max_data_mb (default: half this machine's memory)",
+                    code=pb.REFUSAL_CODE_DATA,
+                )
             try:
                 data = self.local.prepared(wanted)
                 held_out = None if self.local_held_out is None else self.local_held_out.prepared(wanted)

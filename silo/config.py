@@ -72,6 +72,11 @@ class PolicySection:
     privacy: tuple[str, ...] = (DEFAULT_LAYER,)
     disclosures: tuple[str, ...] = ()
     max_state_mb: float = setting(2048.0, gt=0.0)
+    max_data_mb: float = setting(
+        0.0,
+        ge=0.0,
+        doc="refuse a plan making this silo's data bigger (samples x input x 4 bytes); 0: half the RAM",
+    )
     min_tail_guard: int = setting(2, ge=0, doc="refuse rounds whose tail guard k_min is lower")
     min_class_records: int = setting(
         ONLY_UNDER_DP,
@@ -103,6 +108,12 @@ class PolicySection:
         doc='entry points a plan may name as its model, each pinned: [{ entry = "package.module:factory", '
         'sha256 = "..." }] as `python -m silo models pin` prints it; built-in models need no pin',
     )
+
+    def data_limit(self) -> float:
+        """Bytes of prepared data a plan may ask of this silo: `max_data_mb`, or half the machine's memory."""
+        if self.max_data_mb:
+            return self.max_data_mb * 2**20
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2
 
     @property
     def pinned_models(self) -> dict[str, str]:

@@ -174,3 +174,30 @@ def test_a_csv_that_does_not_fit_the_schema_is_refused_in_one_line_and_the_silo_
     assert "train.csv" not in told.text
     after = {p: p.read_bytes() for p in state.rglob("*") if p.is_file()}
     assert after == before
+
+
+def test_a_plan_asking_for_images_too_large_to_hold_is_refused_before_any_pixel_is_decoded(kit, monkeypatch):
+    """A plan of the aggregator's making with `image_shape = [3, 30000, 30000]` and `resize = "stretch"`:
+    each of the silo's images would become 10.8 GB of floats, and preparing them would take the silo's
+    process down (out of memory) before any check. The silo sizes the prepared data from the plan and its
+    sample count first, and refuses past policy.max_data_mb."""
+    root, configs = kit
+    for k, size in enumerate([(9, 7), (20, 31)]):
+        (root / "images" / "no").mkdir(parents=True, exist_ok=True)
+        Image.new("L", size).save(root / "images" / "no" / f"{k}.png")
+    tree = read_toml(configs[0])
+    tree["data"] = {"source": "files", "path": str(root / "images")}
+    configs[0].write_text(render_toml(tree))
+    plan = replace(
+        PLAN,
+        model=ModelSection("cnn-small", (3, 30000, 30000), CLASSES),
+        data=DataPlan(images=ImageSettings(resize="stretch")),
+    )
+    text = plan.to_toml()
+    decoded = []
+    monkeypatch.setattr(ImageSource, "prepared", lambda self, wanted: decoded.append(wanted))
+    signed = signed_spec(root, method_config=text, config_sha256=hashlib.sha256(text.encode()).hexdigest())
+    with pytest.raises(RefusedRound, match=r"max_data_mb") as refused:
+        check(agent_of(kit), signed)
+    assert refused.value.code == pb.REFUSAL_CODE_DATA
+    assert decoded == []

@@ -9,6 +9,8 @@ silo refuses the round and its state stays as it was.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,6 +33,8 @@ class ImageFileSet(Protocol):
 
     source: str
 
+    def __len__(self) -> int: ...
+
     def prepared(self, image_shape: tuple[int, int, int], settings: ImageSettings) -> LabeledData: ...
 
 
@@ -48,6 +52,9 @@ class Wanted:
 class DataSource(Protocol):
     source: str
 
+    def __len__(self) -> int:
+        """Samples the source holds: with the plan's input shape, what sizes the prepared data."""
+
     def prepared(self, wanted: Wanted) -> LabeledData:
         """The data as the plan wants it, labelled by the plan's class names; a DataError if it cannot be."""
 
@@ -63,6 +70,9 @@ class ArraySource:
     @property
     def source(self) -> str:
         return self.data.source
+
+    def __len__(self) -> int:
+        return len(self.data)
 
     def prepared(self, wanted: Wanted) -> LabeledData:
         if wanted.table != self.table:
@@ -92,6 +102,9 @@ class ImageSource:
     def source(self) -> str:
         return self.files.source
 
+    def __len__(self) -> int:
+        return len(self.files)
+
     def prepared(self, wanted: Wanted) -> LabeledData:
         _refuse_table_plan(wanted, self.source)
         if len(wanted.input_shape) != 3:
@@ -112,6 +125,9 @@ class TableSource:
     def source(self) -> str:
         return str(self.raw.path)
 
+    def __len__(self) -> int:
+        return len(self.raw.frame)
+
     def prepared(self, wanted: Wanted) -> LabeledData:
         if wanted.table is None:
             raise DataError(self.source, "holds a table, but the plan is a study of images (no [data.table])")
@@ -131,9 +147,17 @@ class Slice:
     def source(self) -> str:
         return self.whole.source
 
+    def __len__(self) -> int:
+        return len(range(self.part, len(self.whole), self.parts))
+
     def prepared(self, wanted: Wanted) -> LabeledData:
         data = self.whole.prepared(wanted)
         return data.subset(np.arange(self.part, len(data), self.parts))
+
+
+def prepared_bytes(wanted: Wanted, sources: Sequence[DataSource]) -> int:
+    """What `sources` take once prepared for `wanted`: float32 samples of its input shape."""
+    return 4 * math.prod(wanted.input_shape) * sum(len(source) for source in sources)
 
 
 def _refuse_table_plan(wanted: Wanted, source: str) -> None:
