@@ -18,6 +18,10 @@ from fedlt.errors import ConfigError
 from fedlt.keepalive import MIN_SECONDS
 from fedlt.metrics import ShotThresholds
 from fedlt.plan import RoundPlan
+from fedlt.telemetry import TENSORBOARD
+from fedlt.telemetry.to_mlflow import DEFAULT_EXPERIMENT
+from fedlt.telemetry.to_mlflow import INSTALL as MLFLOW_INSTALL
+from fedlt.telemetry.to_mlflow import installed as mlflow_installed
 
 
 def layer_sections() -> dict[str, type]:
@@ -128,6 +132,28 @@ class EvaluationSection:
 
 
 @dataclass(frozen=True)
+class MonitoringSection:
+    """Where each recorded round's metrics go besides run/metrics.json (`fedlt.telemetry`); the Prometheus
+    endpoint is the status page's `/metrics`, under the page's credentials ([server] status_page)."""
+
+    tensorboard: bool = setting(True, doc=f"write TensorBoard event files to data_dir/{TENSORBOARD}")
+    mlflow_uri: str = setting(
+        "",
+        doc=f"an MLflow tracking server to log rounds to, e.g. http://127.0.0.1:5000 (empty: none; needs "
+        f"{MLFLOW_INSTALL}); a server that fails is logged and never stops a round",
+    )
+    mlflow_experiment: str = setting(DEFAULT_EXPERIMENT, doc="the MLflow experiment the run is logged under")
+    mlflow_run: str = setting("", doc="the MLflow run's name; empty: the consortium id")
+
+    def problems(self) -> list[str]:
+        if self.mlflow_uri and not mlflow_installed():
+            return [f"monitoring.mlflow_uri: the mlflow package is not installed here: {MLFLOW_INSTALL}"]
+        if self.mlflow_uri and not self.mlflow_experiment:
+            return ["monitoring.mlflow_experiment: name the MLflow experiment the run is logged under"]
+        return []
+
+
+@dataclass(frozen=True)
 class ConsortiumConfig:
     consortium: ConsortiumSection = field(default_factory=ConsortiumSection)
     server: ServerSection = field(default_factory=ServerSection)
@@ -140,6 +166,7 @@ class ConsortiumConfig:
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)
     metrics: ShotThresholds = field(default_factory=ShotThresholds)
     retention: Retention = field(default_factory=Retention)
+    monitoring: MonitoringSection = field(default_factory=MonitoringSection)
     base_dir: Path = Path()
 
     def __post_init__(self) -> None:
@@ -212,6 +239,7 @@ def load_consortium_config(path: str | Path) -> ConsortiumConfig:
             ("evaluation", EvaluationSection),
             ("metrics", ShotThresholds),
             ("retention", Retention),
+            ("monitoring", MonitoringSection),
         )
     }
     plan = parse_section(RoundPlan, plan_tree, "", problems)
@@ -229,6 +257,7 @@ def load_consortium_config(path: str | Path) -> ConsortiumConfig:
             f"selection.per_round: {per_round} silos a round cannot make consortium.min_silos "
             f"({sections['consortium'].min_silos}) contributions"
         )
+    problems += sections["monitoring"].problems()
     problems += [f"{key}: unknown section or setting" for key in tree]
     evaluation = sections["evaluation"]
     problems += evaluation.problems(privacy, len(plan.model.classes))

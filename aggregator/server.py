@@ -26,13 +26,14 @@ from aggregator.service import CertificateGate, ConsortiumServicer, Identity, Op
 from aggregator.status_page import (
     TOKEN_FILE,
     StatusPage,
+    audit_tally,
     certificate_names,
     is_loopback,
     operator_tls,
     snapshot,
     split_listen,
 )
-from aggregator.store import AuditKey, Store
+from aggregator.store import AuditKey, Store, StoreError
 from fedlt.aggregation import make_layer, record
 from fedlt.aggregation.halves import PartyKeys
 from fedlt.atomic import atomic_write_text
@@ -44,6 +45,8 @@ from fedlt.errors import ConfigError
 from fedlt.keepalive import aggregator_options
 from fedlt.recorder import RunRecorder
 from fedlt.seeding import derive_seed
+from fedlt.telemetry import TENSORBOARD, MlflowTarget, Telemetry, open_telemetry, tag_part
+from fedlt.telemetry.prometheus import ConsortiumCollector, ConsortiumFacts, exposition
 from fedlt.v1 import consortium_pb2, consortium_pb2_grpc, operator_pb2, operator_pb2_grpc
 from privacy.peers import ConsortiumPeers
 from privacy.pki.errors import PkiError
@@ -89,6 +92,7 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
         problems=lambda: _roster_problems(roster, revocations),
         logger=log,
     )
+    round_facts = _RoundFacts(store, dp=config.plan.dp.enabled)
     layer = make_layer(config.consortium.privacy, config.layer_settings())
     # the key service's relay, only where the layer asks for one (its record's `key_service`)
     relay = KeyServiceRelay.for_layer(record(config.consortium.privacy), config.layer_settings())
@@ -99,10 +103,11 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
         layer=layer,
         side=layer.aggregator_side(PartyKeys(peers=ConsortiumPeers(members), secret=relay)),
         sign=lambda blob: sign(key, blob, context=ROUNDSPEC_CONTEXT),
-        recorder=_recorder(config, data_dir, store),
+        recorder=_recorder(config, data_dir, store, facts=round_facts),
         echo=echo,
         roster=lambda: roster.current().silo_ids,
     )
+    round_facts.rounds = rounds
     identity = Identity(revocations)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="grpc"),
@@ -177,6 +182,8 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
     committed = rounds.table.held.round
     if rounds.recorder is not None and rounds.recorder.rounds:
         echo(f"\nfinal test accuracy after round {committed}:\n{rounds.recorder.finish()}")
+    if rounds.recorder is not None:
+        rounds.recorder.close()  # TensorBoard's files flushed, MLflow told what is left
     if rounds.failure is not None:
         echo(f"stopped after round {committed} on an internal error (see the log above)")
         return 1
@@ -268,9 +275,60 @@ def _roster_problems(roster: RosterFile, revocations: RevocationList) -> list[st
     return problems
 
 
-def _recorder(config: ConsortiumConfig, data_dir: Path, store: Store) -> RunRecorder | None:
+class _RoundFacts:
+    """Each recorded round's facts besides its accuracy, for TensorBoard and MLflow: from the audit log, the
+    silos the round invited, those its sum counted and the difference; from the round table, each silo's ε
+    left as it reported it (under [dp]) and the bytes of the state silos download. The table is known once
+    the round driver is made (`rounds`); a round recorded before (a restart's catch-up) goes without them."""
+
+    def __init__(self, store: Store, *, dp: bool) -> None:
+        self.store, self.dp = store, dp
+        self.rounds: RoundDriver | None = None
+
+    def __call__(self, round_number: int) -> dict[str, float]:
+        found: dict[str, float] = {}
+        silos = audit_tally(self.store.audit_log()).rounds.get(round_number)
+        if silos is not None:
+            invited, counted = silos
+            found["silos/invited"], found["silos/counted"] = len(invited), len(counted)
+            found["silos/dropouts"] = len(set(invited) - set(counted))
+        if self.rounds is None:
+            return found
+        found["bytes/state"] = len(self.rounds.table.held.blob)
+        for silo in self.rounds.inbox.status()["silos"] if self.dp else []:
+            if silo.get("privacy_remaining") is not None:
+                found[f"privacy/epsilon_remaining/{tag_part(silo['silo_id'])}"] = silo["privacy_remaining"]
+        return found
+
+
+def _telemetry(
+    config: ConsortiumConfig,
+    data_dir: Path,
+    history: list[dict],
+    classes: tuple[str, ...],
+    facts: _RoundFacts | None,
+) -> Telemetry:
+    """TensorBoard's event files in data_dir/tensorboard and the MLflow run, as [monitoring] says; the MLflow
+    run is this data directory's (a new data directory, a new run)."""
+    monitoring = config.monitoring
+    mlflow = None
+    if monitoring.mlflow_uri:
+        mlflow = MlflowTarget(
+            monitoring.mlflow_uri,
+            monitoring.mlflow_experiment,
+            monitoring.mlflow_run or config.consortium.id,
+            key=f"{data_dir.resolve()}|{config.consortium.id}",
+        )
+    folder = data_dir / TENSORBOARD if monitoring.tensorboard else None
+    return open_telemetry(folder, history=history, classes=classes, mlflow=mlflow, extra=facts)
+
+
+def _recorder(
+    config: ConsortiumConfig, data_dir: Path, store: Store, *, facts: _RoundFacts | None = None
+) -> RunRecorder | None:
     """Where rounds are evaluated: the silos' summed held-out counts, or the operator's own evaluation set;
-    the history is restored from the store."""
+    the history is restored from the store. `facts`: each round's facts besides its accuracy, for its
+    telemetry."""
     evaluation, method = config.evaluation, config.plan.method.name
     header = {"consortium": as_table(config.consortium), "plan": as_table(config.plan)}
     history = store.metrics_history()
@@ -278,15 +336,17 @@ def _recorder(config: ConsortiumConfig, data_dir: Path, store: Store) -> RunReco
         # with held-out evaluation the shot groups' counts are summed in round 1, kept with round 0's metrics
         kept = next((entry["train_counts"] for entry in history if "train_counts" in entry), None)
         counts = evaluation.class_counts or kept
+        classes = tuple(config.plan.model.classes)
         return RunRecorder(
             data_dir / "run",
             title=f"{method} consortium {config.consortium.id!r}, evaluated on the silos' held-out data",
             test=None,
-            classes=config.plan.model.classes,
+            classes=classes,
             train_counts=counts,
             thresholds=config.metrics,
             header=header,
             rounds=history,
+            telemetry=_telemetry(config, data_dir, history, classes, facts),
         )
     if not evaluation.dataset:
         return None
@@ -302,6 +362,7 @@ def _recorder(config: ConsortiumConfig, data_dir: Path, store: Store) -> RunReco
         thresholds=config.metrics,
         header=header,
         rounds=history,
+        telemetry=_telemetry(config, data_dir, history, tuple(test.classes), facts),
     )
 
 
@@ -339,10 +400,44 @@ def _status_page(
             token_file=token_file,
             names=names,
             connections=server.status_page_connections,
+            metrics=lambda: exposition(ConsortiumCollector(consortium_facts(config, inbox, store, watch))),
         )
     except (ValueError, OSError, ssl.SSLError) as exc:
         raise ConfigError("server.status_page", [f"cannot serve the status page: {exc}"]) from None
     return page.start()
+
+
+def consortium_facts(
+    config: ConsortiumConfig, inbox: RoundInbox, store: Store, watch: ExpiryWatch
+) -> ConsortiumFacts:
+    """What `/metrics` shows, gathered at each scrape: the round table's view, the recorded metrics, and
+    what the audit log says (its chain verified over every record, as the status page does)."""
+    status, records = inbox.status(), store.audit_log()
+    tally = audit_tally(records)
+    try:
+        store.verify_audit()
+        verified = True
+    except StoreError:
+        verified = False
+    return ConsortiumFacts(
+        consortium=config.consortium.id,
+        method=config.plan.method.name,
+        privacy=config.consortium.privacy,
+        planned_rounds=inbox.total_rounds,
+        committed_rounds=status["committed_rounds"],
+        dp_enabled=config.plan.dp.enabled,
+        classes=config.plan.model.classes,
+        silos=status["silos"],
+        history=store.metrics_history(),
+        attempts=tally.attempts,
+        refusals=tally.refusals,
+        dropouts=tally.dropouts,
+        contributions=tally.contributions,
+        state_bytes=len(inbox.table.held.blob),
+        audit_verified=verified,
+        audit_records=len(records),
+        certificate_warnings=len(watch.warnings()),
+    )
 
 
 def _stop_on_signals(stop: threading.Event) -> None:

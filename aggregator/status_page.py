@@ -9,7 +9,9 @@ certificate, and only to clients presenting an unrevoked operator certificate of
 silo's certificate is refused (403), a client without one fails the TLS handshake. Either way a request whose
 `Host` header names anything but the page is refused (421) before anything is read: that is what stops a
 DNS-rebinding page in the operator's browser. The page changes nothing: GET only, no forms, no scripts, and a
-Content-Security-Policy that loads nothing from anywhere. `/status.json` gives the same facts to scripts.
+Content-Security-Policy that loads nothing from anywhere. `/status.json` gives the same facts to scripts, and
+`/metrics` to Prometheus (`fedlt.telemetry.prometheus`), under the same credentials: Prometheus sends the
+token as a bearer token read from the token file at each scrape, or presents an operator certificate.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ import socket
 import ssl
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -34,8 +37,9 @@ from urllib.parse import parse_qs, urlsplit
 
 from cryptography import x509
 
-from aggregator.store import Store, StoreError
+from aggregator.store import AuditRecord, Store, StoreError
 from fedlt.atomic import atomic_write_text
+from fedlt.telemetry.prometheus import CONTENT_TYPE as METRICS_TYPE
 from privacy.pki.identity import PkiError, RevocationList, operator_name_of
 
 log = logging.getLogger("aggregator.status_page")
@@ -45,7 +49,7 @@ HANDSHAKE_SECONDS = 10.0  # a client that stalls its TLS handshake or request ho
 # Connections served at once: a browser opens up to six per host, scripts one; a flood above this costs
 # one accept() and one close() each, never a thread or a handshake.
 CONNECTIONS = 16
-PATHS = ("/", "/status.json")
+PATHS = ("/", "/status.json", "/metrics")
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 COOKIE = "fedlt_status"  # the port is appended: cookies are per host, not per port
 TOKEN_FILE = "status-page.token"  # in the aggregator's data_dir unless [server] status_page_token names one
@@ -95,6 +99,42 @@ def snapshot(status: dict, about: dict, store: Store) -> dict:
             ],
         },
     }
+
+
+@dataclass
+class AuditTally:
+    """What the audit log says of rounds, for `/metrics` and each round's metrics: attempts ended by outcome,
+    refusals by code, contributions accepted, and each committed round's invited silos and those its sum
+    counted (round -> (invited, counted))."""
+
+    attempts: Counter[str] = field(default_factory=Counter)
+    refusals: Counter[str] = field(default_factory=Counter)
+    contributions: int = 0
+    rounds: dict[int, tuple[list[str], list[str]]] = field(default_factory=dict)
+
+    @property
+    def dropouts(self) -> int:
+        """Silos a committed round invited and its sum did not count (dropped, refused or too late)."""
+        return sum(len(set(invited) - set(counted)) for invited, counted in self.rounds.values())
+
+
+def audit_tally(records: Iterable[AuditRecord]) -> AuditTally:
+    tally, invited = AuditTally(), {}
+    for record in records:
+        event, detail = record.event, record.detail
+        if event == "attempt_started":
+            invited[detail["round_id"]] = detail["participants"]
+        elif event == "round_committed":
+            tally.attempts["committed"] += 1
+            counted = detail["contributors"]
+            tally.rounds[detail["round"]] = (invited.get(detail["round_id"], counted), counted)
+        elif event in ("attempt_aborted", "attempt_abandoned"):
+            tally.attempts[event.removeprefix("attempt_")] += 1
+        elif event == "round_refused":
+            tally.refusals[detail["code"]] += 1
+        elif event == "contribution_accepted":
+            tally.contributions += 1
+    return tally
 
 
 # --- the page ---------------------------------------------------------------------------------------------
@@ -292,7 +332,7 @@ class StatusPage:
     must name the page (`hosts`): a DNS-rebinding page in the operator's browser reaches the port under its
     own name and is refused before anything is read. At most `connections` are served at once; more are
     closed as soon as they are accepted, before any TLS work, and each waits at most `timeout` seconds for
-    a handshake or a request.
+    a handshake or a request. `metrics`: the Prometheus text `/metrics` serves (None: no such path).
     """
 
     def __init__(
@@ -306,6 +346,7 @@ class StatusPage:
         names: Iterable[str] = (),
         connections: int = CONNECTIONS,
         timeout: float = HANDSHAKE_SECONDS,
+        metrics: Callable[[], bytes] | None = None,
     ) -> None:
         host, port = split_listen(listen)
         if tls is None and not is_loopback(host):
@@ -324,7 +365,8 @@ class StatusPage:
         bound = self.server.server_address[1]
         hosts = host_headers(served, bound, default_port=443 if tls else 80)
         gate = _Gate(hosts=hosts, token=token, token_file=self.token_file, cookie=f"{COOKIE}_{bound}")
-        self.server.RequestHandlerClass = _handler(facts, revocations, gate)  # it needs the bound port
+        # made here: it needs the bound port
+        self.server.RequestHandlerClass = _handler(facts, revocations, gate, metrics)
         self._thread = threading.Thread(target=self.server.serve_forever, name="status-page", daemon=True)
 
     @property
@@ -443,7 +485,7 @@ class _Gate:
 
 
 def _handler(
-    facts: Callable[[], dict], revocations: RevocationList, gate: _Gate
+    facts: Callable[[], dict], revocations: RevocationList, gate: _Gate, metrics: Callable[[], bytes] | None
 ) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "fedlt-status"
@@ -455,13 +497,15 @@ def _handler(
             path = urlsplit(self.path).path
             if self.command != "GET":
                 self._send(HTTPStatus.METHOD_NOT_ALLOWED, TEXT, b"", {"Allow": "GET"})
-            elif path not in PATHS:
+            elif path not in PATHS or (path == "/metrics" and metrics is None):
                 self._send(HTTPStatus.NOT_FOUND, TEXT, b"not found\n")
             elif gate.token is not None and self._query_token():
                 cookie = f"{gate.cookie}={gate.token}; Path=/; HttpOnly; SameSite=Strict"
                 self._send(HTTPStatus.SEE_OTHER, TEXT, b"", {"Location": path, "Set-Cookie": cookie})
             elif path == "/":
                 self._send(HTTPStatus.OK, "text/html; charset=utf-8", render(facts()).encode())
+            elif path == "/metrics":
+                self._send(HTTPStatus.OK, METRICS_TYPE, metrics())
             else:
                 self._send(HTTPStatus.OK, "application/json", json.dumps(facts(), indent=1).encode())
 

@@ -1,7 +1,8 @@
 """Per-round evaluation and the run folder a person reads: metrics.json, the accuracy table and the plots.
 
 Shared by the simulator and the aggregator so both report the same way. metrics.json is rewritten atomically
-after every round, so it is always whole, whatever happens to the process.
+after every round, so it is always whole, whatever happens to the process; each round then goes to the run's
+telemetry (`fedlt.telemetry`: TensorBoard event files, MLflow), whose failures never stop a round.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -21,13 +23,17 @@ from fedlt.device import CPU
 from fedlt.metrics import GROUPS, ShotThresholds, accuracy_from_counts, evaluate
 from fedlt.reports import accuracy_table, percent, plot_curves, plot_per_class
 
+if TYPE_CHECKING:
+    from fedlt.telemetry import Telemetry
+
 METRICS = "metrics.json"
 
 
 class RunRecorder:
     """`test` None: the run is evaluated elsewhere and only its per-class counts come here (`counted`), for
     a model of `classes`; `train_counts` may then arrive later (`know_train_counts`). `device`: where
-    `evaluate` runs the model (`fedlt.device`)."""
+    `evaluate` runs the model (`fedlt.device`). `telemetry`: where each appended round goes besides
+    metrics.json, opened on the same `rounds` (closed by `finish` or `close`)."""
 
     def __init__(
         self,
@@ -41,8 +47,10 @@ class RunRecorder:
         rounds: Sequence[dict] = (),
         classes: Sequence[str] = (),
         device: torch.device = CPU,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.out = out
+        self.telemetry = telemetry
         self.device = device
         self.title = title
         self.test = test
@@ -80,16 +88,26 @@ class RunRecorder:
     def append(self, entry: dict) -> None:
         self.rounds.append(entry)
         atomic_write_text(self.out / METRICS, json.dumps({**self.header, "rounds": self.rounds}, indent=1))
+        if self.telemetry is not None:
+            self.telemetry.record(entry, self.classes)
 
     def finish(self) -> str:
-        """Write the final metrics and plots; return the accuracy table for the terminal."""
+        """Write the final metrics and plots, close the telemetry; return the accuracy table for the
+        terminal."""
         final = self.rounds[-1]
         atomic_write_text(
             self.out / METRICS,
             json.dumps({**self.header, "rounds": self.rounds, "final": final}, indent=1),
         )
         self.plot()
+        self.close()
         return accuracy_table(final, self.classes, self.train_counts, self.rules)
+
+    def close(self) -> None:
+        """Flush and close the telemetry (once: later rounds reach metrics.json only)."""
+        telemetry, self.telemetry = self.telemetry, None
+        if telemetry is not None:
+            telemetry.close()
 
     def plot(self) -> None:
         """Draw the accuracy curves and the last round's per-class accuracy (about 0.2 s of matplotlib's Agg

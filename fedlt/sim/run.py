@@ -36,6 +36,8 @@ from fedlt.selection import (
     simulated_mask_secret,
 )
 from fedlt.sim.config import SimConfig
+from fedlt.telemetry import TENSORBOARD, open_telemetry
+from fedlt.telemetry.to_mlflow import target_from_environment
 
 if TYPE_CHECKING:
     from fedlt.data.table import TableLayout
@@ -94,6 +96,12 @@ def run_simulation(
         },
         rounds=rounds,
         device=device,
+        telemetry=open_telemetry(
+            out / TENSORBOARD,
+            history=rounds,
+            classes=federation.classes,
+            mlflow=target_from_environment(run_name=out.name, key=str(out.resolve())),
+        ),
     )
     atomic_write_text(out / "config.toml", as_toml(config))
     silos = {f"silo-{k}": silo for k, silo in enumerate(federation.silos)}
