@@ -28,10 +28,8 @@ from aggregator.status_page import (
     StatusPage,
     audit_tally,
     certificate_names,
-    is_loopback,
     operator_tls,
     snapshot,
-    split_listen,
 )
 from aggregator.store import AuditKey, Store, StoreError
 from fedlt.aggregation import make_layer, record
@@ -43,6 +41,7 @@ from fedlt.dir_lock import AGGREGATOR_LOCK, DirectoryLock
 from fedlt.dp import DPSettings
 from fedlt.errors import ConfigError
 from fedlt.keepalive import aggregator_options
+from fedlt.listen import is_loopback, split_listen
 from fedlt.recorder import RunRecorder
 from fedlt.seeding import derive_seed
 from fedlt.telemetry import TENSORBOARD, MlflowTarget, Telemetry, open_telemetry, tag_part

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hmac
 import html
-import ipaddress
 import json
 import logging
 import re
@@ -39,6 +38,7 @@ from cryptography import x509
 
 from aggregator.store import AuditRecord, Store, StoreError
 from fedlt.atomic import atomic_write_text
+from fedlt.listen import LOOPBACK_NAMES, bracketed, is_loopback, split_listen
 from fedlt.telemetry.prometheus import CONTENT_TYPE as METRICS_TYPE
 from privacy.pki.identity import PkiError, RevocationList, operator_name_of
 
@@ -50,7 +50,6 @@ HANDSHAKE_SECONDS = 10.0  # a client that stalls its TLS handshake or request ho
 # one accept() and one close() each, never a thread or a handshake.
 CONNECTIONS = 16
 PATHS = ("/", "/status.json", "/metrics")
-LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 COOKIE = "fedlt_status"  # the port is appended: cookies are per host, not per port
 TOKEN_FILE = "status-page.token"  # in the aggregator's data_dir unless [server] status_page_token names one
 QUERY_TOKEN = re.compile(r"([?&]token=)[^&\s]*")
@@ -61,15 +60,6 @@ HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-store",
 }
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def snapshot(status: dict, about: dict, store: Store) -> dict:
@@ -372,7 +362,7 @@ class StatusPage:
     @property
     def url(self) -> str:
         host, port = self.server.server_address[:2]
-        return f"{'https' if self.tls else 'http'}://{_bracketed(host)}:{port}/"
+        return f"{'https' if self.tls else 'http'}://{bracketed(host)}:{port}/"
 
     def start(self) -> StatusPage:
         self._thread.start()
@@ -381,13 +371,6 @@ class StatusPage:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
-
-
-def split_listen(listen: str) -> tuple[str, int]:
-    host, _, port = listen.rpartition(":")
-    if not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"expected host:port, got {listen!r}")
-    return host.strip("[]"), int(port)
 
 
 def served_names(host: str, names: Iterable[str]) -> set[str]:
@@ -399,12 +382,8 @@ def served_names(host: str, names: Iterable[str]) -> set[str]:
 
 def host_headers(names: set[str], port: int, *, default_port: int) -> frozenset[str]:
     """Every `Host` value the page answers: each name with the port, and bare on the scheme's default."""
-    with_port = {f"{_bracketed(name)}:{port}" for name in names}
-    return frozenset(with_port | ({_bracketed(name) for name in names} if port == default_port else set()))
-
-
-def _bracketed(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
+    with_port = {f"{bracketed(name)}:{port}" for name in names}
+    return frozenset(with_port | ({bracketed(name) for name in names} if port == default_port else set()))
 
 
 class _Server(ThreadingHTTPServer):

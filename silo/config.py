@@ -21,9 +21,9 @@ from fedlt.device import DEVICE_FORM, device_checked
 from fedlt.dp import DPSettings
 from fedlt.errors import ConfigError
 from fedlt.keepalive import MIN_SECONDS
+from fedlt.listen import is_loopback, split_listen
 from fedlt.methods import METHODS
 from fedlt.models.entry import ENTRY_FORM, parse_entry
-from fedlt.telemetry.prometheus import is_loopback, split_listen
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ group without classes, a silo that reports no ε) has no sample: missing is not 
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 import threading
@@ -33,6 +32,7 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector
 
+from fedlt.listen import LOOPBACK_NAMES, bracketed, is_loopback, split_listen
 from fedlt.telemetry import GROUP_TAGS
 
 log = logging.getLogger("fedlt.telemetry")
@@ -41,7 +41,6 @@ CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # the text format every Prometheus serv
 PATH = "/metrics"
 # round durations: a round of a few silos on CPUs takes seconds, one of large models or slow silos an hour
 DURATION_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
-LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 READ_SECONDS = 10.0  # a client that stalls its request holds one thread this long
 
 
@@ -256,7 +255,7 @@ class MetricsServer:
     @property
     def url(self) -> str:
         host, port = self.server.server_address[:2]
-        return f"http://{_bracketed(host)}:{port}{PATH}"
+        return f"http://{bracketed(host)}:{port}{PATH}"
 
     def start(self) -> MetricsServer:
         self._thread.start()
@@ -267,28 +266,8 @@ class MetricsServer:
         self.server.server_close()
 
 
-def split_listen(listen: str) -> tuple[str, int]:
-    host, _, port = listen.rpartition(":")
-    if not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"expected host:port, got {listen!r}")
-    return host.strip("[]"), int(port)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _hosts(host: str, port: int) -> frozenset[str]:
-    return frozenset(f"{_bracketed(name)}:{port}" for name in {host, *LOOPBACK_NAMES})
-
-
-def _bracketed(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
+    return frozenset(f"{bracketed(name)}:{port}" for name in {host, *LOOPBACK_NAMES})
 
 
 class _Server(ThreadingHTTPServer):
