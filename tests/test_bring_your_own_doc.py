@@ -219,7 +219,11 @@ def test_the_bank_study_runs_as_written(tmp_path, monkeypatch):
     assert the_plan(blocks).data.table == TableSchema.from_table(written, "data.table", [])  # 'the same'
     assert pin in (study / "bank-a" / "silo.toml").read_text()
     monkeypatch.syspath_prepend(str(study))  # the card's plan names the page's package
-    _, card = load_exported(study / "model")
+    try:
+        _, card = load_exported(study / "model")
+    finally:  # imported here: other tests' packages of the same name must not find this one
+        for name in [m for m in sys.modules if m.partition(".")[0] == "bank_models"]:
+            del sys.modules[name]
     assert card["model"]["name"] == "bank_models.nets:fraud_net"
     assert f"held-out accuracy: {card['evaluation']['accuracy']:.1%}" in printed
 

@@ -93,7 +93,7 @@ def assert_same_state(final, expected) -> None:
 
 
 def test_csv_tables_with_an_outside_model_under_secagg_match_the_simulator_bit_for_bit(tmp_path, monkeypatch):
-    site = tmp_path / "site" / "bank_models"
+    site = tmp_path / "site" / "own_data_models"
     site.mkdir(parents=True)
     (site / "__init__.py").write_text("")
     (site / "nets.py").write_text(NET)
@@ -105,7 +105,7 @@ def test_csv_tables_with_an_outside_model_under_secagg_match_the_simulator_bit_f
     schema_toml = tomllib.loads((tmp_path / "tables" / "schema.toml").read_text())
     schema = TableSchema.from_table(schema_toml["data"]["table"], "data.table", [])
     classes = tuple(f"class-{c}" for c in range(10))
-    entry = "bank_models.nets:net"
+    entry = "own_data_models.nets:net"
     plan = replace(PLAN, model=ModelSection(name=entry, classes=classes), data=DataPlan(table=schema))
     recipe = DataConfig(dataset="transactions", imbalance=100.0, alpha=0.5, silos=3, test_per_class=30)
     consortium = Consortium.create(tmp_path / "consortium", rounds=2, min_silos=3, plan=plan, recipe=recipe)
@@ -136,7 +136,7 @@ def test_csv_tables_with_an_outside_model_under_secagg_match_the_simulator_bit_f
         assert torch.equal(model(rows), simulated_model(rows))
     # where the model's package is not installed, loading says so in a line
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(site.parent)])
-    for name in ("bank_models.nets", "bank_models"):
+    for name in ("own_data_models.nets", "own_data_models"):
         monkeypatch.delitem(sys.modules, name)
     with pytest.raises(ExportError, match="install its package where you load the model"):
         load_exported(out)
