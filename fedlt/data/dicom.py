@@ -32,6 +32,9 @@ from PIL import Image
 
 from fedlt.data.arrays import LabeledData
 from fedlt.data.images import (
+    DICOM_LABELS as LABELS_FILE,
+)
+from fedlt.data.images import (
     ImageEntry,
     ImageFiles,
     ImageSettings,
@@ -48,7 +51,6 @@ try:
 except ImportError:  # the optional extra `dicom`: read_dicom_folder says how to install it
     pydicom = None
 
-LABELS_FILE = "labels.csv"
 GRAYSCALE = ("MONOCHROME1", "MONOCHROME2")
 _PREAMBLE = 128  # a DICOM file's 128-byte preamble is followed by the magic "DICM"
 _MAGIC = b"DICM"

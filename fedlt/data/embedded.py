@@ -8,7 +8,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 
 from fedlt.data.arrays import LabeledData
 from fedlt.data.synthetic_table import SCHEMA as TABLE_SCHEMA
@@ -40,6 +39,8 @@ TRANSACTIONS_PER_CLASS = 600  # as MNIST-5k's 500 a class, with 100 more for the
 
 def _transactions() -> LabeledData:
     """The synthetic bank table, balanced (IF 1, fixed seed): the recipe cuts its long tail as for images."""
+    import pandas as pd  # pandas loads where the table is made
+
     table = long_tailed_table(0, n_max=TRANSACTIONS_PER_CLASS - 100, imbalance=1.0, test_per_class=100)
     frame = pd.concat([table.train, table.test], ignore_index=True)
     raw = RawTable(Path("fedlt synthetic transactions"), frame, frame.index.to_numpy() + 1)

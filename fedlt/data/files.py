@@ -15,14 +15,15 @@ import struct
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Literal
 
 import numpy as np
 from PIL import Image, ImageMode
 
 from fedlt.data.arrays import LabeledData
-from fedlt.data.dicom import LABELS_FILE, load_dicom_folder, read_dicom_folder
 from fedlt.data.images import (
+    DICOM_LABELS,
     ImageFiles,
     different_size,
     existing,
@@ -365,14 +366,21 @@ _LOADERS: dict[str, Callable[..., LabeledData]] = {
     "folder": load_image_folder,
     "cifar10": load_cifar10_batches,
     "idx": _load_idx_option,
-    "dicom": load_dicom_folder,
+    "dicom": lambda path, **options: _dicom().load_dicom_folder(path, **options),
 }
 
 # formats whose files a plan prepares (resized, in its channels) -> the opener and the options it takes
 _FILE_SETS: dict[str, tuple[Callable[..., ImageFiles], tuple[str, ...]]] = {
     "folder": (read_image_folder, ()),
-    "dicom": (read_dicom_folder, ("labels",)),
+    "dicom": (lambda path, **options: _dicom().read_dicom_folder(path, **options), ("labels",)),
 }
+
+
+def _dicom() -> ModuleType:
+    """`fedlt.data.dicom`, imported where DICOM is read: pydicom and pandas load only then."""
+    from fedlt.data import dicom
+
+    return dicom
 
 
 def load_dataset(path: str | Path, *, format: str | None = None, **options: Any) -> LabeledData:
@@ -412,7 +420,7 @@ def _infer_format(path: str | Path, options: dict[str, Any]) -> str:
     if path.is_dir():
         if (path / "data_batch_1").exists() or (path / "test_batch").exists():
             return "cifar10"
-        if (path / LABELS_FILE).is_file() or any(p.suffix.lower() == ".dcm" for p in path.rglob("*")):
+        if (path / DICOM_LABELS).is_file() or any(p.suffix.lower() == ".dcm" for p in path.rglob("*")):
             return "dicom"
         return "folder"
     if path.suffix.lower() == ".npz":

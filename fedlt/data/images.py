@@ -30,6 +30,8 @@ IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", "
 # and would need clipping). Pillow computes it in fixed point for 8-bit images, the same bytes on every
 # machine with the same Pillow; float images (DICOM) in double precision, which a compiler that fuses
 # multiply-adds (some ARM builds) may round differently in the last bit.
+DICOM_LABELS = "labels.csv"  # a DICOM folder's labels (file,label), by default beside its files
+
 RESAMPLING = Image.Resampling.BILINEAR
 
 # image_shape's channels -> the Pillow mode an 8-bit image is converted to (ITU-R 601-2 luma for "L";

@@ -29,10 +29,9 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
-from sklearn.datasets import make_classification
 
 from fedlt.config import render_toml
 from fedlt.data.longtail import longtail_counts
@@ -40,6 +39,9 @@ from fedlt.data.partition import dirichlet_partition
 from fedlt.data.table import Column, TableSchema
 from fedlt.errors import FedltError
 from fedlt.seeding import derive_seed
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 LABEL = "label"
 MISSING_RATE = 0.05
@@ -69,6 +71,8 @@ def long_tailed_table(
     if n_max < 1 or test_per_class < 1:
         raise ValueError(f"need n_max >= 1 and test_per_class >= 1, got {n_max} and {test_per_class}")
     counts = longtail_counts(n_max, classes, imbalance)
+    from sklearn.datasets import make_classification  # scikit-learn loads only to draw a table
+
     z, y = make_classification(  # one cluster per class: every class gets exactly n_max + test_per_class rows
         n_samples=classes * (n_max + test_per_class),
         n_features=FEATURES,
@@ -94,6 +98,8 @@ def long_tailed_table(
 def _columns(z: np.ndarray, rng: np.random.Generator) -> pd.DataFrame:
     """Features 0-4 shaped as a bank's columns, 5-9 kept as measurements, 10 and 11 binned into categories,
     each standardised first, so that clipping into the declared ranges cuts only the far tails."""
+    import pandas as pd
+
     z = (z - z.mean(axis=0)) / z.std(axis=0)
     amount = np.clip(np.round(np.exp(4.5 + 0.9 * z[:, 1]), 2), 0.0, 20_000.0)
     amount[rng.random(len(z)) < MISSING_RATE] = np.nan

@@ -18,15 +18,16 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
-import pyarrow as pa
 
 from fedlt.config import parse_section, setting
 from fedlt.data.arrays import LabeledData
 from fedlt.errors import DataError
+
+if TYPE_CHECKING:  # pandas and pyarrow load where a table is read, not wherever a plan is
+    import pandas as pd
 
 KINDS = ("numeric", "categorical")
 FORMATS = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
@@ -245,6 +246,9 @@ def read_table(path: str | Path, format: str | None = None) -> RawTable:
     missing, so a category called "NA" or "None" stays itself). Lines with no value at all are skipped, as a
     reader skips them; a line break inside a quoted cell is the one thing that makes CSV row numbers run
     behind the file's lines."""
+    import pandas as pd
+    import pyarrow as pa
+
     path = Path(path)
     kind = format or FORMATS.get(path.suffix.lower())
     if kind not in FORMATS.values():
@@ -263,6 +267,8 @@ def read_table(path: str | Path, format: str | None = None) -> RawTable:
 def _read_csv(path: Path) -> RawTable:
     """A row with more cells than the header is an error: pandas would otherwise drop the extra cells
     (`index_col=False`, with a warning) or take the first column for an index and shift every cell."""
+    import pandas as pd
+
     with warnings.catch_warnings():
         warnings.simplefilter("error", pd.errors.ParserWarning)
         frame = pd.read_csv(
@@ -275,6 +281,8 @@ def _read_csv(path: Path) -> RawTable:
 def _read_error(exc: Exception) -> str:
     """The reader's reason, without any piece of the file: a decoding error's message quotes the byte (and
     its position is one within a cell, no help in finding it)."""
+    import pandas as pd
+
     if isinstance(exc, UnicodeDecodeError):
         return "not UTF-8 text; save it as UTF-8"
     if isinstance(exc, pd.errors.EmptyDataError):
@@ -317,6 +325,8 @@ def _encode_numeric(
 def _numbers(cells: pd.Series) -> np.ndarray:
     """float64 values, NaN where a cell is empty or no number: text (CSV) is parsed by pandas, a stored
     number (Parquet) kept, anything else (a date, a list) is no number."""
+    import pandas as pd
+
     if pd.api.types.is_bool_dtype(cells) or pd.api.types.is_numeric_dtype(cells):
         return cells.to_numpy(dtype=np.float64, na_value=np.nan)
     if pd.api.types.is_string_dtype(cells):
@@ -381,6 +391,8 @@ def _codes(
 def _texts(cells: pd.Series) -> pd.Series:
     """A cell's text: as written for text, the digits of a whole number (Parquet's integer labels read as
     "0", "1", ...), `true`/`false` for a boolean, missing for anything else."""
+    import pandas as pd
+
     if pd.api.types.is_string_dtype(cells):
         return cells
     if pd.api.types.is_bool_dtype(cells):

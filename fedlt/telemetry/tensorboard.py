@@ -14,9 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
-from torch.utils.tensorboard import SummaryWriter
-
 EVENT_FILES = "events.out.tfevents.*"
 
 
@@ -34,6 +31,8 @@ class TensorBoardSink:
         written = last_step(folder)
         after = max((step for step, _ in history), default=-1)
         first = 0 if written < 0 else min(written, after + 1)
+        from torch.utils.tensorboard import SummaryWriter  # loads tensorboard only where a run writes
+
         self._writer = SummaryWriter(str(folder), purge_step=first)
         for step, values in history:
             if step >= first:
@@ -59,6 +58,8 @@ def last_step(folder: Path) -> int:
     """The last step of any scalar the folder's event files hold, as TensorBoard reads them (-1: none)."""
     if not any(folder.glob(EVENT_FILES)):
         return -1
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
     events = EventAccumulator(str(folder), size_guidance={SCALARS: 0})  # 0: keep every step
     events.Reload()
     steps = (event.step for tag in events.Tags()["scalars"] for event in events.Scalars(tag))
