@@ -104,10 +104,12 @@ class Consortium:
         plan: RoundPlan = PLAN,
         stage_timeout: float | None = None,
         recipe: DataConfig = RECIPE,
+        tensorboard: bool = False,
     ) -> Consortium:
         """`stage_timeout`: `[timeouts] stage` (default: the aggregator's), how long a failed secure-sum stage
         holds up the retry. `recipe`: the embedded recipe the silos' shards and the aggregator's evaluation
-        split come from."""
+        split come from. `tensorboard`: the aggregator writes event files, as by default (tests of other
+        things spare each aggregator process loading tensorboard; tests/test_telemetry*.py test it)."""
         recipe = DataConfig(**{**recipe.__dict__, "silos": silos})
         stage = {} if stage_timeout is None else {"stage": stage_timeout}
         _, silo_configs = write_consortium(
@@ -122,6 +124,9 @@ class Consortium:
             layer_settings=demo_layer_settings(privacy),
             record_floor=record_floor_for(plan),
         )
+        if not tensorboard:
+            with (directory / "consortium.toml").open("a") as config:
+                config.write("\n[monitoring]\ntensorboard = false\n")
         return cls(directory, silo_configs)
 
     def enroll(self, silo_id: str, directory: Path, **issue_options) -> None:

@@ -142,6 +142,7 @@ def test_csv_tables_with_an_outside_model_under_secagg_match_the_simulator_bit_f
         load_exported(out)
 
 
+@pytest.mark.slow  # the CSV study above is the default suite's; this one adds the image preparation
 def test_image_folders_of_mixed_sizes_under_secagg_match_the_simulator_bit_for_bit(tmp_path):
     shards = build_federation(replace(RECIPE, silos=3), seed=0).silos
     rng = np.random.default_rng(0)

@@ -140,7 +140,7 @@ def test_the_aggregator_logs_its_rounds_and_their_silos_to_the_mlflow_run_its_co
 
 
 def test_a_consortium_restarted_mid_run_writes_each_round_once_and_serves_its_metrics(tmp_path):
-    consortium = Consortium.create(tmp_path, rounds=3, min_silos=3)
+    consortium = Consortium.create(tmp_path, rounds=3, min_silos=3, tensorboard=True)
     path = tmp_path / "consortium.toml"
     path.write_text(path.read_text().replace("exit_when_done = true", "exit_when_done = false"))
     silo = read_toml(consortium.silo_configs[0])
