@@ -1,6 +1,6 @@
 """The first layer of every table model: each numeric feature centred and scaled by the consortium's pooled
-mean and standard deviation (`fedlt.data.standardise` fills them from secure sums in a table study's opening
-round), with missing values imputed at the mean.
+mean and standard deviation (`fedlt.methods.standardise` fills them from secure sums in a table study's
+opening round), with missing values imputed at the mean.
 
 It holds its statistics as buffers, so they travel in the global state and in an exported model: a model
 exported from a table study takes rows encoded by the plan's schema and standardises them itself.
