@@ -1,4 +1,5 @@
-"""`python -m aggregator`: the consortium operator's commands (CA, roster, serve, status, export, demo)."""
+"""`python -m aggregator`: the consortium operator's commands (CA, roster, serve, status, study, export,
+demo)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from aggregator.ca_cli import add_ca_parser, run_command
 from aggregator.roster_cli import add_roster_parser
+from aggregator.study_cli import add_operator_options, add_study_parser, run_study
 from fedlt.aggregation import layer_names
 from fedlt.aggregation.registry import DEFAULT_LAYER
 from fedlt.errors import FedltError
@@ -28,19 +30,17 @@ def main(argv: list[str] | None = None) -> int:
     add_roster_parser(commands)
     serve = commands.add_parser("serve", help="run the aggregator service")
     serve.add_argument("--config", required=True, help="consortium.toml")
-    status = commands.add_parser("status", help="show rounds and silos of a running aggregator")
-    status.add_argument("--config", required=True, help="consortium.toml (for the address and CA)")
-    status.add_argument("--cert", required=True, help="operator certificate (from `ca issue-operator`)")
-    status.add_argument("--key", required=True, help="operator key")
-    status.add_argument(
-        "--address", help="host:port to dial (default: where the aggregator bound, or [server] listen)"
-    )
+    status = commands.add_parser("status", help="show a study's rounds and silos, and every study")
+    add_operator_options(status)
+    status.add_argument("--study", default="", help="the study to show (default: consortium.toml's)")
+    add_study_parser(commands)
     export = commands.add_parser(
         "export", help="write a committed model as safetensors with a model card (the store is only read)"
     )
     export.add_argument("--config", required=True, help="consortium.toml")
     export.add_argument("--out", type=Path, required=True, help="a new or empty folder to write it to")
     export.add_argument("--round", type=int, help="the committed round to export (default: the last)")
+    export.add_argument("--study", default="", help="the study to export from (default: consortium.toml's)")
     demo = commands.add_parser("demo", help="a whole consortium on this machine: CA, aggregator, silos")
     demo.add_argument("--dir", type=Path, default=Path("runs/consortium-demo"))
     demo.add_argument("--silos", type=int, default=4)
@@ -70,14 +70,12 @@ def main(argv: list[str] | None = None) -> int:
             from aggregator.server import serve as run_server
 
             return run_server(load_consortium_config(args.config))
-        if args.command == "status":
-            from aggregator.status import show_status
-
-            return show_status(args.config, cert=args.cert, key=args.key, address=args.address)
+        if args.command in ("status", "study"):
+            return _operator_command(args)
         if args.command == "export":
             from aggregator.export import export_model
 
-            return export_model(args.config, args.out, round_number=args.round)
+            return export_model(args.config, args.out, round_number=args.round, study=args.study)
         from aggregator.demo import DEMO_METHODS, run_demo
 
         return run_demo(
@@ -90,6 +88,19 @@ def main(argv: list[str] | None = None) -> int:
     except FedltError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def _operator_command(args: argparse.Namespace) -> int:
+    """`status` and `study ...`: a call the aggregator refuses or never answers is one line, exit 1."""
+    from aggregator.status import NoAnswer, show_status
+
+    try:
+        if args.command == "study":
+            return run_study(args)
+        return show_status(args.config, cert=args.cert, key=args.key, address=args.address, study=args.study)
+    except NoAnswer as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from aggregator.catalog import STUDIES, BadStudy
 from aggregator.status_page import CONNECTIONS, TOKEN_FILE
 from aggregator.store import Retention
 from fedlt.aggregation import layer_names, layers, record
@@ -18,6 +20,7 @@ from fedlt.errors import ConfigError
 from fedlt.keepalive import MIN_SECONDS
 from fedlt.metrics import ShotThresholds
 from fedlt.plan import RoundPlan
+from fedlt.studies import DEFAULT_STUDY, id_problems
 from fedlt.telemetry import TENSORBOARD
 from fedlt.telemetry.to_mlflow import DEFAULT_EXPERIMENT
 from fedlt.telemetry.to_mlflow import INSTALL as MLFLOW_INSTALL
@@ -69,6 +72,12 @@ class ServerSection:
     status_page_connections: int = setting(
         CONNECTIONS, ge=1, le=1024, doc="connections the page serves at once; more are closed when accepted"
     )
+    default_study: str = setting(
+        DEFAULT_STUDY,
+        doc="the id of the study this file's plan defines, the one silos' calls naming no study are for; "
+        "empty: none (studies come only from `python -m aggregator study create`)",
+    )
+    max_studies: int = setting(4, ge=1, doc="studies that run at once; the others wait in a queue")
 
 
 @dataclass(frozen=True)
@@ -225,7 +234,43 @@ def _inverting_problems(plan: RoundPlan, layer: str, settings: object) -> list[s
 
 def load_consortium_config(path: str | Path) -> ConsortiumConfig:
     path = Path(path)
-    tree = read_toml(path)
+    config, problems = _parse(read_toml(path), path.parent)
+    if config.server.default_study:
+        problems += id_problems(config.server.default_study, "server.default_study")
+    if problems:
+        raise ConfigError(path, problems)
+    return config
+
+
+def load_study_config(study: str, text: str, base: ConsortiumConfig) -> ConsortiumConfig:
+    """A study file (`python -m aggregator study create`): consortium.toml's sections of a run, without
+    [server], whose settings are the aggregator's (the study's data goes to `studies/<id>/` of its data_dir);
+    the consortium is the aggregator's. Raises `BadStudy` with every problem."""
+    problems = id_problems(study, "id")
+    try:
+        tree = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise BadStudy([f"not valid TOML: {exc}"]) from None
+    if "server" in tree:
+        problems.append("[server]: a study file has none; the aggregator's own [server] serves every study")
+    consortium = tree.setdefault("consortium", {})
+    if isinstance(consortium, dict):
+        named = consortium.setdefault("id", base.consortium.id)
+        if named != base.consortium.id:
+            problems.append(
+                f"consortium.id: {named!r}, but this aggregator serves consortium {base.consortium.id!r}; "
+                "leave it out"
+            )
+    config, found = _parse(tree, base.base_dir)
+    problems += found
+    if problems:
+        raise BadStudy(problems)
+    data_dir = Path(base.server.data_dir) / STUDIES / study
+    return replace(config, server=replace(base.server, data_dir=str(data_dir), default_study=""))
+
+
+def _parse(tree: dict, base_dir: Path) -> tuple[ConsortiumConfig, list[str]]:
+    """The config a file's tree describes, and every problem found in it."""
     plan_tree = {k: tree.pop(k) for k in ("model", "train", "method", "selection", "dp", "data") if k in tree}
     problems: list[str] = []
     sections_of_layers = layer_sections()
@@ -262,7 +307,5 @@ def load_consortium_config(path: str | Path) -> ConsortiumConfig:
     evaluation = sections["evaluation"]
     problems += evaluation.problems(privacy, len(plan.model.classes))
     sections["evaluation"] = replace(evaluation, held_out=evaluation.held_out_for(privacy))
-    if problems:
-        raise ConfigError(path, problems)
     chosen = {name: sections.pop(name) for name in sections_of_layers}
-    return ConsortiumConfig(plan=plan, base_dir=path.parent, layers=chosen, **sections)
+    return ConsortiumConfig(plan=plan, base_dir=base_dir, layers=chosen, **sections), problems

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aggregator.config import ConsortiumConfig, load_consortium_config
+from aggregator.catalog import study_text
+from aggregator.config import ConsortiumConfig, load_consortium_config, load_study_config
 from aggregator.held_state import HeldState
-from aggregator.server import DATABASE
+from aggregator.store import DATABASE
 from fedlt.export import (
     CARD,
     README,
@@ -53,9 +54,17 @@ class StoredRound:
 
 
 def export_model(
-    config_path: str | Path, out: Path, *, round_number: int | None = None, echo: Callable = print
+    config_path: str | Path,
+    out: Path,
+    *,
+    round_number: int | None = None,
+    study: str = "",
+    echo: Callable = print,
 ) -> int:
     config = load_consortium_config(config_path)
+    text = study_text(config.path(config.server.data_dir), study) if study else None
+    if text is not None:
+        config = load_study_config(study, text, config)
     check_out_dir(out)
     stored = read_round(config, config_path, round_number)
     method = config.plan.build_method()

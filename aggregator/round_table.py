@@ -100,6 +100,15 @@ class Sessions:
                 del self._open[session.silo_id]
             self._lock.notify_all()
 
+    def end_all(self) -> None:
+        """End every open session (the study stops serving: its silos reconnect and are told why)."""
+        with self._lock:
+            for session in self._open.values():
+                session.closed = True
+                session.directives.put(None)
+            self._open.clear()
+            self._lock.notify_all()
+
     def heartbeat(self, silo_id: str, activity: str, privacy_remaining: float | None = None) -> None:
         with self._lock:
             session = self._open.get(silo_id)

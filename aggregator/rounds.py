@@ -149,6 +149,8 @@ class RoundDriver:
         self.sign = sign
         self.plan_toml = config.plan.to_toml()
         self.failure: Exception | None = None
+        # what silos are told of the attempt in flight when the driver is stopped
+        self.stop_reason = "aggregator stopping"
         self.table = RoundTable(
             config=config,
             store=store,
@@ -230,7 +232,7 @@ class RoundDriver:
                     self._await_disclosures(attempt, stop)
                     held = self.committer.next_state(attempt, summed, stop)
                 if summed is None or held is None:
-                    self._abort(attempt, "aggregator stopping")
+                    self._abort(attempt, self.stop_reason)
                     break
                 self.committer.commit(attempt, held)
             except SettingsRefused as exc:

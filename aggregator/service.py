@@ -1,11 +1,12 @@
-"""Thin gRPC servicers over the round inbox: who is calling (from the certificate), and status codes.
+"""Thin gRPC servicers over a study's round inbox (the silos' calls) and the aggregator's studies (the
+operator's): who is calling (from the certificate), and status codes.
 
-A caller's silo id is read from its client certificate (verified by TLS against the consortium CA, checked
-here against the revocation list), never from a message field; `CertificateGate` applies the same check to
-every RPC of the server, health and reflection included. Requests are checked where they enter: enum numbers
-the schema does not define, registrations naming what no policy can hold, empty or endless uploads. Every
-refusal maps to a status code in one table, `STATUS_OF`; anything unexpected becomes INTERNAL without leaking
-details to the caller.
+A caller's silo id or operator name is read from its client certificate (verified by TLS against the
+consortium CA, checked here against the revocation list), never from a message field; `CertificateGate`
+applies the same check to every RPC of the server, health and reflection included. Requests are checked where
+they enter: enum numbers the schema does not define, registrations naming what no policy can hold, empty or
+endless uploads, study ids no study can have. Every refusal maps to a status code in one table, `STATUS_OF`;
+anything unexpected becomes INTERNAL without leaking details to the caller.
 """
 
 from __future__ import annotations
@@ -23,6 +24,15 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import Message
 
+from aggregator.catalog import (
+    BadStudy,
+    StudyControl,
+    StudyError,
+    StudyExists,
+    StudyInfo,
+    UnknownStudy,
+    WrongState,
+)
 from aggregator.held_state import StateReport
 from aggregator.inbox import RoundInbox
 from aggregator.key_service import KeyServiceRelay, NoKeyService
@@ -34,6 +44,7 @@ from fedlt.aggregation.registry import RegistryError
 from fedlt.errors import ContributionError, FedltError
 from fedlt.methods import METHODS
 from fedlt.selection import DISCLOSURE
+from fedlt.studies import id_problems
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc, operator_pb2, operator_pb2_grpc
 from fedlt.wire import PURPOSE_OF_SUM, chunks, schema_from_pb
@@ -67,6 +78,7 @@ AGENT_VERSION_CHARS = 64
 ROUND_ID_CHARS = 64  # "r<round>.a<attempt>.<nonce>" fits with room to spare
 REFUSAL_TEXT_CHARS = 512  # a refusal's text, one printable line (the silo cuts its own to fit)
 STATE_LIMIT = 2**31  # bytes of a sealed state a silo may report
+STUDY_FILE_BYTES = 2**20  # a study file's text, UTF-8; a plan is a few KiB
 # Bytes of a refusal's message in the status trailer, percent-encoded: clients drop trailers over 8 KiB.
 DETAILS_BYTES = 2048
 # What a silo's policy may name, from the tables that define each kind; the messages list these keys.
@@ -125,6 +137,11 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     ContributionError: grpc.StatusCode.INVALID_ARGUMENT,
     BadDisclosure: grpc.StatusCode.INVALID_ARGUMENT,
     NoKeyService: grpc.StatusCode.FAILED_PRECONDITION,
+    UnknownStudy: grpc.StatusCode.NOT_FOUND,
+    StudyExists: grpc.StatusCode.ALREADY_EXISTS,
+    BadStudy: grpc.StatusCode.INVALID_ARGUMENT,
+    WrongState: grpc.StatusCode.FAILED_PRECONDITION,
+    StudyError: grpc.StatusCode.FAILED_PRECONDITION,  # any other study request that cannot be done as asked
 }
 
 
@@ -764,26 +781,33 @@ for _rpc in receivers():
 
 
 class OperatorServicer(operator_pb2_grpc.OperatorServiceServicer):
-    """`warnings`: certificates that expire soon and roster problems, each with what resolves it."""
+    """The operator's calls over the aggregator's studies. Each needs an operator certificate, whose name is
+    the `by` of the change (written to the study's audit log). `warnings`: certificates that expire soon and
+    roster problems, each with what resolves it."""
 
     def __init__(
-        self, inbox: RoundInbox, identity: Identity, *, warnings: Callable[[], list[str]] = list
+        self, studies: StudyControl, identity: Identity, *, warnings: Callable[[], list[str]] = list
     ) -> None:
-        self.inbox = inbox
+        self.studies = studies
         self.identity = identity
         self.warnings = warnings
 
+    def _operator(self, context: grpc.ServicerContext) -> str:
+        return operator_name_of(self.identity.certificate(context))
+
     @_abort_on_refusal
     def Status(self, request: operator_pb2.StatusRequest, context: grpc.ServicerContext) -> Any:
-        operator_name_of(self.identity.certificate(context))
-        status = self.inbox.status()
-        config = self.inbox.config
+        self._operator(context)
+        if request.study:
+            _refuse_problems(id_problems(request.study, "study"))
+        listed = self.studies.list()
+        status = self.studies.status(request.study or _default_of(listed))
         return operator_pb2.StatusResponse(
-            consortium_id=config.consortium.id,
-            method=config.plan.method.name,
-            privacy=config.consortium.privacy,
+            consortium_id=status["consortium_id"],
+            method=status["method"],
+            privacy=status["privacy"],
             committed_rounds=status["committed_rounds"],
-            total_rounds=self.inbox.total_rounds,
+            total_rounds=status["total_rounds"],
             round_id=status["round_id"],
             stage=status["stage"],
             stage_deadline_unix_ms=status["deadline_ms"],
@@ -792,4 +816,83 @@ class OperatorServicer(operator_pb2_grpc.OperatorServiceServicer):
             silos=[operator_pb2.SiloStatus(**silo) for silo in status["silos"]],
             state_digest=status["state_digest"],
             certificate_warnings=self.warnings(),
+            study=status["study"],
+            studies=[_study_pb(info) for info in listed],
         )
+
+    @_abort_on_refusal
+    def CreateStudy(self, request: operator_pb2.CreateStudyRequest, context: grpc.ServicerContext) -> Any:
+        by = self._operator(context)
+        _refuse_problems(id_problems(request.id, "id") + _study_file_problems(request.study_toml))
+        created = self.studies.create(request.id, request.study_toml, by=by)
+        return operator_pb2.CreateStudyResponse(study=_study_pb(created))
+
+    @_abort_on_refusal
+    def ListStudies(self, request: operator_pb2.ListStudiesRequest, context: grpc.ServicerContext) -> Any:
+        self._operator(context)
+        return operator_pb2.ListStudiesResponse(studies=[_study_pb(info) for info in self.studies.list()])
+
+    @_abort_on_refusal
+    def PauseStudy(self, request: operator_pb2.PauseStudyRequest, context: grpc.ServicerContext) -> Any:
+        by = self._operator(context)
+        _refuse_problems(id_problems(request.id, "id"))
+        return operator_pb2.PauseStudyResponse(study=_study_pb(self.studies.pause(request.id, by=by)))
+
+    @_abort_on_refusal
+    def ResumeStudy(self, request: operator_pb2.ResumeStudyRequest, context: grpc.ServicerContext) -> Any:
+        by = self._operator(context)
+        _refuse_problems(id_problems(request.id, "id"))
+        return operator_pb2.ResumeStudyResponse(study=_study_pb(self.studies.resume(request.id, by=by)))
+
+    @_abort_on_refusal
+    def CancelStudy(self, request: operator_pb2.CancelStudyRequest, context: grpc.ServicerContext) -> Any:
+        by = self._operator(context)
+        _refuse_problems(id_problems(request.id, "id") + _reason_problems(request.reason))
+        cancelled = self.studies.cancel(request.id, by=by, reason=request.reason)
+        return operator_pb2.CancelStudyResponse(study=_study_pb(cancelled))
+
+
+def _study_pb(info: StudyInfo) -> operator_pb2.Study:
+    return operator_pb2.Study(
+        id=info.id,
+        state=info.state,
+        reason=info.reason,
+        is_default=info.is_default,
+        queue_position=info.queue_position,
+        method=info.method,
+        privacy=info.privacy,
+        committed_rounds=info.committed_rounds,
+        total_rounds=info.total_rounds,
+        state_digest=info.state_digest,
+        created_unix_ms=info.created_ms,
+        changed_unix_ms=info.changed_ms,
+    )
+
+
+def _default_of(studies: list[StudyInfo]) -> str:
+    """The study consortium.toml defines (`[server] default_study`), which a status without an id shows."""
+    for info in studies:
+        if info.is_default:
+            return info.id
+    raise UnknownStudy("this aggregator has no default study")
+
+
+def _refuse_problems(problems: list[str]) -> None:
+    if problems:
+        raise Malformed("a study request the aggregator cannot take: " + "; ".join(problems))
+
+
+def _study_file_problems(text: str) -> list[str]:
+    size = len(text.encode("utf-8"))
+    if size > STUDY_FILE_BYTES:
+        return [f"study_toml: {size:,} bytes; a study file is at most {STUDY_FILE_BYTES:,}"]
+    return []
+
+
+def _reason_problems(reason: str) -> list[str]:
+    """A cancel's reason is kept in the audit log and shown beside the study: one short printable line."""
+    if len(reason) > REFUSAL_TEXT_CHARS:
+        return [f"reason: {len(reason)} characters; at most {REFUSAL_TEXT_CHARS}"]
+    if not reason.isprintable():
+        return ["reason: not one printable line"]
+    return []

@@ -1,5 +1,6 @@
-"""The aggregator's read-only status page: rounds, silos and their last contact, accuracy per round, and the
-audit log with its hash chain verified — what an operator or an auditor checks in a browser.
+"""The aggregator's read-only status page: its studies, where each stands, and for each that has run its
+rounds, silos and their last contact, accuracy per round, and the audit log with its hash chain verified —
+what an operator or an auditor checks in a browser.
 
 `[server] status_page = "host:port"` turns it on. On a loopback address it is served over plain HTTP to this
 machine only (reach it from elsewhere through an SSH tunnel), and only to requests holding the access token
@@ -36,6 +37,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from cryptography import x509
 
+from aggregator.catalog import STATES, StudyInfo
 from aggregator.store import AuditRecord, Store, StoreError
 from fedlt.atomic import atomic_write_text
 from fedlt.listen import LOOPBACK_NAMES, bracketed, is_loopback, split_listen
@@ -91,6 +93,57 @@ def snapshot(status: dict, about: dict, store: Store) -> dict:
     }
 
 
+def aggregator_snapshot(
+    default: dict | None, studies: list[dict], *, consortium_id: str, warnings: list[str]
+) -> dict:
+    """What the page and `status.json` show of the whole aggregator: its studies (`study_entry` each) and,
+    at the top level as before studies existed, the default study's `snapshot` (`default`; None when the
+    aggregator has none), so that scripts reading `status.json` keep working. The certificate warnings are
+    the aggregator's, not a study's."""
+    return {
+        **(default or {}),
+        "consortium_id": consortium_id,
+        "generated_unix_ms": int(time.time() * 1000),
+        "certificate_warnings": warnings,
+        "studies": studies,
+    }
+
+
+def study_entry(info: StudyInfo, detail: dict | None) -> dict:
+    """One study's row of `aggregator_snapshot`: where it stands, and its `snapshot` as `detail` (None for a
+    study with no store yet: queued, never run)."""
+    return {
+        "id": info.id,
+        "state": info.state,
+        "reason": info.reason,
+        "is_default": info.is_default,
+        "queue_position": info.queue_position,
+        "method": info.method,
+        "privacy": info.privacy,
+        "committed_rounds": info.committed_rounds,
+        "total_rounds": info.total_rounds,
+        "detail": detail,
+    }
+
+
+def study_states(studies: Iterable[StudyInfo]) -> dict[str, int]:
+    """The studies counted by state, every state named: `/metrics` then reads 0 for a state without studies
+    rather than nothing."""
+    counts = Counter(info.state for info in studies)
+    return {state: counts[state] for state in STATES}
+
+
+def standing(state: str, reason: str, queue_position: int) -> str:
+    """Where a study stands, in words: a queued study's place in line, then why it is where it is."""
+    said = f"queued, {ordinal(queue_position)} in line" if state == "queued" else state
+    return f"{said}: {reason}" if reason else said
+
+
+def ordinal(n: int) -> str:
+    suffix = "th" if n % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 @dataclass
 class AuditTally:
     """What the audit log says of rounds, for `/metrics` and each round's metrics: attempts ended by outcome,
@@ -131,7 +184,8 @@ def audit_tally(records: Iterable[AuditRecord]) -> AuditTally:
 
 STYLE = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 1.5em auto; max-width: 70em; color: #1b1b1b; }
-h1 { font-size: 1.4em; margin-bottom: 0.2em; } h2 { font-size: 1.1em; margin-top: 1.6em; }
+h1 { font-size: 1.4em; margin-bottom: 0.2em; } h2 { font-size: 1.2em; margin-top: 1.8em; }
+h3 { font-size: 1.05em; margin-top: 1.4em; }
 table { border-collapse: collapse; width: 100%; } th, td { text-align: left; padding: 0.25em 0.6em; }
 th { border-bottom: 2px solid #888; } td { border-bottom: 1px solid #ddd; vertical-align: top; }
 .ok { color: #176317; font-weight: 600; } .bad { color: #a31515; font-weight: 600; }
@@ -139,35 +193,72 @@ th { border-bottom: 2px solid #888; } td { border-bottom: 1px solid #ddd; vertic
 svg text { font: 11px system-ui, sans-serif; fill: #333; }
 """
 SERIES = (("accuracy", "overall", "#1f5fa8"), ("few", "few-shot", "#c0392b"))
+STATE_CLASS = {"running": "ok", "failed": "bad"}  # how the studies table colours a state
 
 
 def render(snap: dict) -> str:
+    """The page of `aggregator_snapshot`: the studies in a table, then each study that has run in a section
+    of its own, `#study-<id>`."""
     e = html.escape
-    done, total = snap["committed_rounds"], snap["total_rounds"]
+    sections = "".join(_study(row) for row in snap["studies"] if row["detail"] is not None)
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta http-equiv="refresh" content="15">
+<title>fedlt · {e(snap["consortium_id"])}</title><style>{STYLE}</style></head>
+<body>
+<h1>Consortium {e(snap["consortium_id"])}</h1>
+<p class="muted">read-only · as of {_when(snap["generated_unix_ms"])} UTC (refreshes every 15 s)</p>
+{_warnings(snap["certificate_warnings"])}
+<h2>Studies</h2>
+{_studies(snap["studies"])}
+{sections}</body></html>
+"""
+
+
+def _studies(rows: list[dict]) -> str:
+    """One line per study: a link to its section where it has one, where it stands, what it runs."""
+    e = html.escape
+    if not rows:
+        return (
+            "<p class='muted'>No study yet (the operator creates one: python -m aggregator study create).</p>"
+        )
+    lines = []
+    for row in rows:
+        key = e(row["id"])
+        name = f"<a href='#study-{key}'>{key}</a>" if row["detail"] is not None else key
+        if row["is_default"]:
+            name += " <span class='muted'>(default)</span>"
+        runs = f"{e(row['method'])} over {e(row['privacy'])}" if row["method"] else "-"
+        state = standing(row["state"], row["reason"], row["queue_position"])
+        lines.append(
+            f"<tr><td>{name}</td><td class='{STATE_CLASS.get(row['state'], 'muted')}'>{e(state)}</td>"
+            f"<td>{runs}</td><td>{row['committed_rounds']} of {row['total_rounds']}</td></tr>"
+        )
+    head = "<tr><th>study</th><th>state</th><th>method over layer</th><th>rounds committed</th></tr>"
+    return f"<table id='studies'>{head}{''.join(lines)}</table>"
+
+
+def _study(row: dict) -> str:
+    """A study's section: its rounds, the round in flight, its silos, accuracy and audit log."""
+    e, snap = html.escape, row["detail"]
+    key = f"study-{e(row['id'])}"
     flight = (
         f"<p>In flight: <code>{e(snap['round_id'])}</code>, {len(snap['submitted'])} of "
         f"{len(snap['participants'])} contributions, stage {e(snap['stage'])}.</p>"
         if snap["round_id"]
         else f"<p>Stage: {e(snap['stage'])}.</p>"
     )
-    return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><meta http-equiv="refresh" content="15">
-<title>fedlt · {e(snap["consortium_id"])}</title><style>{STYLE}</style></head>
-<body>
-<h1>Consortium {e(snap["consortium_id"])}</h1>
-<p class="muted">{e(snap["method"])} over {e(snap["privacy"])} · read-only · as of
-{_when(snap["generated_unix_ms"])} UTC (refreshes every 15 s)</p>
-<p id="rounds"><strong>{done} of {total}</strong> rounds committed · state
-<code>{e(snap["state_digest"][:16])}</code></p>
+    state = standing(row["state"], row["reason"], row["queue_position"])
+    return f"""<h2 id="{key}">Study {e(row["id"])}</h2>
+<p class="muted">{e(snap["method"])} over {e(snap["privacy"])} · {e(state)}</p>
+<p id="{key}-rounds"><strong>{snap["committed_rounds"]} of {snap["total_rounds"]}</strong> rounds committed
+· state <code>{e(snap["state_digest"][:16])}</code></p>
 {flight}
-{_warnings(snap.get("certificate_warnings", []))}
-<h2>Silos</h2>
-{_silos(snap)}
-<h2>Accuracy per round</h2>
-{_chart(snap["metrics"], snap["total_rounds"])}
-<h2>Audit log</h2>
-{_audit(snap["audit"])}
-</body></html>
+<h3>Silos</h3>
+{_silos(snap, key)}
+<h3>Accuracy per round</h3>
+{_chart(snap["metrics"], snap["total_rounds"], key)}
+<h3>Audit log</h3>
+{_audit(snap["audit"], key)}
 """
 
 
@@ -183,7 +274,7 @@ def _when(unix_ms: int) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(unix_ms / 1000))
 
 
-def _silos(snap: dict) -> str:
+def _silos(snap: dict, key: str) -> str:
     if not snap["silos"]:
         return "<p class='muted'>No silo has registered yet.</p>"
     now = snap["generated_unix_ms"]
@@ -199,7 +290,7 @@ def _silos(snap: dict) -> str:
         )
     head = "<tr><th>silo</th><th>connected</th><th>activity</th><th>last contact</th>"
     head += "<th>last round</th><th>ε left</th></tr>"
-    return f"<table id='silos'>{head}{''.join(rows)}</table>"
+    return f"<table id='{key}-silos'>{head}{''.join(rows)}</table>"
 
 
 def _epsilon_left(silo: dict, dp: bool) -> str:
@@ -223,7 +314,7 @@ def _activity(silo: dict) -> str:
     )
 
 
-def _chart(metrics: list[dict], total_rounds: int, width: int = 720, height: int = 260) -> str:
+def _chart(metrics: list[dict], total_rounds: int, key: str, width: int = 720, height: int = 260) -> str:
     """An inline SVG line chart (no scripts, nothing fetched): accuracy and few-shot accuracy in % over the
     run's rounds, so the chart also shows how far the run is."""
     points = [m for m in metrics if m.get("accuracy") is not None]
@@ -241,7 +332,7 @@ def _chart(metrics: list[dict], total_rounds: int, width: int = 720, height: int
         return top + (height - top - bottom) * (1 - value)
 
     parts = [
-        f"<svg id='accuracy' role='img' width='{width}' height='{height}' "
+        f"<svg id='{key}-accuracy' role='img' width='{width}' height='{height}' "
         f"viewBox='0 0 {width} {height}' aria-label='accuracy per round'>"
     ]
     for tick in (0, 0.25, 0.5, 0.75, 1.0):
@@ -264,11 +355,11 @@ def _chart(metrics: list[dict], total_rounds: int, width: int = 720, height: int
     return "".join(parts) + f"<p>Last evaluated round {points[-1]['round']}: {' · '.join(legend)}</p>"
 
 
-def _audit(audit: dict) -> str:
+def _audit(audit: dict, key: str) -> str:
     verdict = (
-        f"<p id='chain' class='ok'>Hash chain verified over all {audit['records']} records.</p>"
+        f"<p id='{key}-chain' class='ok'>Hash chain verified over all {audit['records']} records.</p>"
         if audit["verified"]
-        else f"<p id='chain' class='bad'>Hash chain broken: {html.escape(audit['problem'])}</p>"
+        else f"<p id='{key}-chain' class='bad'>Hash chain broken: {html.escape(audit['problem'])}</p>"
     )
     rows = "".join(
         f"<tr><td>{r['seq']}</td><td>{_when(r['at_unix_ms'])}</td><td>{html.escape(r['event'])}</td>"
@@ -277,7 +368,7 @@ def _audit(audit: dict) -> str:
     )
     shown = f"<p class='muted'>The newest {len(audit['recent'])}, newest first.</p>"
     head = "<tr><th>#</th><th>UTC</th><th>event</th><th>detail</th></tr>"
-    return f"{verdict}{shown}<table id='audit'>{head}{rows}</table>"
+    return f"{verdict}{shown}<table id='{key}-audit'>{head}{rows}</table>"
 
 
 # --- serving ----------------------------------------------------------------------------------------------

@@ -63,6 +63,7 @@ CREATE TRIGGER IF NOT EXISTS audit_no_delete BEFORE DELETE ON audit
     BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END;
 """
 
+DATABASE = "consortium.sqlite"  # in the data directory of each study
 GENESIS = "0" * 64
 AUTOCHECKPOINT_PAGES = 10_000  # 40 MB of 4 KiB pages: a safety net between the driver's checkpoints
 AUDIT_KEY_ID = b"fedlt/audit-key-id/v1"

@@ -1,7 +1,7 @@
 """Audit a real aggregator: the attacks run on what a deployment's database actually keeps.
 
 An operator points `audit_aggregator_data` at the aggregator's data folder (`server.data_dir` of
-consortium.toml); its SQLite database (`aggregator.server.DATABASE`) is opened read-only, never through
+consortium.toml); its SQLite database (`aggregator.store.DATABASE`) is opened read-only, never through
 `Store`, which creates the file and writes to it. What the store keeps, and so what is attacked:
 
 - states: the committed global states `[retention]` keeps (the last 3 by default; others are blanked; a state
@@ -39,7 +39,7 @@ import torch
 
 from aggregator.config import ConsortiumConfig, load_consortium_config
 from aggregator.held_state import SEALED
-from aggregator.server import DATABASE
+from aggregator.store import DATABASE
 from attacks.analytic import recover_feature
 from attacks.audit import Finding
 from attacks.config import Thresholds

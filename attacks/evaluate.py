@@ -50,7 +50,7 @@ def audit_deployment(
 ) -> int:
     """The attacks that apply to what a real aggregator stored in `folder`, with the grid's thresholds;
     `settings`, its consortium.toml, names the consortium in the report."""
-    from aggregator.server import DATABASE
+    from aggregator.store import DATABASE
     from attacks.aggregator_data import audit_stored, describe_store, read_aggregator_data
     from attacks.report import EXIT_CODES, console_summary, verdict, verdict_line, write_report
     from fedlt.data.embedded import load_embedded

@@ -23,11 +23,12 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
+from aggregator.catalog import STUDIES
 from aggregator.config import ConsortiumSection, TimeoutSection, load_consortium_config
 from aggregator.demo import demo_layer_settings, point_silos_at, wait_for_address, write_consortium
 from aggregator.server import derive_audit_key
 from aggregator.service import CertificateGate, ConsortiumServicer, Identity
-from aggregator.store import AuditKey, Store
+from aggregator.store import DATABASE, AuditKey, Store
 from fedlt.data.federation import DataConfig
 from fedlt.keepalive import MIN_SECONDS
 from fedlt.methods import TrainConfig
@@ -276,11 +277,13 @@ class Consortium:
         finally:
             store.close()
 
-    def store(self) -> Store:
-        """The aggregator's store, opened with the audit key it derives from its private key."""
+    def store(self, study: str = "") -> Store:
+        """The store of a study (the default one unless named), opened with the audit key the aggregator
+        derives from its private key."""
         config = load_consortium_config(self.directory / "consortium.toml")
         key = derive_audit_key(load_private_key(config.path(config.server.key)))
-        return Store(self.data_dir / "consortium.sqlite", audit_key=key)
+        data_dir = self.data_dir / STUDIES / study if study else self.data_dir
+        return Store(data_dir / DATABASE, audit_key=key)
 
 
 class PayloadEngine:

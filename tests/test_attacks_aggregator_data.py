@@ -24,8 +24,7 @@ from hypothesis import strategies as st
 
 from aggregator.config import load_consortium_config
 from aggregator.held_state import SEALED
-from aggregator.server import DATABASE
-from aggregator.store import Retention, Store
+from aggregator.store import DATABASE, Retention, Store
 from attacks.aggregator_data import (
     AggregatorDataError,
     _rounds,

@@ -25,8 +25,7 @@ from aggregator.__main__ import main as aggregator_main
 from aggregator.config import ConsortiumSection, TimeoutSection, load_consortium_config
 from aggregator.demo import write_consortium
 from aggregator.held_state import HeldState
-from aggregator.server import DATABASE
-from aggregator.store import Retention, Store
+from aggregator.store import DATABASE, Retention, Store
 from fedlt.aggregation import record
 from fedlt.export import CARD, README, WEIGHTS, ExportError, load_exported, write_export
 from fedlt.methods import GlobalState, Method

@@ -36,9 +36,9 @@ from hypothesis import strategies as st
 
 from aggregator import server
 from aggregator.config import load_consortium_config
-from aggregator.server import DATABASE
-from aggregator.service import CertificateGate, ConsortiumServicer, OperatorServicer
-from aggregator.store import Store
+from aggregator.service import CertificateGate, OperatorServicer
+from aggregator.store import DATABASE, Store
+from aggregator.studies import Studies, StudyRouter
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc, operator_pb2, operator_pb2_grpc, round_pb2
 from tests.consortium_harness import Consortium, channel, read_all, register
@@ -60,9 +60,9 @@ SERVICES = (
 )
 METHODS: dict[str, MethodDescriptor] = {m.name: m for service in SERVICES for m in service.methods}
 # Who calls: silo-0 takes part in the round in flight and keeps its directive stream open throughout; Join
-# replaces the caller's stream, so silo-2 (invited too, its stream expendable) fuzzes it; Status is the
-# operator's.
-CALLER = {"Join": "silo-2", "Status": "operator"}
+# replaces the caller's stream, so silo-2 (invited too, its stream expendable) fuzzes it; the operator calls
+# every RPC of the operator's service.
+CALLER = {"Join": "silo-2", **{m.name: "operator" for m in SERVICES[1].methods}}
 OPEN_ENDED = {"Join"}  # streams that last as long as the session: one response shows the call was taken
 # The codes a request that parses may get, with the reason each is right for this consortium (secagg, round
 # waiting for keys, caller silo-0). A request that does not parse is INVALID_ARGUMENT; one over gRPC's size
@@ -97,7 +97,17 @@ EXPECTED: dict[str, frozenset[grpc.StatusCode]] = {
     # a state report that parses still names no round whose sum silo-0 was counted in
     "ReportState": frozenset({CODE.INVALID_ARGUMENT, CODE.FAILED_PRECONDITION, CODE.PERMISSION_DENIED}),
     "ReportEvaluation": frozenset({CODE.FAILED_PRECONDITION}),
-    "Status": frozenset({CODE.OK}),
+    # the default study (no id, or its own), an id no study has, or a string no study id can be
+    "Status": frozenset({CODE.OK, CODE.NOT_FOUND, CODE.INVALID_ARGUMENT}),
+    # a study file that passes the aggregator's checks is queued (the fuzzer's silos never join it); an id
+    # taken by an earlier example exists already; anything else is refused, listing its problems
+    "CreateStudy": frozenset({CODE.OK, CODE.ALREADY_EXISTS, CODE.INVALID_ARGUMENT}),
+    "ListStudies": frozenset({CODE.OK}),
+    # only a study an earlier example created can be found, and then its state decides; the known strings
+    # hold no default study's id, so the round in flight runs on
+    "PauseStudy": frozenset({CODE.OK, CODE.NOT_FOUND, CODE.FAILED_PRECONDITION, CODE.INVALID_ARGUMENT}),
+    "ResumeStudy": frozenset({CODE.OK, CODE.NOT_FOUND, CODE.FAILED_PRECONDITION, CODE.INVALID_ARGUMENT}),
+    "CancelStudy": frozenset({CODE.OK, CODE.NOT_FOUND, CODE.FAILED_PRECONDITION, CODE.INVALID_ARGUMENT}),
 }
 
 
@@ -578,6 +588,9 @@ class Context:
     def auth_context(self) -> dict[str, list[bytes]]:
         return {"x509_pem_cert": [self.pem]}
 
+    def invocation_metadata(self) -> tuple:
+        return ()  # no study named: the default study's, as the fuzzed silos' calls over the wire
+
     def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise Aborted(code, details)
 
@@ -654,43 +667,46 @@ class InProcess:
     known: Known
 
     def changes(self) -> int:
-        """Rows the aggregator's store connection has written, ever."""
+        """Rows the default study's store connection has written, ever (the fuzzed calls name no study)."""
         return self.store._db.total_changes
 
 
 @pytest.fixture(scope="module")
 def in_process(tmp_path_factory) -> Iterator[InProcess]:
-    """`serve` in this process, its servicers and gate taken as it builds them; silos register and join
-    in-process too, and their directive streams stay open until the end."""
+    """`serve` in this process, its servicers and gate taken as it builds them; once its studies started
+    (before that, a silo's call finds the default study queued), silos register and join in-process too,
+    and their directive streams stay open until the end."""
     consortium = _consortium(tmp_path_factory)
     built: dict[str, object] = {}
-    all_built = threading.Event()
+    started = threading.Event()
 
     def taken(cls: type) -> type:
         class Taken(cls):
             def __init__(self, *args, **kwargs) -> None:
                 super().__init__(*args, **kwargs)
                 built[cls.__name__] = self
-                if len(built) == 3:
-                    all_built.set()
 
         return Taken
+
+    class Started(Studies):
+        def start(self) -> None:
+            super().start()
+            started.set()
 
     stop = threading.Event()
     config = load_consortium_config(consortium.directory / "consortium.toml")
     with pytest.MonkeyPatch.context() as patch:
-        for cls in (ConsortiumServicer, OperatorServicer, CertificateGate):
+        for cls in (StudyRouter, OperatorServicer, CertificateGate):
             patch.setattr(server, cls.__name__, taken(cls))
+        patch.setattr(server, "Studies", Started)
         serving = threading.Thread(
             target=server.serve, args=(config,), kwargs={"stop": stop, "echo": lambda *_: None}
         )
         serving.start()
-        assert all_built.wait(120), "serve() did not build its servicers"
+        assert started.wait(120), "serve() did not start its studies"
     gate = built["CertificateGate"]
     handlers = {
-        **_gated(
-            gate, built["ConsortiumServicer"], consortium_pb2_grpc.add_ConsortiumServiceServicer_to_server
-        ),
+        **_gated(gate, built["StudyRouter"], consortium_pb2_grpc.add_ConsortiumServiceServicer_to_server),
         **_gated(gate, built["OperatorServicer"], operator_pb2_grpc.add_OperatorServiceServicer_to_server),
     }
     pki = consortium.directory / "pki"
@@ -704,9 +720,9 @@ def in_process(tmp_path_factory) -> Iterator[InProcess]:
             assert registered.code == CODE.OK, registered
             stream = handlers["Join"].unary_stream(pb.JoinRequest(), context)
             threading.Thread(target=read_all, args=(stream, directives), daemon=True).start()
-        yield InProcess(
-            handlers, pems, built["ConsortiumServicer"].store, _known(directives.get(timeout=120))
-        )
+        known = _known(directives.get(timeout=120))
+        studies = built["StudyRouter"].studies
+        yield InProcess(handlers, pems, studies.runs[studies.catalog.default()].store, known)
     finally:
         for context in sessions.values():
             context.end()

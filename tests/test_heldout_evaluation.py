@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aggregator.config import ConsortiumConfig, load_consortium_config
-from aggregator.server import _recorder
 from aggregator.store import Store
+from aggregator.study_run import open_recorder
 from fedlt.aggregation import Field, Schema, evaluation_block
 from fedlt.aggregation.evaluation_block import CORRECT, RECORDS, TOTAL, HeldOutCounts
 from fedlt.aggregation.gate import RepeatedRelease
@@ -297,7 +297,7 @@ def test_a_restarted_aggregator_keeps_the_shot_groups_summed_in_round_1(tmp_path
     try:
         counts = [150, 90, 60, 40, 30, 25, 20, 15, 10, 5]
         store.save_metrics(0, {"round": 0, "accuracy": 0.1, "train_counts": counts})
-        recorder = _recorder(config, tmp_path / "data", store)
+        recorder = open_recorder(config, tmp_path / "data", store)
     finally:
         store.close()
     assert recorder.test is None

@@ -20,10 +20,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from aggregator.catalog import STATES, StudyInfo
 from aggregator.config import ConsortiumConfig, ConsortiumSection, load_consortium_config
-from aggregator.server import _RoundFacts, consortium_facts
-from aggregator.status_page import StatusPage, snapshot
+from aggregator.status_page import StatusPage, study_states
 from aggregator.store import AuditKey, Store
+from aggregator.study_run import RoundFacts, study_facts
 from fedlt.config import read_toml, render_toml
 from fedlt.errors import ConfigError
 from fedlt.sim.config import load_sim_config
@@ -238,6 +239,20 @@ def store(tmp_path):
     s.close()
 
 
+@pytest.fixture
+def imaging(tmp_path):
+    """A second study's store: one committed round counting alpha and gamma, 50 seconds, not evaluated."""
+    s = Store(tmp_path / "imaging.sqlite", audit_key=AUDIT_KEY)
+    s.save_initial_state("i0", b"w")
+    _, round_id = s.begin_attempt(1, ["alpha", "gamma"], "i1")
+    for silo in ("alpha", "gamma"):
+        s.record_contribution(round_id, silo, "cd" * 32)
+    s.commit_round(round_number=1, round_id=round_id, digest="i1", data=b"w", contributors=["alpha", "gamma"])
+    s.save_metrics(1, {"round": 1, "seconds": 50.0, "contributors": ["alpha", "gamma"]})
+    yield s
+    s.close()
+
+
 SILOS = [
     {
         "silo_id": "alpha",
@@ -255,34 +270,51 @@ SILOS = [
         "last_contributed_round": 0,
     },
 ]
+IMAGING_SILOS = [
+    {
+        **SILOS[0],
+        "last_contributed_round": 1,
+        "privacy_remaining": 2.25,
+    },  # one ledger, reported in each study
+    {
+        **SILOS[0],
+        "silo_id": "gamma",
+        "connected": False,
+        "last_contributed_round": 1,
+        "privacy_remaining": None,
+    },
+]
 
 
-def _config(*, dp: bool) -> ConsortiumConfig:
-    config = ConsortiumConfig(consortium=ConsortiumSection(id="st-test", rounds=5))
-    return replace(config, plan=replace(config.plan, dp=replace(config.plan.dp, enabled=dp)))
+def _config(*, dp: bool, method: str = "fedavg", privacy: str = "secagg") -> ConsortiumConfig:
+    config = ConsortiumConfig(consortium=ConsortiumSection(id="st-test", rounds=5, privacy=privacy))
+    plan = replace(config.plan, dp=replace(config.plan.dp, enabled=dp))
+    return replace(config, plan=replace(plan, method=replace(plan.method, name=method)))
 
 
-def _inbox(held_bytes: int = 1234) -> SimpleNamespace:
-    """What `consortium_facts` reads of the round inbox: its status, the rounds asked for, the held state."""
+def _inbox(
+    held_bytes: int = 1234, *, silos: list[dict] = SILOS, committed: int = 2, total: int = 5
+) -> SimpleNamespace:
+    """What `study_facts` reads of a study's round inbox: its status, the rounds asked for, the held state."""
     status = {
-        "committed_rounds": 2,
+        "committed_rounds": committed,
         "stage": "gathering",
         "round_id": "",
         "deadline_ms": 0,
         "participants": [],
         "submitted": [],
         "state_digest": "d2",
-        "silos": SILOS,
+        "silos": silos,
     }
     table = SimpleNamespace(held=SimpleNamespace(blob=b"x" * held_bytes))
-    return SimpleNamespace(status=lambda: status, total_rounds=5, table=table)
+    return SimpleNamespace(status=lambda: status, total_rounds=total, table=table)
 
 
-def _page(tmp_path: Path, facts, *, metrics=None) -> StatusPage:
+def _page(tmp_path: Path, *, metrics=None) -> StatusPage:
     init_ca(tmp_path / "ca", name="test CA")
     revocations = RevocationList.load(tmp_path / "ca" / "ca.pem", tmp_path / "ca" / "crl.pem")
     return StatusPage(
-        "127.0.0.1:0", facts, revocations, token_file=tmp_path / "status-page.token", metrics=metrics
+        "127.0.0.1:0", dict, revocations, token_file=tmp_path / "status-page.token", metrics=metrics
     ).start()
 
 
@@ -306,57 +338,122 @@ def _value(families: dict, name: str, sample: str | None = None, **labels: str) 
     return found
 
 
+def _aggregator(store: Store, imaging: Store) -> bytes:
+    """The exposition of an aggregator running the default study and `imaging` (fedprox over ckks, no
+    evaluation), with a third study queued and one done long ago whose run is closed (no facts)."""
+    studies = [
+        study_facts(_config(dp=True), _inbox(), store, study="main"),
+        study_facts(
+            _config(dp=True, method="fedprox", privacy="ckks"),
+            _inbox(99, silos=IMAGING_SILOS, committed=1, total=2),
+            imaging,
+            study="imaging",
+        ),
+    ]
+    catalog = [
+        StudyInfo(study, state, "", 0, 0, 0, study == "main")
+        for study, state in (("main", "running"), ("imaging", "running"), ("later", "queued"), ("y", "done"))
+    ]
+    return exposition(ConsortiumCollector(studies, states=study_states(catalog), certificate_warnings=1))
+
+
 @pytest.fixture
-def scraped_page(tmp_path, store):
-    watch = SimpleNamespace(warnings=lambda: ["the CA expires in 9 days"])
-    config = _config(dp=True)
-    page = _page(
-        tmp_path,
-        lambda: snapshot(_inbox().status(), {}, store),
-        metrics=lambda: exposition(ConsortiumCollector(consortium_facts(config, _inbox(), store, watch))),
-    )
+def scraped_page(tmp_path, store, imaging):
+    page = _page(tmp_path, metrics=lambda: _aggregator(store, imaging))
     yield page
     page.stop()
 
 
-def test_prometheus_reads_the_aggregators_metrics_with_the_bearer_token(scraped_page):
-    host, port = scraped_page.server.server_address[:2]
-    token = scraped_page.token_file.read_text().strip()
+def _scraped(page: StatusPage) -> dict:
+    host, port = page.server.server_address[:2]
+    token = page.token_file.read_text().strip()
     status, kind, text = _scrape(host, port, {"Authorization": f"Bearer {token}"})
     assert status == 200
     assert kind.startswith("text/plain; version=0.0.4")
-    f = _families(text)
+    return _families(text)
+
+
+def test_prometheus_reads_each_studys_metrics_under_its_label_with_the_bearer_token(scraped_page):
+    f = _scraped(scraped_page)
+    main = {"study": "main"}
     assert f["fedlt_rounds_committed"].type == "counter"
-    assert _value(f, "fedlt_rounds_committed", "fedlt_rounds_committed_total") == 2
-    assert _value(f, "fedlt_rounds_planned") == 5
+    assert _value(f, "fedlt_rounds_committed", "fedlt_rounds_committed_total", **main) == 2
+    assert _value(f, "fedlt_rounds_planned", **main) == 5
     assert f["fedlt_round_duration_seconds"].type == "histogram"
-    assert _value(f, "fedlt_round_duration_seconds", "fedlt_round_duration_seconds_count") == 2
-    assert _value(f, "fedlt_round_duration_seconds", "fedlt_round_duration_seconds_sum") == 12.0
-    assert _value(f, "fedlt_round_duration_seconds", "fedlt_round_duration_seconds_bucket", le="5.0") == 1
+    assert _value(f, "fedlt_round_duration_seconds", "fedlt_round_duration_seconds_count", **main) == 2
+    assert _value(f, "fedlt_round_duration_seconds", "fedlt_round_duration_seconds_sum", **main) == 12.0
+    bucket = "fedlt_round_duration_seconds_bucket"
+    assert _value(f, "fedlt_round_duration_seconds", bucket, le="5.0", **main) == 1
     assert f["fedlt_test_accuracy"].type == "gauge"
-    assert _value(f, "fedlt_test_accuracy", group="overall") == pytest.approx(0.7)
-    assert _value(f, "fedlt_test_accuracy", group="few") == pytest.approx(0.2)
+    assert _value(f, "fedlt_test_accuracy", group="overall", **main) == pytest.approx(0.7)
+    assert _value(f, "fedlt_test_accuracy", group="few", **main) == pytest.approx(0.2)
     assert {s.labels["group"] for s in f["fedlt_test_accuracy"].samples} == {"overall", "many", "few"}
-    assert _value(f, "fedlt_test_accuracy_round") == 2
+    assert _value(f, "fedlt_test_accuracy_round", **main) == 2
     classes = ConsortiumConfig().plan.model.classes
     per_class = {s.labels["class"]: s.value for s in f["fedlt_test_class_accuracy"].samples}
     assert per_class == {classes[0]: pytest.approx(0.7), classes[2]: 0.25}  # class 1: no records, no sample
-    assert _value(f, "fedlt_silos_connected") == 1
-    assert _value(f, "fedlt_silos_registered") == 2
-    assert _value(f, "fedlt_silo_connected", silo="beta") == 0
-    assert _value(f, "fedlt_silo_last_seen_timestamp_seconds", silo="alpha") == 1_700_000_000
-    assert _value(f, "fedlt_epsilon_remaining", silo="alpha") == 6.5
-    assert {s.labels["silo"] for s in f["fedlt_epsilon_remaining"].samples} == {"alpha"}  # beta reports none
-    assert _value(f, "fedlt_dropouts", "fedlt_dropouts_total") == 2
-    assert _value(f, "fedlt_refusals", "fedlt_refusals_total", code="policy") == 1
-    assert _value(f, "fedlt_attempts", "fedlt_attempts_total", outcome="committed") == 2
-    assert _value(f, "fedlt_attempts", "fedlt_attempts_total", outcome="aborted") == 1
-    assert _value(f, "fedlt_contributions", "fedlt_contributions_total") == 2
-    assert _value(f, "fedlt_state_bytes") == 1234
-    assert _value(f, "fedlt_audit_chain_verified") == 1
-    assert _value(f, "fedlt_certificate_warnings") == 1
-    info = f["fedlt_consortium_info"].samples[0].labels  # an info metric: a gauge of 1 in this format
-    assert info == {"consortium": "st-test", "method": "fedavg", "privacy": "secagg"}
+    assert _value(f, "fedlt_silos_connected", **main) == 1
+    assert _value(f, "fedlt_silos_registered", **main) == 2
+    assert _value(f, "fedlt_silo_connected", silo="beta", **main) == 0
+    assert _value(f, "fedlt_silo_last_seen_timestamp_seconds", silo="alpha", **main) == 1_700_000_000
+    assert _value(f, "fedlt_epsilon_remaining", silo="alpha", **main) == 6.5
+    assert _value(f, "fedlt_dropouts", "fedlt_dropouts_total", **main) == 2
+    assert _value(f, "fedlt_refusals", "fedlt_refusals_total", code="policy", **main) == 1
+    assert _value(f, "fedlt_attempts", "fedlt_attempts_total", outcome="committed", **main) == 2
+    assert _value(f, "fedlt_attempts", "fedlt_attempts_total", outcome="aborted", **main) == 1
+    assert _value(f, "fedlt_contributions", "fedlt_contributions_total", **main) == 2
+    assert _value(f, "fedlt_state_bytes", **main) == 1234
+    assert _value(f, "fedlt_audit_chain_verified", **main) == 1
+    info = _value(f, "fedlt_consortium_info", method="fedavg", **main)
+    assert info == 1  # an info metric: a gauge of 1 in this format, its facts in the labels
+
+
+def test_two_studies_each_have_their_own_series_and_the_aggregators_facts_appear_once(scraped_page):
+    f = _scraped(scraped_page)
+    aggregator_wide = {"fedlt_studies", "fedlt_certificate_warnings"}
+    for name, family in f.items():
+        studies = {s.labels.get("study") for s in family.samples}
+        if name in aggregator_wide:
+            assert studies == {None}, name
+        elif family.samples:
+            assert studies <= {"main", "imaging"}, name
+    assert f["fedlt_studies"].type == "gauge"
+    by_state = {s.labels["state"]: s.value for s in f["fedlt_studies"].samples}
+    assert by_state == {state: {"running": 2, "queued": 1, "done": 1}.get(state, 0) for state in STATES}
+    (warnings,) = f["fedlt_certificate_warnings"].samples
+    assert (warnings.labels, warnings.value) == ({}, 1)
+    imaging = {"study": "imaging"}
+    info = {s.labels["study"]: s.labels for s in f["fedlt_consortium_info"].samples}
+    assert info["imaging"] == {
+        "study": "imaging",
+        "consortium": "st-test",
+        "method": "fedprox",
+        "privacy": "ckks",
+    }
+    assert info["main"]["method"] == "fedavg"
+    for name, main, other in (
+        ("fedlt_rounds_committed_total", 2, 1),
+        ("fedlt_rounds_planned", 5, 2),
+        ("fedlt_silos_registered", 2, 2),
+        ("fedlt_state_bytes", 1234, 99),
+        ("fedlt_dropouts_total", 2, 0),
+        ("fedlt_contributions_total", 2, 2),
+        ("fedlt_round_duration_seconds_count", 2, 1),
+        ("fedlt_round_duration_seconds_sum", 12.0, 50.0),
+    ):
+        found = {
+            s.labels["study"]: s.value for family in f.values() for s in family.samples if s.name == name
+        }
+        assert found == {"main": main, "imaging": other}, name
+    assert _value(f, "fedlt_silo_connected", silo="gamma", **imaging) == 0
+    assert _value(f, "fedlt_silo_last_contributed_round", silo="alpha", **imaging) == 1
+    left = {(s.labels["study"], s.labels["silo"]): s.value for s in f["fedlt_epsilon_remaining"].samples}
+    assert left == {("main", "alpha"): 6.5, ("imaging", "alpha"): 2.25}  # beta and gamma report none
+    assert not [s for s in f["fedlt_refusals"].samples if s.labels["study"] == "imaging"]
+    assert _value(f, "fedlt_attempts", "fedlt_attempts_total", outcome="aborted", **imaging) == 0
+    accuracy = {s.labels["study"] for name in ("fedlt_test_accuracy", "fedlt_test_accuracy_round")
+                for s in f[name].samples}  # fmt: skip
+    assert accuracy == {"main"}  # imaging has no evaluated round: no sample, not 0
 
 
 def test_a_scrape_without_the_token_or_under_another_host_name_reads_nothing(scraped_page):
@@ -373,16 +470,24 @@ def test_a_scrape_without_the_token_or_under_another_host_name_reads_nothing(scr
 
 
 def test_without_dp_in_the_plan_no_silos_epsilon_is_shown_as_this_studys(store):
-    text = exposition(
-        ConsortiumCollector(
-            consortium_facts(_config(dp=False), _inbox(), store, SimpleNamespace(warnings=list))
-        )
-    ).decode()
+    facts = study_facts(_config(dp=False), _inbox(), store, study="main")
+    text = exposition(ConsortiumCollector([facts], states={}, certificate_warnings=0)).decode()
     assert "fedlt_epsilon_remaining{" not in text
 
 
-def test_a_status_page_without_metrics_has_no_metrics_path(tmp_path, store):
-    page = _page(tmp_path, lambda: snapshot(_inbox().status(), {}, store))
+def test_an_aggregator_with_no_study_running_still_says_what_waits(store):
+    """Every study queued: no study's series, the states and the warnings all the same."""
+    queued = [StudyInfo("later", "queued", "", 0, 0, 0, False)]
+    f = _families(
+        exposition(ConsortiumCollector([], states=study_states(queued), certificate_warnings=0)).decode()
+    )
+    assert _value(f, "fedlt_studies", state="queued") == 1
+    assert _value(f, "fedlt_certificate_warnings") == 0
+    assert not f["fedlt_rounds_committed"].samples
+
+
+def test_a_status_page_without_metrics_has_no_metrics_path(tmp_path):
+    page = _page(tmp_path)
     try:
         host, port = page.server.server_address[:2]
         token = page.token_file.read_text().strip()
@@ -392,7 +497,7 @@ def test_a_status_page_without_metrics_has_no_metrics_path(tmp_path, store):
 
 
 def test_each_rounds_tensorboard_facts_come_from_the_audit_log_and_the_silos_reports(store):
-    facts = _RoundFacts(store, dp=True)
+    facts = RoundFacts(store, dp=True)
     assert facts(1) == {"silos/invited": 2, "silos/counted": 1, "silos/dropouts": 1}  # no round table yet
     facts.rounds = SimpleNamespace(inbox=_inbox(), table=_inbox(99).table)
     assert facts(2) == {

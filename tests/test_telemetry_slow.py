@@ -23,11 +23,12 @@ from mlflow.tracking import MlflowClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from aggregator.config import ConsortiumConfig, ConsortiumSection, MonitoringSection
-from aggregator.server import _RoundFacts, _telemetry
 from aggregator.store import Store
+from aggregator.study_run import RoundFacts, study_telemetry
 from fedlt.config import read_toml, render_toml
 from fedlt.sim.config import load_sim_config
 from fedlt.sim.run import run_simulation
+from fedlt.studies import DEFAULT_STUDY
 from fedlt.telemetry import TENSORBOARD
 from tests.consortium_harness import Consortium
 from tests.test_telemetry import AUDIT_KEY, FAST, _expected, _scalars
@@ -116,7 +117,7 @@ def test_the_aggregator_logs_its_rounds_and_their_silos_to_the_mlflow_run_its_co
             consortium=ConsortiumSection(id="st-test"),
             monitoring=MonitoringSection(mlflow_uri=tracking_server, mlflow_experiment=EXPERIMENT),
         )
-        telemetry = _telemetry(config, tmp_path, [], ("a", "b"), _RoundFacts(store, dp=False))
+        telemetry = study_telemetry(config, tmp_path, [], ("a", "b"), RoundFacts(store, dp=False))
         telemetry.record({"round": 1, "accuracy": 0.75, "per_class": [0.5, 1.0], "seconds": 2.5}, ("a", "b"))
         telemetry.close()
     finally:
@@ -200,5 +201,5 @@ def _families(text: str) -> dict[str, float]:
         sample.name: sample.value
         for family in text_string_to_metric_families(text)
         for sample in family.samples
-        if not sample.labels
+        if sample.labels in ({}, {"study": DEFAULT_STUDY})
     }

@@ -1,8 +1,9 @@
 """Prometheus metrics, in the text format `prometheus_client` writes (its registry and `generate_latest`).
 
-Two endpoints. The aggregator's (`ConsortiumFacts`, served at `/metrics` by the status page, under the
-page's credentials): rounds, round durations, test accuracy, silos and their contact, attempts, refusals
-and dropouts from the audit log, and each silo's ε left as it chose to report it. A silo agent's own
+Two endpoints. The aggregator's (`ConsortiumCollector`, served at `/metrics` by the status page, under the
+page's credentials): its studies by state and, for each study that has run (`ConsortiumFacts`, under a
+`study` label), rounds, round durations, test accuracy, silos and their contact, attempts, refusals and
+dropouts from the study's audit log, and each silo's ε left as it chose to report it. A silo agent's own
 (`SiloMetrics`, served by `MetricsServer`, off by default): only what the silo itself knows.
 
 Metric names follow Prometheus's conventions: `_total` counters, `_seconds` and `_bytes` units, one
@@ -53,16 +54,20 @@ def exposition(collector: Collector) -> bytes:
 
 # --- the aggregator -----------------------------------------------------------------------------------
 
+STUDY = ("study",)  # the label of every series that is one study's
+
 
 @dataclass(frozen=True)
 class ConsortiumFacts:
-    """What the aggregator knows at a scrape. `silos`: the round table's view of each silo (`silo_id`,
-    `connected`, `last_seen_unix_ms`, `last_contributed_round`, and `privacy_remaining` where the silo
-    reports it); `history`: the recorded metrics entries, in order; `attempts` by outcome and `refusals` by
-    code, from the audit log, as are `dropouts` (silos a committed round invited and its sum did not count)
-    and `contributions` (accepted); `state_bytes`: the global state each invited silo downloads."""
+    """What the aggregator knows of one study at a scrape. `silos`: the study's round table's view of each
+    silo (`silo_id`, `connected`, `last_seen_unix_ms`, `last_contributed_round`, and `privacy_remaining`
+    where the silo reports it); `history`: the recorded metrics entries, in order; `attempts` by outcome and
+    `refusals` by code, from the study's audit log, as are `dropouts` (silos a committed round invited and
+    its sum did not count) and `contributions` (accepted); `state_bytes`: the global state each invited silo
+    downloads."""
 
     consortium: str
+    study: str
     method: str
     privacy: str
     planned_rounds: int
@@ -78,124 +83,188 @@ class ConsortiumFacts:
     state_bytes: int | None = None
     audit_verified: bool = True
     audit_records: int = 0
-    certificate_warnings: int = 0
 
 
 class ConsortiumCollector:
-    """`ConsortiumFacts` as metric families, made afresh at each scrape."""
+    """The aggregator's metric families, made afresh at each scrape: each study's `ConsortiumFacts` under a
+    `study` label (a queued study that never ran has none), the studies counted by state (`states`: every
+    state the catalog knows, none left out, so a state without studies reads 0), and the certificate
+    warnings, which are the aggregator's, once."""
 
-    def __init__(self, facts: ConsortiumFacts) -> None:
-        self.facts = facts
+    def __init__(
+        self, studies: Sequence[ConsortiumFacts], *, states: Mapping[str, int], certificate_warnings: int
+    ) -> None:
+        self.studies = studies
+        self.states = states
+        self.certificate_warnings = certificate_warnings
 
     def collect(self) -> Iterator[Metric]:
-        f = self.facts
-        yield InfoMetricFamily(
-            "fedlt_consortium",
-            "The consortium this aggregator serves",
-            value={"consortium": f.consortium, "method": f.method, "privacy": f.privacy},
+        studies = self.studies
+        by_state = GaugeMetricFamily(
+            "fedlt_studies", "Studies on this aggregator, by state", labels=["state"]
         )
-        yield CounterMetricFamily("fedlt_rounds_committed", "Rounds committed", value=f.committed_rounds)
-        yield GaugeMetricFamily(
-            "fedlt_rounds_planned", "Training rounds the run asks for", value=f.planned_rounds
+        for state, count in self.states.items():
+            by_state.add_metric([state], count)
+        yield by_state
+        info = InfoMetricFamily(
+            "fedlt_consortium", "The consortium and each study's method and layer", labels=STUDY
         )
-        yield _durations(f.history)
-        yield from _accuracy(f.history, f.classes)
-        yield from self._silos()
-        yield from self._audit()
-        if f.state_bytes is not None:
-            yield GaugeMetricFamily(
-                "fedlt_state_bytes",
-                "Bytes of the global state each invited silo downloads",
-                value=f.state_bytes,
-            )
+        for f in studies:
+            info.add_metric([f.study], {"consortium": f.consortium, "method": f.method, "privacy": f.privacy})
+        yield info
+        yield _each(
+            CounterMetricFamily("fedlt_rounds_committed", "Rounds committed", labels=STUDY),
+            studies,
+            lambda f: f.committed_rounds,
+        )
+        yield _each(
+            GaugeMetricFamily("fedlt_rounds_planned", "Training rounds the study asks for", labels=STUDY),
+            studies,
+            lambda f: f.planned_rounds,
+        )
+        yield _durations(studies)
+        yield from _accuracy(studies)
+        yield from _silos(studies)
+        yield from _audit(studies)
+        yield _each(
+            GaugeMetricFamily(
+                "fedlt_state_bytes", "Bytes of the global state each invited silo downloads", labels=STUDY
+            ),
+            studies,
+            lambda f: f.state_bytes,
+        )
         yield GaugeMetricFamily(
             "fedlt_certificate_warnings",
             "Certificates about to expire and roster problems (the status page lists them)",
-            value=f.certificate_warnings,
+            value=self.certificate_warnings,
         )
 
-    def _silos(self) -> Iterator[Metric]:
-        f = self.facts
-        yield GaugeMetricFamily("fedlt_silos_registered", "Silos that have registered", value=len(f.silos))
-        connected = sum(bool(s["connected"]) for s in f.silos)
-        yield GaugeMetricFamily("fedlt_silos_connected", "Silos connected now", value=connected)
-        each = GaugeMetricFamily("fedlt_silo_connected", "Whether the silo is connected now", labels=["silo"])
-        seen = GaugeMetricFamily(
-            "fedlt_silo_last_seen_timestamp_seconds", "When the silo was last heard from", labels=["silo"]
-        )
-        last = GaugeMetricFamily(
-            "fedlt_silo_last_contributed_round", "The last round the silo contributed to", labels=["silo"]
-        )
-        left = GaugeMetricFamily(
-            "fedlt_epsilon_remaining",
-            "ε left in the silo's privacy budget, as the silo reported it (only silos whose policy reports)",
-            labels=["silo"],
-        )
+
+def _each(
+    family: GaugeMetricFamily | CounterMetricFamily,
+    studies: Sequence[ConsortiumFacts],
+    value: Callable[[ConsortiumFacts], float | None],
+) -> Metric:
+    """`family` with one sample per study, labelled by it; a study whose value is not known has none."""
+    for f in studies:
+        found = value(f)
+        if found is not None:
+            family.add_metric([f.study], found)
+    return family
+
+
+def _silos(studies: Sequence[ConsortiumFacts]) -> Iterator[Metric]:
+    """Each study's silos as its round table sees them: a silo in two studies has a series in each."""
+    yield _each(
+        GaugeMetricFamily("fedlt_silos_registered", "Silos that have registered", labels=STUDY),
+        studies,
+        lambda f: len(f.silos),
+    )
+    yield _each(
+        GaugeMetricFamily("fedlt_silos_connected", "Silos connected now", labels=STUDY),
+        studies,
+        lambda f: sum(bool(s["connected"]) for s in f.silos),
+    )
+    labels = [*STUDY, "silo"]
+    each = GaugeMetricFamily("fedlt_silo_connected", "Whether the silo is connected now", labels=labels)
+    seen = GaugeMetricFamily(
+        "fedlt_silo_last_seen_timestamp_seconds", "When the silo was last heard from", labels=labels
+    )
+    last = GaugeMetricFamily(
+        "fedlt_silo_last_contributed_round", "The last round the silo contributed to", labels=labels
+    )
+    left = GaugeMetricFamily(
+        "fedlt_epsilon_remaining",
+        "ε left in the silo's privacy budget, as the silo reported it (only silos whose policy reports)",
+        labels=labels,
+    )
+    for f in studies:
         for s in f.silos:
-            silo = [s["silo_id"]]
+            silo = [f.study, s["silo_id"]]
             each.add_metric(silo, float(bool(s["connected"])))
             if s.get("last_seen_unix_ms"):
                 seen.add_metric(silo, s["last_seen_unix_ms"] / 1000)
             last.add_metric(silo, s.get("last_contributed_round", 0))
             if f.dp_enabled and s.get("privacy_remaining") is not None:  # without [dp]: a lifetime budget
                 left.add_metric(silo, s["privacy_remaining"])
-        yield from (each, seen, last, left)
+    yield from (each, seen, last, left)
 
-    def _audit(self) -> Iterator[Metric]:
-        f = self.facts
-        attempts = CounterMetricFamily(
-            "fedlt_attempts", "Round attempts ended, by outcome", labels=["outcome"]
-        )
+
+def _audit(studies: Sequence[ConsortiumFacts]) -> Iterator[Metric]:
+    """What each study's audit log says: attempts by outcome, refusals by code, dropouts, contributions."""
+    attempts = CounterMetricFamily(
+        "fedlt_attempts", "Round attempts ended, by outcome", labels=[*STUDY, "outcome"]
+    )
+    refusals = CounterMetricFamily(
+        "fedlt_refusals", "Attempts silos refused, by code", labels=[*STUDY, "code"]
+    )
+    for f in studies:
         for outcome in ("committed", "aborted", "abandoned"):
-            attempts.add_metric([outcome], f.attempts.get(outcome, 0))
-        refusals = CounterMetricFamily("fedlt_refusals", "Attempts silos refused, by code", labels=["code"])
+            attempts.add_metric([f.study, outcome], f.attempts.get(outcome, 0))
         for code, count in sorted(f.refusals.items()):
-            refusals.add_metric([code], count)
-        yield from (attempts, refusals)
-        yield CounterMetricFamily(
-            "fedlt_dropouts", "Silos a committed round invited and its sum did not count", value=f.dropouts
-        )
-        yield CounterMetricFamily("fedlt_contributions", "Contributions accepted", value=f.contributions)
-        yield GaugeMetricFamily(
-            "fedlt_audit_chain_verified",
-            "1 if the audit log's hash chain verifies",
-            value=int(f.audit_verified),
-        )
-        yield GaugeMetricFamily("fedlt_audit_records", "Records in the audit log", value=f.audit_records)
-
-
-def _durations(history: Sequence[Mapping]) -> HistogramMetricFamily:
-    """The recorded rounds' durations (a round re-evaluated after a restart has none)."""
-    seconds = [e["seconds"] for e in history if isinstance(e.get("seconds"), int | float)]
-    buckets = [(str(b), sum(s <= b for s in seconds)) for b in DURATION_BUCKETS]
-    return HistogramMetricFamily(
-        "fedlt_round_duration_seconds",
-        "Seconds from a round's RoundSpec to its commit",
-        buckets=[*buckets, ("+Inf", len(seconds))],
-        sum_value=float(sum(seconds)),
+            refusals.add_metric([f.study, code], count)
+    yield from (attempts, refusals)
+    yield _each(
+        CounterMetricFamily(
+            "fedlt_dropouts", "Silos a committed round invited and its sum did not count", labels=STUDY
+        ),
+        studies,
+        lambda f: f.dropouts,
+    )
+    yield _each(
+        CounterMetricFamily("fedlt_contributions", "Contributions accepted", labels=STUDY),
+        studies,
+        lambda f: f.contributions,
+    )
+    yield _each(
+        GaugeMetricFamily(
+            "fedlt_audit_chain_verified", "1 if the audit log's hash chain verifies", labels=STUDY
+        ),
+        studies,
+        lambda f: int(f.audit_verified),
+    )
+    yield _each(
+        GaugeMetricFamily("fedlt_audit_records", "Records in the audit log", labels=STUDY),
+        studies,
+        lambda f: f.audit_records,
     )
 
 
-def _accuracy(history: Sequence[Mapping], classes: Sequence[str]) -> Iterator[Metric]:
-    """Accuracy of the last evaluated round, overall, by shot group and by class."""
-    evaluated = [e for e in history if e.get("accuracy") is not None]
-    if not evaluated:
-        return
-    entry = evaluated[-1]
-    yield GaugeMetricFamily("fedlt_test_accuracy_round", "The round the accuracy is of", value=entry["round"])
+def _durations(studies: Sequence[ConsortiumFacts]) -> HistogramMetricFamily:
+    """Each study's recorded rounds' durations (a round re-evaluated after a restart has none)."""
+    family = HistogramMetricFamily(
+        "fedlt_round_duration_seconds", "Seconds from a round's RoundSpec to its commit", labels=STUDY
+    )
+    for f in studies:
+        seconds = [e["seconds"] for e in f.history if isinstance(e.get("seconds"), int | float)]
+        buckets = [(str(b), sum(s <= b for s in seconds)) for b in DURATION_BUCKETS]
+        family.add_metric([f.study], [*buckets, ("+Inf", len(seconds))], sum_value=float(sum(seconds)))
+    return family
+
+
+def _accuracy(studies: Sequence[ConsortiumFacts]) -> Iterator[Metric]:
+    """Accuracy of each study's last evaluated round, overall, by shot group and by class (a study not yet
+    evaluated has no sample)."""
+    rounds = GaugeMetricFamily("fedlt_test_accuracy_round", "The round the accuracy is of", labels=STUDY)
     groups = GaugeMetricFamily(
-        "fedlt_test_accuracy", "Test accuracy, overall and by shot group", labels=["group"]
+        "fedlt_test_accuracy", "Test accuracy, overall and by shot group", labels=[*STUDY, "group"]
     )
-    for key, group in GROUP_TAGS.items():
-        if entry.get(key) is not None:
-            groups.add_metric([group], entry[key])
     per_class = GaugeMetricFamily(
-        "fedlt_test_class_accuracy", "Test accuracy of each class", labels=["class"]
+        "fedlt_test_class_accuracy", "Test accuracy of each class", labels=[*STUDY, "class"]
     )
-    for name, value in zip(classes, entry.get("per_class") or [], strict=False):
-        if value is not None:
-            per_class.add_metric([name], value)
-    yield from (groups, per_class)
+    for f in studies:
+        evaluated = [e for e in f.history if e.get("accuracy") is not None]
+        if not evaluated:
+            continue
+        entry = evaluated[-1]
+        rounds.add_metric([f.study], entry["round"])
+        for key, group in GROUP_TAGS.items():
+            if entry.get(key) is not None:
+                groups.add_metric([f.study, group], entry[key])
+        for name, value in zip(f.classes, entry.get("per_class") or [], strict=False):
+            if value is not None:
+                per_class.add_metric([f.study, name], value)
+    yield from (rounds, groups, per_class)
 
 
 # --- a silo agent -------------------------------------------------------------------------------------

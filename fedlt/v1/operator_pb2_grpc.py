@@ -40,6 +40,31 @@ class OperatorServiceStub:
                 request_serializer=fedlt_dot_v1_dot_operator__pb2.StatusRequest.SerializeToString,
                 response_deserializer=fedlt_dot_v1_dot_operator__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.CreateStudy = channel.unary_unary(
+                '/fedlt.v1.OperatorService/CreateStudy',
+                request_serializer=fedlt_dot_v1_dot_operator__pb2.CreateStudyRequest.SerializeToString,
+                response_deserializer=fedlt_dot_v1_dot_operator__pb2.CreateStudyResponse.FromString,
+                _registered_method=True)
+        self.ListStudies = channel.unary_unary(
+                '/fedlt.v1.OperatorService/ListStudies',
+                request_serializer=fedlt_dot_v1_dot_operator__pb2.ListStudiesRequest.SerializeToString,
+                response_deserializer=fedlt_dot_v1_dot_operator__pb2.ListStudiesResponse.FromString,
+                _registered_method=True)
+        self.PauseStudy = channel.unary_unary(
+                '/fedlt.v1.OperatorService/PauseStudy',
+                request_serializer=fedlt_dot_v1_dot_operator__pb2.PauseStudyRequest.SerializeToString,
+                response_deserializer=fedlt_dot_v1_dot_operator__pb2.PauseStudyResponse.FromString,
+                _registered_method=True)
+        self.ResumeStudy = channel.unary_unary(
+                '/fedlt.v1.OperatorService/ResumeStudy',
+                request_serializer=fedlt_dot_v1_dot_operator__pb2.ResumeStudyRequest.SerializeToString,
+                response_deserializer=fedlt_dot_v1_dot_operator__pb2.ResumeStudyResponse.FromString,
+                _registered_method=True)
+        self.CancelStudy = channel.unary_unary(
+                '/fedlt.v1.OperatorService/CancelStudy',
+                request_serializer=fedlt_dot_v1_dot_operator__pb2.CancelStudyRequest.SerializeToString,
+                response_deserializer=fedlt_dot_v1_dot_operator__pb2.CancelStudyResponse.FromString,
+                _registered_method=True)
 
 
 class OperatorServiceServicer:
@@ -47,7 +72,45 @@ class OperatorServiceServicer:
     """
 
     def Status(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A study's rounds and silos (the default study's unless the request names one), and every study.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateStudy(self, request, context):
+        """A new study from its study file (TOML text, at most 1 MiB), queued until a slot is free
+        (`[server] max_studies`). Refused with INVALID_ARGUMENT, the details listing every problem, when the
+        file has any; ALREADY_EXISTS when the id is taken (ids are never reused).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListStudies(self, request, context):
+        """Every study, in the order they were created.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PauseStudy(self, request, context):
+        """A queued or running study stops where it is; its silos wait. FAILED_PRECONDITION from any other state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeStudy(self, request, context):
+        """A paused or failed study goes on from its last committed round (queued again if no slot is free).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelStudy(self, request, context):
+        """A study that is not done ends for good; its store and audit chain stay.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -59,6 +122,31 @@ def add_OperatorServiceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=fedlt_dot_v1_dot_operator__pb2.StatusRequest.FromString,
                     response_serializer=fedlt_dot_v1_dot_operator__pb2.StatusResponse.SerializeToString,
+            ),
+            'CreateStudy': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateStudy,
+                    request_deserializer=fedlt_dot_v1_dot_operator__pb2.CreateStudyRequest.FromString,
+                    response_serializer=fedlt_dot_v1_dot_operator__pb2.CreateStudyResponse.SerializeToString,
+            ),
+            'ListStudies': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListStudies,
+                    request_deserializer=fedlt_dot_v1_dot_operator__pb2.ListStudiesRequest.FromString,
+                    response_serializer=fedlt_dot_v1_dot_operator__pb2.ListStudiesResponse.SerializeToString,
+            ),
+            'PauseStudy': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseStudy,
+                    request_deserializer=fedlt_dot_v1_dot_operator__pb2.PauseStudyRequest.FromString,
+                    response_serializer=fedlt_dot_v1_dot_operator__pb2.PauseStudyResponse.SerializeToString,
+            ),
+            'ResumeStudy': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeStudy,
+                    request_deserializer=fedlt_dot_v1_dot_operator__pb2.ResumeStudyRequest.FromString,
+                    response_serializer=fedlt_dot_v1_dot_operator__pb2.ResumeStudyResponse.SerializeToString,
+            ),
+            'CancelStudy': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelStudy,
+                    request_deserializer=fedlt_dot_v1_dot_operator__pb2.CancelStudyRequest.FromString,
+                    response_serializer=fedlt_dot_v1_dot_operator__pb2.CancelStudyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -89,6 +177,141 @@ class OperatorService:
             '/fedlt.v1.OperatorService/Status',
             fedlt_dot_v1_dot_operator__pb2.StatusRequest.SerializeToString,
             fedlt_dot_v1_dot_operator__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateStudy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedlt.v1.OperatorService/CreateStudy',
+            fedlt_dot_v1_dot_operator__pb2.CreateStudyRequest.SerializeToString,
+            fedlt_dot_v1_dot_operator__pb2.CreateStudyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListStudies(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedlt.v1.OperatorService/ListStudies',
+            fedlt_dot_v1_dot_operator__pb2.ListStudiesRequest.SerializeToString,
+            fedlt_dot_v1_dot_operator__pb2.ListStudiesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PauseStudy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedlt.v1.OperatorService/PauseStudy',
+            fedlt_dot_v1_dot_operator__pb2.PauseStudyRequest.SerializeToString,
+            fedlt_dot_v1_dot_operator__pb2.PauseStudyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeStudy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedlt.v1.OperatorService/ResumeStudy',
+            fedlt_dot_v1_dot_operator__pb2.ResumeStudyRequest.SerializeToString,
+            fedlt_dot_v1_dot_operator__pb2.ResumeStudyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelStudy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedlt.v1.OperatorService/CancelStudy',
+            fedlt_dot_v1_dot_operator__pb2.CancelStudyRequest.SerializeToString,
+            fedlt_dot_v1_dot_operator__pb2.CancelStudyResponse.FromString,
             options,
             channel_credentials,
             insecure,
