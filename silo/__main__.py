@@ -1,4 +1,6 @@
-"""`python -m silo run --config silo.toml`: run this silo's agent until the consortium finishes.
+"""`python -m silo run --config silo.toml`: run this silo's agent until the consortium finishes. With
+`[study.<id>]` tables in silo.toml, one agent process per study, until every study has ended (`silo.studies`);
+`--study <id>` runs that study's agent alone, in the foreground.
 
 `python -m silo roster show|sign --config silo.toml`: show the roster this silo has pinned (its own row
 marked, its certificate checked against it), or add this silo's signature to a roster draft the operator
@@ -6,13 +8,15 @@ sent (a new version counts once a quorum of silos signed it).
 
 `python -m silo keys rotate --config silo.toml [--layer NAME]`: as the consortium's key holder (a layer with
 a key service, e.g. ckks; `--layer` picks one where the policy lists several), make a new key; the running
-agent seals it to every silo at its next heartbeat, and the next RoundSpec names it.
+agent seals it to every silo at its next heartbeat, and the next RoundSpec names it. Each study has its own
+keys: name it with `--study <id>` where silo.toml has `[study.<id>]` tables.
 
 `python -m silo budget --config silo.toml`: this silo's differential-privacy budget, what it has spent and on
 what (its ledger, which the agent charges before any private work).
 
-`python -m silo export --config silo.toml --out DIR`: the model this silo last stepped to (where only silos
-can read the consortium's state, e.g. ckks), as safetensors weights with a model card; it fetches nothing.
+`python -m silo export --config silo.toml --out DIR [--study ID]`: the model this silo last stepped to (where
+only silos can read the consortium's state, e.g. ckks), as safetensors weights with a model card; it fetches
+nothing.
 
 `python -m silo models pin package.module:factory`: the `[policy] models` item that lets plans name this
 model, with the digest of its installed source (`silo.models`), computed without importing it; run it in the
@@ -30,6 +34,7 @@ import logging
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
@@ -51,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     run = commands.add_parser("run", help="connect to the aggregator and take part in rounds")
     run.add_argument("--config", required=True, help="silo.toml")
     run.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    run.add_argument(
+        "--study", help="run only this study's agent, in the foreground (a [study.<id>] table of silo.toml)"
+    )
     roster = commands.add_parser("roster", help="show the pinned roster, or sign a new version")
     roster_commands = roster.add_subparsers(dest="roster_command", required=True)
     show = roster_commands.add_parser("show", help="the roster this silo trusts now")
@@ -65,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     rotate.add_argument(
         "--layer", help="the privacy layer whose key to rotate (needed where policy.privacy lists several)"
     )
+    rotate.add_argument("--study", help="the study whose key to rotate (where silo.toml names studies)")
     budget = commands.add_parser("budget", help="this silo's privacy budget, spending and ledger")
     budget.add_argument("--config", required=True, help="silo.toml")
     export = commands.add_parser(
@@ -72,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     export.add_argument("--config", required=True, help="silo.toml")
     export.add_argument("--out", type=Path, required=True, help="a new or empty folder to write it to")
+    export.add_argument("--study", help="the study whose model to write (where silo.toml names studies)")
     request = commands.add_parser(
         "certificate-request", help="a request for a renewed certificate of this silo's key (it stays here)"
     )
@@ -85,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     pin.add_argument("entry", help="package.module:factory")
     args = parser.parse_args(argv)
+    study = getattr(args, "study", None)
+    running = ""  # the study whose agent runs here: its lines interleave with its other studies'
     try:
         if args.command == "models":
             from silo.models import pin_line  # torch loads (fedlt.models); the entry point's package does not
@@ -97,30 +109,94 @@ def main(argv: list[str] | None = None) -> int:
 
             return show_budget(config)
         if args.command == "keys":
-            return _rotate_key(config, args.layer)
+            return _rotate_key(_one_study(config, study, "keys rotate"), args.layer)
         if args.command == "export":
             from silo.export import export_stepped  # torch and TenSEAL load only for this command
 
-            return export_stepped(config, args.out)
+            return export_stepped(_one_study(config, study, "export"), args.out)
         if args.command == "certificate-request":
             return _certificate_request(config, args.out, args.silo_id)
         if args.command == "roster":
             return _show_roster(config) if args.roster_command == "show" else _sign_roster(config, args.draft)
+        if config.studies and study is None:
+            return _run_studies(config, Launch(args.config, args.log_level))
+        config = _one_study(config, study, "run")
+        running = config.study
         return _run(config, args.log_level)
     except FedltError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {f'study {running!r}: ' if running else ''}{exc}", file=sys.stderr)
         return 2
+
+
+def _one_study(config: SiloConfig, study: str | None, command: str) -> SiloConfig:
+    """The config of the study `--study` names; the config itself for a silo without studies."""
+    if study is not None:
+        if not config.studies:
+            raise FedltError(
+                f"--study {study!r}: silo.toml names no studies ([study.<id>] tables); without them the "
+                "agent takes part in the aggregator's default study: leave --study out"
+            )
+        return config.for_study(study)
+    if config.studies:
+        raise FedltError(
+            f"silo.toml names studies ({', '.join(config.study_ids)}): say which study's with "
+            f"python -m silo {command} --study <id>"
+        )
+    return config
+
+
+def _logging(log_level: str, study: str) -> None:
+    """Each line says which study's agent wrote it, where there are several (their lines interleave)."""
+    where = f" [{study}]" if study else ""
+    # force: Opacus configures the root logger when imported (opacus/utils/module_utils.py)
+    logging.basicConfig(
+        level=log_level, format=f"%(asctime)s %(name)s{where} %(levelname)s %(message)s", force=True
+    )
 
 
 def _run(config: SiloConfig, log_level: str) -> int:
     from silo.agent import SiloAgent  # torch and gRPC load only for the agent
 
-    # force: Opacus configures the root logger when imported (opacus/utils/module_utils.py)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
+    _logging(log_level, config.study)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     return SiloAgent(config, stop=stop).run()
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How this command was started, for the command line of each study's agent."""
+
+    config: str
+    log_level: str
+
+    def study(self, study: str) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "silo",
+            "run",
+            "--config",
+            str(Path(self.config).resolve()),
+            "--study",
+            study,
+            "--log-level",
+            self.log_level,
+        ]
+
+
+def _run_studies(config: SiloConfig, launch: Launch) -> int:
+    from silo.studies import Supervisor, forward_signals, note_single_run
+
+    _logging(launch.log_level, "")
+    note_single_run(config.shared_dir(), config.study_ids)
+    supervisor = Supervisor(config.study_ids, launch.study)
+    restore = forward_signals(supervisor)
+    try:
+        return supervisor.run()
+    finally:
+        restore()
 
 
 def _rotate_key(config: SiloConfig, layer: str | None) -> int:

@@ -34,7 +34,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from fedlt.aggregation import Schema, layer_names, tail_guard
-from fedlt.aggregation.gate import Floors, ReleaseGate
+from fedlt.aggregation.gate import Floors, ReleaseGate, data_digest
 from fedlt.aggregation.halves import SiloSide
 from fedlt.aggregation.round_sums import RoundSums
 from fedlt.data.arrays import LabeledData
@@ -84,17 +84,40 @@ class RefusedRound(FedltError):
 
 
 @dataclass(frozen=True)
+class Prepared:
+    """This silo's data as a plan wants it, with the digests its releases are keyed by (`gate.data_digest`,
+    computed once per prepared dataset)."""
+
+    data: LabeledData
+    held_out: LabeledData | None
+    data_digest: str
+    held_out_digest: str  # "" where there is no held-out data
+
+    @classmethod
+    def of(cls, data: LabeledData, held_out: LabeledData | None) -> Prepared:
+        counted = "" if held_out is None else data_digest(held_out.x, held_out.y)
+        return cls(data, held_out, data_digest(data.x, data.y), counted)
+
+
+@dataclass(frozen=True)
 class AdmittedSpec:
     """A RoundSpec whose signature and claims this silo checked, read once: `me` the id it checked it as,
-    `data` and `held_out` this silo's data in the plan's label space."""
+    `prepared` this silo's data (and held-out data) in the plan's label space."""
 
     spec: round_pb2.RoundSpec
     plan: RoundPlan
     sums: RoundSums  # with the layer's parameters as signed (`sums.settings`)
     side: SiloSide
     me: str
-    data: LabeledData
-    held_out: LabeledData | None
+    prepared: Prepared
+
+    @property
+    def data(self) -> LabeledData:
+        return self.prepared.data
+
+    @property
+    def held_out(self) -> LabeledData | None:
+        return self.prepared.held_out
 
     @property
     def trains(self) -> bool:
@@ -139,7 +162,7 @@ class Admission:
         self.config, self.trust, self.keys, self.sides = config, trust, keys, sides
         self.plans, self.standing = plans, standing
         self.local, self.local_held_out = local, local_held_out
-        self._prepared: tuple[Wanted, LabeledData, LabeledData | None] | None = None
+        self._prepared: tuple[Wanted, Prepared] | None = None
         self.gate = ReleaseGate(
             consortium=trust.roster.consortium,
             floors=Floors(config.policy.min_participants, config.policy.min_survivors),
@@ -174,9 +197,9 @@ class Admission:
         refused = self._plan_problems(plan, side, sums)
         if refused:
             raise RefusedRound(f"{spec.round_id}: " + "; ".join(refused))
-        data, held_out = self._in_label_space(spec, plan)
+        prepared = self._in_label_space(spec, plan)
         return AdmittedSpec(
-            spec=spec, plan=plan, sums=sums, side=side, me=self.standing.silo_id, data=data, held_out=held_out
+            spec=spec, plan=plan, sums=sums, side=side, me=self.standing.silo_id, prepared=prepared
         )
 
     def starting_state(self, transport: SiloTransport, admitted: AdmittedSpec) -> AdmittedRound | None:
@@ -339,11 +362,9 @@ class Admission:
             refused += tail_guard.floor_problems(sums.record_floor, dp=plan.dp.enabled, accepted=accepted)
         return refused
 
-    def _in_label_space(
-        self, spec: round_pb2.RoundSpec, plan: RoundPlan
-    ) -> tuple[LabeledData, LabeledData | None]:
+    def _in_label_space(self, spec: round_pb2.RoundSpec, plan: RoundPlan) -> Prepared:
         """This silo's data, and its held-out slice, prepared as the plan wants them (resized, encoded by its
-        schema, labelled by its class names); kept for the next round of the same plan."""
+        schema, labelled by its class names), with their digests; kept for the next round of the same plan."""
         wanted = plan.wanted()
         if self._prepared is None or self._prepared[0] != wanted:
             self._prepared = None  # the last plan's arrays go before this one's are made
@@ -361,8 +382,8 @@ class Admission:
                 held_out = None if self.local_held_out is None else self.local_held_out.prepared(wanted)
             except DataError as exc:
                 raise RefusedRound(f"{spec.round_id}: local data {exc}", code=pb.REFUSAL_CODE_DATA) from None
-            self._prepared = (wanted, data, held_out)
-        return self._prepared[1], self._prepared[2]
+            self._prepared = (wanted, Prepared.of(data, held_out))
+        return self._prepared[1]
 
 
 def _key_parameters(spec: round_pb2.RoundSpec, sums: RoundSums | str | None) -> object:

@@ -11,6 +11,11 @@
 - `silo.transport`: every call to the aggregator, handed to each part by the session;
 - `fedlt.telemetry.prometheus.SiloMetrics`: this silo's own counts, served to its Prometheus where
   `[monitoring] prometheus` asks.
+
+An agent takes part in one study: the aggregator's default one (silo.toml without `[study.*]` tables: every
+file in `state_dir`, as before studies existed), or the one its config is for (`SiloConfig.for_study`: its own
+files in `studies/<id>/`, the silo's ledgers, roster and mask secret shared with its other studies' agents at
+the top of `state_dir`; `silo.studies`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from fedlt.aggregation.halves import PartyKeys, Signer, SiloSide
 from fedlt.device import resolve_device
 from fedlt.dir_lock import DirectoryLock
 from fedlt.errors import ConfigError
+from fedlt.studies import DEFAULT_STUDY
 from fedlt.telemetry.prometheus import MetricsServer, SiloMetrics
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import round_pb2
@@ -38,6 +44,7 @@ from silo.connection import Connection, Progress, RunningCertificate, Standing
 from silo.finish import Finish
 from silo.key_service import KeyService
 from silo.releases import ReleaseLedger, check_ledgers
+from silo.studies import RootHold, adopt_single_run
 from silo.transport import SiloTransport
 from silo.trust import SiloTrust
 from silo.work import PendingContribution, Work
@@ -54,11 +61,17 @@ class SiloAgent:
         # this silo's own device, whatever a plan says; a GPU that is not there stops the agent here, saying
         # so, before anything is written
         self.device = resolve_device(config.compute.device, setting="compute.device")
-        self.state_dir = config.path(config.state_dir)
+        self.state_dir = config.path(config.state_dir)  # this study's own (the silo's, without studies)
+        shared = config.shared_dir()  # what the silo keeps across its studies
+        # a study's agent shares the silo's directory with its other studies' agents, never with an agent
+        # without studies (which takes it whole)
+        self.shared_hold = RootHold(shared) if config.study else None
         self.state_dir.mkdir(parents=True, exist_ok=True)
         # one agent per state directory, for this process's life: a second would lose the first's records
         self.state_lock = DirectoryLock.take(self.state_dir)
-        check_ledgers(self.state_dir, ledger_path(config))  # before anything here is written
+        if config.study == DEFAULT_STUDY:
+            adopt_single_run(shared, self.state_dir)
+        check_ledgers(shared, ledger_path(config))  # before anything here is written
         if config.compute.threads:
             torch.set_num_threads(config.compute.threads)
         local = config.load_data()  # this silo's data as its files label it
@@ -68,13 +81,13 @@ class SiloAgent:
         log.info("computing on %s (compute.device = %r)", self.device, config.compute.device)
         conn = config.connection
         self.trust = SiloTrust(
-            self.state_dir,
+            shared,
             ca_pem=self.certificate.ca_pem,
             kit_roster=config.path(conn.roster),
             crl=config.path(conn.crl) if conn.crl else None,
             quorum_above=config.policy.roster_quorum_above,
         )
-        self.ledger = ReleaseLedger(self.state_dir)
+        self.ledger = ReleaseLedger(shared)
         self.privacy_ledger = open_ledger(config)  # one per silo, across plans; read once, then kept in step
         self.privacy_ledger.keep()
         self.ledger.note_privacy_ledger()
@@ -107,7 +120,7 @@ class SiloAgent:
         # the admission refuses through its `refuse`, and hands it to the work: every refusal passes here
         self._refuse, self.admission.refuse = self.admission.refuse, self._refused
         self.work = Work(
-            self.state_dir,
+            shared,
             config.policy,
             ledger=self.ledger,
             plans=self.plans,

@@ -1,4 +1,7 @@
-"""`python -m silo budget --config silo.toml`: this silo's privacy ledger — budget, spending, every entry."""
+"""`python -m silo budget --config silo.toml`: this silo's privacy ledger — budget, spending, every entry.
+
+The ledger is the silo's one, in its state directory, whatever study spends from it (`SiloConfig.shared_dir`).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ PRIVACY_LEDGER = "privacy-ledger.json"
 
 
 def ledger_path(config: SiloConfig) -> Path:
-    return config.path(config.state_dir) / PRIVACY_LEDGER
+    return config.shared_dir() / PRIVACY_LEDGER
 
 
 def open_ledger(config: SiloConfig) -> PrivacyLedger:

@@ -1,7 +1,15 @@
-"""`silo.toml`: how to reach the aggregator, which data to train on, and what this silo agrees to."""
+"""`silo.toml`: how to reach the aggregator, which data to train on, and what this silo agrees to.
+
+A silo that takes part in several studies of one aggregator names each in a `[study.<id>]` table, with its own
+`data`, `evaluation`, `policy` and `monitoring` where the study needs them; everything else (the connection,
+the certificate, the [dp] budget, the state directory and its ledgers) is the silo's one, across its studies.
+`SiloConfig.for_study` is the config a study's agent runs with. Without any `[study.*]` table the agent takes
+part in the aggregator's default study, exactly as before studies existed.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -24,6 +32,9 @@ from fedlt.keepalive import MIN_SECONDS
 from fedlt.listen import is_loopback, split_listen
 from fedlt.methods import METHODS
 from fedlt.models.entry import ENTRY_FORM, parse_entry
+from fedlt.studies import id_problems
+
+STUDY_FOLDERS = "studies"  # in state_dir: one folder per study, `studies/<id>/`
 
 
 @dataclass(frozen=True)
@@ -264,6 +275,17 @@ class MonitoringSection:
 
 
 @dataclass(frozen=True)
+class Study:
+    """One study this silo takes part in, as `[study.<id>]` and the top-level sections make it."""
+
+    id: str
+    data: DataSection
+    evaluation: EvaluationSection
+    policy: PolicySection
+    monitoring: MonitoringSection
+
+
+@dataclass(frozen=True)
 class SiloConfig:
     connection: ConnectionSection = field(default_factory=ConnectionSection)
     data: DataSection = field(default_factory=DataSection)
@@ -272,12 +294,48 @@ class SiloConfig:
     dp: DPSection = field(default_factory=DPSection)
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)
     monitoring: MonitoringSection = field(default_factory=MonitoringSection)
-    state_dir: str = setting("silo-state", doc="progress and pending uploads survive restarts here")
+    state_dir: str = setting(
+        "silo-state",
+        doc="the silo's ledgers, pinned roster, progress and pending uploads survive restarts here (each "
+        "study's own in studies/<id>/)",
+    )
     base_dir: Path = Path()
+    # not silo.toml keys: the [study.<id>] tables (`load_silo_config`), and what `for_study` sets
+    studies: tuple[Study, ...] = ()
+    study: str = ""  # the study this config's agent takes part in; "" the aggregator's default study
+    shared_state_dir: str = ""  # state_dir of the whole silo, where `state_dir` is one study's folder
 
     def path(self, value: str) -> Path:
         """`value` relative to silo.toml's folder, normalised (`a/../b` as `b`): messages name it plainly."""
         return Path(os.path.normpath(resolve(self.base_dir, value)))
+
+    def shared_dir(self) -> Path:
+        """What the silo keeps across its studies: both ledgers, the pinned roster and revocations, the mask
+        secret. The same folder as `state_dir` for a silo without studies."""
+        return self.path(self.shared_state_dir or self.state_dir)
+
+    @property
+    def study_ids(self) -> tuple[str, ...]:
+        return tuple(study.id for study in self.studies)
+
+    def for_study(self, study: str) -> SiloConfig:
+        """The config study `study`'s agent runs with: its sections where its table gives them, and its own
+        folder, `studies/<id>/` of state_dir, for its progress, pending upload, keys and lock (`shared_dir`
+        stays the silo's). ConfigError if silo.toml names no such study."""
+        found = next((s for s in self.studies if s.id == study), None)
+        if found is None:
+            known = ", ".join(self.study_ids) or "none: silo.toml has no [study.<id>] table"
+            raise ConfigError("--study", [f"silo.toml names no study {study!r}; its studies: {known}"])
+        return replace(
+            self,
+            data=found.data,
+            evaluation=found.evaluation,
+            policy=found.policy,
+            monitoring=found.monitoring,
+            study=study,
+            state_dir=str(Path(self.state_dir, STUDY_FOLDERS, study)),
+            shared_state_dir=self.state_dir,
+        )
 
     def load_data(self) -> DataSource:
         """This silo's files, opened (each plan prepares them its own way at admission)."""
@@ -315,18 +373,135 @@ def load_silo_config(path: str | Path) -> SiloConfig:
     tree = read_toml(path)
     problems: list[str] = []
     tree.pop("base_dir", None)
+    tables = tree.pop("study", None)
+    for key in ("studies", "shared_state_dir"):
+        if tree.pop(key, None) is not None:
+            problems.append(f"{key}: unknown setting (studies are [study.<id>] tables)")
     config = parse_section(SiloConfig, tree, "", problems)
     config = replace(config, base_dir=path.parent)
     problems += config.policy.problems()
-    problems += config.monitoring.problems()
-    if config.data.source == "files" and not config.data.path:
-        problems.append("data.path: required when data.source = 'files'")
-    if config.data.source == "embedded" and config.data.index >= config.data.recipe.silos:
-        problems.append(
-            f"data.index: {config.data.index} but the recipe has {config.data.recipe.silos} silos"
-        )
-    if config.evaluation.part >= config.evaluation.parts:
-        problems.append(f"evaluation.part: {config.evaluation.part} but parts is {config.evaluation.parts}")
+    if tables is not None:
+        config = replace(config, studies=_studies(tables, config, problems))
+        problems += _monitoring_problems(config)
+    else:
+        problems += config.monitoring.problems()
+    # [data] and [evaluation] matter where a study takes them (every study may have its own)
+    studies = config.studies
+    if not studies or any(s.data is config.data for s in studies):
+        problems += _data_problems(config.data, "")
+    if not studies or any(s.evaluation is config.evaluation for s in studies):
+        problems += _evaluation_problems(config.evaluation, "")
     if problems:
         raise ConfigError(path, problems)
     return config
+
+
+def _data_problems(data: DataSection, where: str) -> list[str]:
+    """[data] as a whole (each key's own checks are `parse_section`'s)."""
+    found = []
+    if data.source == "files" and not data.path:
+        found.append(f"{where}data.path: required when data.source = 'files'")
+    if data.source == "embedded" and data.index >= data.recipe.silos:
+        found.append(f"{where}data.index: {data.index} but the recipe has {data.recipe.silos} silos")
+    return found
+
+
+def _evaluation_problems(evaluation: EvaluationSection, where: str) -> list[str]:
+    if evaluation.part >= evaluation.parts:
+        return [f"{where}evaluation.part: {evaluation.part} but parts is {evaluation.parts}"]
+    return []
+
+
+@dataclass(frozen=True)
+class _StudyTable:
+    """The sub-tables a [study.<id>] table may hold, each of the form of the top-level section."""
+
+    data: DataSection | None = None
+    evaluation: EvaluationSection | None = None
+    policy: PolicySection | None = None
+    monitoring: MonitoringSection | None = None
+
+
+# what is the silo's one, across its studies, and why a study table cannot set it
+_SILO_WIDE = {
+    "dp": "the silo has one privacy budget and one ledger across its studies: set it in [dp]",
+    "connection": "every study is a study of one aggregator, reached the same way: set it in [connection]",
+    "compute": "set it in [compute], for every study",
+    "state_dir": "every study keeps its own folder, studies/<id>/, in the silo's state_dir",
+}
+# policy keys that guard what all studies share: the one pinned roster
+_SILO_WIDE_POLICY = {
+    "roster_quorum_above": "the pinned roster is the silo's one, across its studies: set it in [policy]",
+}
+
+
+def _studies(tables: object, config: SiloConfig, problems: list[str]) -> tuple[Study, ...]:
+    """Each [study.<id>] table, its sections resolved against the top-level ones."""
+    if not isinstance(tables, Mapping) or not tables:
+        problems.append("study: expected one [study.<id>] table per study, such as [study.readmission]")
+        return ()
+    studies = []
+    for study, table in tables.items():
+        where = f"study.{study}"
+        problems += id_problems(study, where)
+        if not isinstance(table, Mapping):
+            problems.append(f"{where}: expected a table, such as [{where}.data]")
+            continue
+        table = dict(table)
+        for key, why in _SILO_WIDE.items():
+            if table.pop(key, None) is not None:
+                problems.append(f"{where}.{key}: not a study's own setting: {why}")
+        policy = dict(table.get("policy") or {}) if isinstance(table.get("policy"), Mapping) else None
+        for key, why in _SILO_WIDE_POLICY.items():
+            if policy is not None and policy.pop(key, None) is not None:
+                problems.append(f"{where}.policy.{key}: not a study's own setting: {why}")
+        if policy is not None:
+            table["policy"] = policy
+        own = parse_section(_StudyTable, table, where, problems)
+        resolved = Study(
+            id=study,
+            data=own.data or config.data,
+            evaluation=own.evaluation or config.evaluation,
+            policy=_study_policy(config.policy, own.policy, policy or {}, where, problems),
+            monitoring=own.monitoring or MonitoringSection(),
+        )
+        if own.data is not None:
+            problems += _data_problems(own.data, f"{where}.")
+        if own.evaluation is not None:
+            problems += _evaluation_problems(own.evaluation, f"{where}.")
+        problems += [f"{where}.{p}" for p in resolved.monitoring.problems()]
+        studies.append(resolved)
+    return tuple(studies)
+
+
+def _study_policy(
+    top: PolicySection, own: PolicySection | None, keys: Mapping[str, Any], where: str, problems: list[str]
+) -> PolicySection:
+    """[policy] with the keys a study's policy table sets replaced; the problems only the combination has,
+    named for the study."""
+    if own is None:
+        return top
+    fields = {f.name for f in dataclasses.fields(PolicySection)}
+    merged = replace(top, **{key: getattr(own, key) for key in keys if key in fields})
+    known = set(top.problems())
+    problems += [f"{where}.{p}" for p in merged.problems() if p not in known]
+    return merged
+
+
+def _monitoring_problems(config: SiloConfig) -> list[str]:
+    """With studies, each study's agent is a process of its own: one Prometheus port each."""
+    found = []
+    if config.monitoring.prometheus:
+        found.append(
+            "monitoring.prometheus: with [study.<id>] tables each study's agent runs as a process of its "
+            "own, and they cannot share one port: set prometheus in each [study.<id>.monitoring] instead, "
+            "each on its own port"
+        )
+    seen: dict[str, str] = {}
+    for study in config.studies:
+        listen = study.monitoring.prometheus
+        if listen and not listen.endswith(":0") and listen in seen:
+            where = f"study.{study.id}.monitoring.prometheus"
+            found.append(f"{where}: {listen} is study {seen[listen]!r}'s too; give each study its own port")
+        seen.setdefault(listen, study.id)
+    return found

@@ -6,7 +6,9 @@ A newer roster the aggregator offers (at registration, in heartbeat replies, wit
 if a quorum signed it; the silo's own certificate, re-read when replaced on disk, is switched to a renewed
 one once the roster names it (`silo.trust.OwnCertificate`). A session is one channel, its transport
 (`silo.transport`) and the directive stream; when it fails the agent reconnects with jittered exponential
-backoff, and what no retry can mend stops the agent (`Fatal`).
+backoff, and what no retry can mend stops the agent (`Fatal`). A study's agent names its study on every
+call of the channel (`silo.transport.study_channel`); while the aggregator does not take the study (queued,
+paused: UNAVAILABLE; not created yet: NOT_FOUND) it says so once per change and waits with the same backoff.
 
 `Standing` is where this silo stands with the aggregator, shared by the agent's parts: who it is to the
 aggregator and what it is doing (what heartbeats report); `Progress`, what a restarted agent joins from.
@@ -36,7 +38,7 @@ from privacy.pki.signing import sign
 from silo.config import SiloConfig
 from silo.key_service import KeyService
 from silo.tls_probe import UNTRUSTED, ConnectionProblem, UntrustedAggregator, server_certificate
-from silo.transport import CALL_TIMEOUT, SiloTransport
+from silo.transport import CALL_TIMEOUT, SiloTransport, study_channel
 from silo.trust import Credentials, OwnCertificate, SiloTrust, expiry_watch, switch_due
 
 log = logging.getLogger("silo")
@@ -142,6 +144,7 @@ class Connection:
         )
         self.standing, self.progress, self.privacy_ledger = standing, progress, privacy_ledger
         self._follow, self._on_switch = follow, on_switch
+        self._waiting = StudyWait(config.study, config.connection.aggregator)
 
     def run(self) -> int:
         """Keep a session up until the consortium is finished, with jittered exponential backoff; what no
@@ -164,8 +167,9 @@ class Connection:
                     continue
                 if refused:
                     raise Fatal(f"the aggregator at {address} refuses this silo: {exc.details()}") from None
-                problem = f"a call to the aggregator at {address} failed ({code.name}: {exc.details()})"
-                log.warning("connection problem: %s; retrying in %.0f s", problem, backoff)
+                if not self._waiting.said(code, exc.details()):
+                    problem = f"a call to the aggregator at {address} failed ({code.name}: {exc.details()})"
+                    log.warning("connection problem: %s; retrying in %.0f s", problem, backoff)
             except OSError as exc:  # the probe's ConnectionProblem says where and what it likely means
                 if self.stop.is_set():
                     break
@@ -204,8 +208,10 @@ class Connection:
         credentials = self.certificate.channel_credentials
         try:
             with grpc.secure_channel(conn.aggregator, credentials, options=options) as channel:
-                transport = SiloTransport(consortium_pb2_grpc.ConsortiumServiceStub(channel))
+                named = study_channel(channel, self.config.study)
+                transport = SiloTransport(consortium_pb2_grpc.ConsortiumServiceStub(named))
                 self.register(transport, tls_pem)
+                self._waiting.taken()
                 stream = transport.join(self.progress.read().get("committed", 0))
                 helpers = [
                     threading.Thread(target=self._heartbeats, args=(transport, session_over), daemon=True),
@@ -294,6 +300,43 @@ class Connection:
                     self.keys.heartbeat(transport)
             except grpc.RpcError:
                 return
+
+
+class StudyWait:
+    """What a study's agent says while the aggregator does not take its study: once per change of the
+    aggregator's answer, in plain words (the retries in between are logged at debug level only)."""
+
+    def __init__(self, study: str, address: str) -> None:
+        self.study, self.address = study, address
+        self._last: tuple[grpc.StatusCode, str] | None = None
+
+    def said(self, code: grpc.StatusCode, details: str) -> bool:
+        """Whether `code` is the aggregator's word on this study, which is then said (once) or repeated
+        quietly; False for the aggregator's default study and any other code, said as before studies."""
+        wording = _WAITING.get(code) if self.study else None
+        if wording is None:
+            return False
+        if self._last == (code, details):
+            log.debug("study %r: still waiting (%s: %s)", self.study, code.name, details)
+            return True
+        self._last = (code, details)
+        log.warning(wording.format(study=self.study, address=self.address, details=details or code.name))
+        return True
+
+    def taken(self) -> None:
+        """Registered: the aggregator takes the study (a later wait is a change, and said again)."""
+        if self._last is not None:
+            log.info("study %r: the aggregator takes it now", self.study)
+        self._last = None
+
+
+_WAITING = {
+    grpc.StatusCode.UNAVAILABLE: "study {study!r} is not open on the aggregator at {address} now "
+    "({details}); waiting",
+    grpc.StatusCode.NOT_FOUND: "study {study!r} is not on the aggregator at {address} ({details}); waiting "
+    "for its operator to create it (python -m aggregator study create), or check the id of [study.{study}] "
+    "in silo.toml",
+}
 
 
 @dataclass

@@ -86,6 +86,7 @@ class Finish:
                 side=admitted.side,
                 gate=self.gate,
                 trained_from=admitted.state.content_digest(),
+                data=admitted.prepared.data_digest,
                 ledger=self.ledger,
                 transport=transport,
                 on_sent=lambda purpose, message: self._sent(spec, purpose, message),
@@ -165,6 +166,7 @@ class Finish:
             state=admitted.state,
             method=admitted.method,
             held_out=admitted.held_out,
+            held_out_digest=admitted.prepared.held_out_digest,
             gate=self.gate,
             keep=lambda header, sealed: keep_stepped(self.state_dir, spec, taking_part.me, header, sealed),
         )

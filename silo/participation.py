@@ -44,6 +44,7 @@ class Participation:
         side: SiloSide,
         gate: ReleaseGate,
         trained_from: str,
+        data: str = "",
         ledger: ReleaseLedger,
         transport: SiloTransport,
         on_sent: Callable[[str, object], None],
@@ -53,8 +54,9 @@ class Participation:
     ) -> None:
         """`sums` are the round's as `spec` signs them (`privacy.roundspec.sums_of`). `trained_from` is the
         content digest of the state the contribution was computed from (checked against the signed digest by
-        the caller): the ledger's key for it. `records`: this silo's record count per class, for the census's
-        record floor; `class_names` the plan's, by which the census is keyed."""
+        the caller) and `data` the digest of the prepared data it was trained on (`gate.data_digest`): the
+        ledger's key for it. `records`: this silo's record count per class, for the census's record floor;
+        `class_names` the plan's, by which the census is keyed."""
         self.spec, self.me, self._ledger = spec, me, ledger
         self._transport, self._on_sent = transport, on_sent
         self._unsent: list[tuple[str, object]] = []  # of the last `_send`, until each is delivered
@@ -64,13 +66,15 @@ class Participation:
             contribution,
             me=me,
             gate=gate,
-            trained_from=Subject("contribution", trained_from.encode()),
+            trained_from=Subject("contribution", trained_from.encode(), data),
             records=records,
-            on_census=lambda census: ledger.record_census(self._census_key, census),
+            on_census=lambda census: ledger.record_census(self._census_keys[0], census),
             noise=noise,
             class_names=class_names,
         )
-        self._census_key = self.sums.census_subject.key(gate.consortium)
+        census = self.sums.census_subject
+        # a census kept before keys were versioned is found under its version-2 key
+        self._census_keys = (census.key(gate.consortium), census.v2_key(gate.consortium))
         if sums.census is not None and me in sums.census.silos:
             self._check_census_claim(sums.census)
 
@@ -123,8 +127,8 @@ class Participation:
         silos, which this silo allows. Under DP the census says nothing of this silo's records (it claims
         every class), and under plaintext the aggregator sees every input anyway: there a plausible census
         is taken."""
-        kept = self._ledger.census(self._census_key)
-        signed_for = self._ledger.survivors(self._census_key) == list(census.silos)
+        kept = next(filter(None, map(self._ledger.census, self._census_keys)), None)
+        signed_for = any(self._ledger.survivors(key) == list(census.silos) for key in self._census_keys)
         trusting = self.sums.noise is not None or (signed_for and not self.sums.side.hides_inputs)
         if kept is None and trusting:
             tail_guard.check_census(
@@ -133,7 +137,7 @@ class Participation:
                 len(census.silos),
                 self.sums.sums.record_floor,
             )
-            self._ledger.record_census(self._census_key, census)
+            self._ledger.record_census(self._census_keys[0], census)
         elif kept is None and signed_for:
             raise CensusError(
                 "the RoundSpec names a census this silo signed for but never computed (it stopped before "

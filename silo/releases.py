@@ -13,9 +13,15 @@ ledger's): the file is re-read, the change checked against what it holds and app
 atomically, so a second writer on the same state directory neither erases a pin nor pins a subject again to
 another silo set.
 
+The ledger is the silo's one, across its studies: it lives at the top of the state directory, and each study
+keeps its own progress in `studies/<id>/` (`silo.config.SiloConfig.for_study`). Its keys are versioned
+(`fedlt.aggregation.gate.KEY_VERSION`): opening a ledger written before keys named the data notes the keys it
+holds as version 2 (`v2_pin`), once, and the gate meets them for as long as the ledger holds them.
+
 Ledgers fail closed (`check_ledgers`): a state directory that shows this silo has worked before (progress,
-a pinned roster, a pending upload, a privacy ledger) but has no release ledger, or whose release ledger says
-a privacy ledger was kept that is no longer there, stops the agent instead of starting afresh.
+a pinned roster, a pending upload, a privacy ledger, in it or in any study's folder) but has no release
+ledger, or whose release ledger says a privacy ledger was kept that is no longer there, stops the agent (every
+study's) instead of starting afresh.
 """
 
 from __future__ import annotations
@@ -27,11 +33,12 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from fedlt.aggregation.gate import RepeatedRelease
+from fedlt.aggregation.gate import KEY_VERSION, RepeatedRelease
 from fedlt.aggregation.tail_guard import Census
 from fedlt.atomic import atomic_write_text
 from fedlt.errors import FedltError
 from privacy.dp.ledger import ledger_lock
+from silo.config import STUDY_FOLDERS
 
 LEDGER = "releases.json"
 # files a silo writes once it has started working: with any of them present, a missing ledger is a lost one
@@ -47,10 +54,11 @@ class LedgerMissing(FedltError):
 
 
 def check_ledgers(state_dir: Path, privacy_ledger: Path) -> None:
-    """Refuse to start on a state directory whose ledgers were lost (deleted, or a partial restore)."""
+    """Refuse to start on a state directory whose ledgers were lost (deleted, or a partial restore);
+    `state_dir` is the silo's, which holds the ledgers, with each study's folder in it."""
     releases = state_dir / LEDGER
     if not releases.exists():
-        seen = [p.name for p in (*(state_dir / n for n in EVIDENCE), privacy_ledger) if p.exists()]
+        seen = _evidence(state_dir) + ([privacy_ledger.name] if privacy_ledger.exists() else [])
         if seen:
             raise LedgerMissing(
                 f"{releases} is missing, but this silo has worked before ({', '.join(seen)} in its state "
@@ -67,6 +75,13 @@ def check_ledgers(state_dir: Path, privacy_ledger: Path) -> None:
         )
 
 
+def _evidence(state_dir: Path) -> list[str]:
+    """The files that show this silo worked before, in its state directory or any study's folder."""
+    folders = [state_dir, *sorted(p for p in (state_dir / STUDY_FOLDERS).glob("*") if p.is_dir())]
+    found = [folder / name for folder in folders for name in EVIDENCE]
+    return [str(p.relative_to(state_dir)) for p in found if p.exists()]
+
+
 class ReleaseLedger:
     """Thread- and process-safe on one state directory; what it reports is the file as this object last read
     it, on opening or at its last change."""
@@ -77,9 +92,13 @@ class ReleaseLedger:
         with ledger_lock(self.path):
             if self.path.exists():
                 self._book = _read(self.path)
+                if self._book.get("keys") != KEY_VERSION:
+                    self._book = _upgraded(self._book)
+                    self._save(self._book)
             else:
-                self._book = {part: {} for part in BOOK}
+                self._book = {part: {} for part in BOOK} | {"keys": KEY_VERSION, "v2": []}
                 self._save(self._book)
+        self._v2 = frozenset(self._book["v2"])  # never grows: no version-2 key is pinned any more
 
     @property
     def keeps_privacy_ledger(self) -> bool:
@@ -107,6 +126,11 @@ class ReleaseLedger:
         """The survivor set this silo signed for `key`, if any."""
         with self._lock:
             return self._book["survivors"].get(key)
+
+    def v2_pin(self, key: str) -> list[str] | None:
+        """The survivor set `key`, a version-2 key, was pinned to before the upgrade, if any. Read from this
+        object's book: version-2 pins are never added, and no pin ever changes (`_reread` checks)."""
+        return self.survivors(key) if key in self._v2 else None
 
     def census(self, key: str) -> Census | None:
         with self._lock:
@@ -161,6 +185,11 @@ class ReleaseLedger:
         atomic_write_text(self.path, json.dumps(book))
 
 
+def _upgraded(book: dict) -> dict:
+    """A ledger of an agent from before keys named the data: every key it pinned is a version-2 key."""
+    return {**book, "keys": KEY_VERSION, "v2": sorted(book["survivors"])}
+
+
 def _read(path: Path) -> dict:
     """The book in `path`; a damaged one counts as lost, since it could not refuse a second release."""
     try:
@@ -169,4 +198,6 @@ def _read(path: Path) -> dict:
         raise LedgerMissing(f"{path} is not a readable release ledger ({exc}); {RESTORE}") from None
     if not isinstance(book, dict) or not all(isinstance(book.get(part), dict) for part in BOOK):
         raise LedgerMissing(f"{path} is not a release ledger of this format; {RESTORE}")
+    if book.get("keys") == KEY_VERSION and not isinstance(book.get("v2"), list):
+        raise LedgerMissing(f"{path} lost the list of its version-2 keys; {RESTORE}")
     return book

@@ -164,12 +164,14 @@ def step_and_report(
     held_out: LabeledData | None,
     gate: ReleaseGate,
     keep: Callable[[pb.StateReportHeader, bytes], None] | None = None,
+    held_out_digest: str = "",
 ) -> tuple[SiloHalf, str]:
     """Run the server step on the sum this silo read, report the sealed next state signed with the silo's
     certificate key (`sign`); returns the half of the evaluation sum the aggregator will send back (for
     `report_evaluation`) and the new state's digest. The evaluation counts pass the silo's release gate like
-    any other release, keyed by the state they evaluate. `keep` is handed the report (its header and the
-    sealed state) once the aggregator accepted it (`silo.export.keep_stepped`)."""
+    any other release, keyed by the state they evaluate and the held-out data they count (`held_out_digest`,
+    `gate.data_digest` of it). `keep` is handed the report (its header and the sealed state) once the
+    aggregator accepted it (`silo.export.keep_stepped`)."""
     spec, sums = taking_part.spec, taking_part.sums
     survivors = tuple(sorted(sums.half.counted))
     readers = tuple(sorted(sums.half.readers))  # who read the sum and step with this silo (blind: U4)
@@ -199,7 +201,7 @@ def step_and_report(
         settings=sums.sums.settings,
     )
     gate.admit(evaluated, side)
-    subject = Subject("evaluation", following.content_digest().encode())
+    subject = Subject("evaluation", following.content_digest().encode(), held_out_digest)
     evaluation = side.half(
         evaluated,
         taking_part.me,

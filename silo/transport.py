@@ -1,15 +1,25 @@
 """The silo's one door to the aggregator: every call a silo makes, on one session's channel, each bounded.
 
-Only this module calls the consortium's service (the session, `silo.connection`, opens the channel and makes
-the stub). The agent's parts, the round's sums (`silo.participation`), the server step (`silo.stepping`) and
-the key service (`silo.key_service`) are handed a `SiloTransport` and speak in the project's messages; a
-layer's stage messages reach their RPC through `privacy.wire`, which maps each message type to its call.
+Only this module calls the consortium's service (the session, `silo.connection`, opens the channel, names its
+study on it with `study_channel` and makes the stub). The agent's parts, the round's sums
+(`silo.participation`), the server step (`silo.stepping`) and the key service (`silo.key_service`) are handed
+a `SiloTransport` and speak in the project's messages; a layer's stage messages reach their RPC through
+`privacy.wire`, which maps each message type to its call.
+
+A silo taking part in several studies of one aggregator runs one agent per study (`silo.studies`), and each
+names its study on every call of its channel (`fedlt.studies.STUDY_HEADER`): on the channel, not call by call,
+so that no call of any part can go out without it. The aggregator routes by it and nothing else; the silo
+keys nothing it guarantees on it (`fedlt.aggregation.gate`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections import namedtuple
+from collections.abc import Callable, Iterator, Sequence
 
+import grpc
+
+from fedlt.studies import STUDY_HEADER
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.wire import chunks
 from privacy import wire
@@ -17,6 +27,67 @@ from privacy import wire
 # Calls other than the directive stream must not hang forever on a silent network.
 CALL_TIMEOUT = 120.0
 HEARTBEAT_TIMEOUT = 10.0  # a heartbeat that cannot get through in this long ends the heartbeats
+
+
+def study_channel(channel: grpc.Channel, study: str) -> grpc.Channel:
+    """`channel` with every call carrying `study`'s header; `channel` itself for the aggregator's default
+    study (`study` ""), whose calls carry none, as before studies existed."""
+    return grpc.intercept_channel(channel, StudyHeader(study)) if study else channel
+
+
+Details = grpc.ClientCallDetails
+Continuation = Callable[[Details, object], object]
+_Details = namedtuple(
+    "_Details", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+)
+
+
+class _CallDetails(_Details, grpc.ClientCallDetails):
+    pass
+
+
+class StudyHeader(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds `fedlt-study: <study>` to a call's metadata, in place of any the call carried, for calls of
+    every kind."""
+
+    def __init__(self, study: str) -> None:
+        self.study = study
+
+    def _named(self, details: Details) -> _CallDetails:
+        metadata = [(k, v) for k, v in details.metadata or () if k != STUDY_HEADER]
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            [*metadata, (STUDY_HEADER, self.study)],
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
+        )
+
+    def intercept_unary_unary(
+        self, continuation: Continuation, client_call_details: Details, request: object
+    ) -> object:
+        return continuation(self._named(client_call_details), request)
+
+    def intercept_unary_stream(
+        self, continuation: Continuation, client_call_details: Details, request: object
+    ) -> object:
+        return continuation(self._named(client_call_details), request)
+
+    def intercept_stream_unary(
+        self, continuation: Continuation, client_call_details: Details, request_iterator: object
+    ) -> object:
+        return continuation(self._named(client_call_details), request_iterator)
+
+    def intercept_stream_stream(
+        self, continuation: Continuation, client_call_details: Details, request_iterator: object
+    ) -> object:
+        return continuation(self._named(client_call_details), request_iterator)
 
 
 class SiloTransport:

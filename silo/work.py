@@ -2,9 +2,11 @@
 its data from the checked state (or evaluated only, where the plan asks no training).
 
 A finished contribution is written to disk before upload, keyed by the state it was trained from
-(`PendingContribution`), so an agent restarted mid-upload, or handed the same state under another label,
-sends the same bytes instead of training again; a disclosure is kept in the release ledger the same way, one
-per state.
+(`PendingContribution`, in the study's own folder), so an agent restarted mid-upload, or handed the same state
+under another label, sends the same bytes instead of training again; a disclosure is kept in the release
+ledger the same way, one per state and data. The disclosure's masks come from one secret per silo, across its
+studies: two studies of one silo disclosing from the same state and data disclose the same bytes, so that
+comparing them cannot tell a masked class from a held one.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import secrets
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +25,7 @@ import grpc
 import numpy as np
 
 from fedlt.aggregation import evaluation_block
-from fedlt.atomic import atomic_write, atomic_write_text
+from fedlt.atomic import atomic_write, atomic_write_text, sync_directory
 from fedlt.errors import ContributionError
 from fedlt.methods import SiloContext
 from fedlt.selection import DISCLOSURE, class_mean_disclosure, mask_stream
@@ -65,12 +69,13 @@ class PendingContribution:
 
 
 class Work:
-    """Discloses and trains for admitted rounds. `refuse` tells the aggregator of a round this silo cannot
-    work for (`silo.admission.Admission.refuse`)."""
+    """Discloses and trains for admitted rounds. `shared_dir` is the silo's state directory (across its
+    studies), which keeps the mask secret; `refuse` tells the aggregator of a round this silo cannot work
+    for (`silo.admission.Admission.refuse`)."""
 
     def __init__(
         self,
-        state_dir: Path,
+        shared_dir: Path,
         policy: PolicySection,
         *,
         ledger: ReleaseLedger,
@@ -79,7 +84,7 @@ class Work:
         standing: Standing,
         refuse: Callable[[SiloTransport, str, RefusedRound], None],
     ) -> None:
-        self.state_dir, self.policy, self.ledger, self.plans = state_dir, policy, ledger, plans
+        self.shared_dir, self.policy, self.ledger, self.plans = shared_dir, policy, ledger, plans
         self.pending, self.standing, self._refuse = pending, standing, refuse
 
     def train(self, transport: SiloTransport, admitted: AdmittedRound) -> bytes | None:
@@ -123,8 +128,10 @@ class Work:
         """MFSC: this silo's class means under the received model, random points for classes it lacks or holds
         too few samples of. One disclosure per round's state: a retried attempt sends the same bytes."""
         spec, plan, method, state = admitted.spec, admitted.plan, admitted.method, admitted.state
-        key = state.content_digest()  # one disclosure per state, whatever round the aggregator labels it
-        values = self.ledger.disclosure(key)
+        # one disclosure per state and data, whatever round or study the aggregator labels it with; one kept
+        # by an agent from before keys named the data is under the state's digest alone
+        key = f"{state.content_digest()}/{admitted.prepared.data_digest}"
+        values = self.ledger.disclosure(key) or self.ledger.disclosure(state.content_digest())
         if values is None:
             minimum = max(plan.selection.min_samples, self.policy.disclosure_min_samples)
             stream = mask_stream(self.mask_secret(), key)
@@ -150,11 +157,30 @@ class Work:
         )
 
     def mask_secret(self) -> bytes:
-        """The key of this silo's MFSC masks: made once, kept in state_dir (owner-only), never sent."""
-        path = self.state_dir / "mask.secret"
+        """The key of this silo's MFSC masks: made once, kept in state_dir (owner-only), never sent; the
+        first of its studies' agents to need it makes it, and every other reads that one."""
+        path = self.shared_dir / "mask.secret"
         if not path.exists():
-            atomic_write(path, lambda fh: fh.write(secrets.token_bytes(32)))  # mkstemp: mode 0600
+            _create_once(path, secrets.token_bytes(32))
         return path.read_bytes()
+
+
+def _create_once(path: Path, content: bytes) -> None:
+    """Write `path` (owner-only, synced) unless another process made it first: a link, unlike a rename, does
+    not replace a file already there."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # mode 0600
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(content)
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    sync_directory(path.parent)
 
 
 def _pending_key(admitted: AdmittedRound) -> dict[str, str]:

@@ -7,10 +7,15 @@ tests/test_attacks_protocol.py and tests/test_silo_releases.py; here the gate's 
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -18,19 +23,29 @@ from hypothesis import strategies as st
 
 from fedlt.aggregation import Field, Schema
 from fedlt.aggregation.gate import (
+    KEY_VERSION,
     Floors,
     GateRefusal,
     MemoryLedger,
     ReleaseGate,
     RepeatedRelease,
     Subject,
+    data_digest,
 )
 from fedlt.aggregation.halves import Released, SiloHalf, SiloSide, SumAborted, SumSpec
 from fedlt.aggregation.round_sums import AggregatorRound, RoundSums, SiloRound
+from fedlt.aggregation.tail_guard import Census, CensusError
 from fedlt.atomic import atomic_write_text
+from fedlt.config import as_table, render_toml
+from fedlt.data.federation import build_federation
+from fedlt.data.source import Slice, embedded
 from fedlt.methods.state import GlobalState
 from privacy.blind.layer import BlindSum
+from silo.admission import Prepared
+from silo.config import load_silo_config
 from silo.releases import LEDGER, LedgerMissing, ReleaseLedger, check_ledgers
+from tests.consortium_harness import PLAN, RECIPE
+from tests.test_silo_releases import census_round
 
 SILOS = tuple(f"silo-{k}" for k in range(6))
 SCHEMA = Schema((Field("delta", (4,), 1.0),))
@@ -335,3 +350,192 @@ def test_an_atomic_write_syncs_the_directory_after_the_rename(tmp_path, monkeypa
     monkeypatch.setattr(os, "fsync", fsync)
     atomic_write_text(tmp_path / "ledger.json", "{}")
     assert synced == ["file", "dir"]
+
+
+# --- one silo in several studies (issue 35): keys name the data, never the study -------------------------
+
+FOUR, THREE = SILOS[:4], SILOS[:3]
+STATE = GlobalState(1, {"w": torch.arange(4.0)}).content_digest().encode()  # one seeded initial model
+
+
+def shard(index: int) -> Prepared:
+    """Silo `index`'s shard of the tests' recipe, prepared as the tests' plan wants it, with its digests."""
+    federation = build_federation(RECIPE, seed=0)
+    source = embedded(federation.silos[index], federation.table)
+    held_out = Slice(embedded(federation.test, federation.table), 0, 1)
+    return Prepared.of(source.prepared(PLAN.wanted()), held_out.prepared(PLAN.wanted()))
+
+
+def contribution(prepared: Prepared) -> Subject:
+    """The key a study's contribution from STATE is released under (`silo.participation.Participation`)."""
+    return Subject("contribution", STATE, prepared.data_digest)
+
+
+def test_two_studies_over_the_same_data_from_the_same_state_release_over_one_silo_set_only(tmp_path):
+    """(a) The attack: one silo's two studies over the same data start from the same seeded model, the first
+    summed over three silos, the second over those and one more; the sums would subtract to the fourth's
+    contribution. The second study's agent (its own ledger object on the silo's one ledger, its own
+    preparation of the data) meets the first's key and refuses. Keys without the data (before this change)
+    refused it too."""
+    imaging, readmission = shard(0), shard(0)  # prepared by each study's agent on its own
+    assert imaging.data_digest == readmission.data_digest
+    gate(ReleaseLedger(tmp_path)).release(spec(FOUR), Side(), THREE, contribution(imaging))
+    with pytest.raises(RepeatedRelease, match="would let the aggregator subtract the two sums"):
+        gate(ReleaseLedger(tmp_path)).release(spec(FOUR), Side(), FOUR, contribution(readmission))
+
+
+def test_two_studies_over_different_data_from_one_seeded_state_each_release(tmp_path):
+    """(b) Two studies of one silo over different data (this year's and last year's) whose plans start from
+    the same seeded model: their contributions differ, so neither sum subtracts to anything, and both are
+    released, over different silo sets. Keyed by the state alone (before this change), the second was
+    refused: the silo could not take part in both."""
+    this_year, last_year = shard(0), shard(1)
+    assert this_year.data_digest != last_year.data_digest
+    gate(ReleaseLedger(tmp_path)).release(spec(FOUR), Side(), THREE, contribution(this_year))
+    gate(ReleaseLedger(tmp_path)).release(spec(FOUR), Side(), FOUR, contribution(last_year))
+    evaluated = [Subject("evaluation", STATE, p.held_out_digest) for p in (this_year, last_year)]
+    assert evaluated[0].key("c") == evaluated[1].key("c")  # the same held-out data: one key, as it should
+
+
+CLASSES = ("cat", "dog", "fox", "owl")
+CENSUS_SCHEMA = Schema((Field("rows", (4, 2), 10.0, per_class=True),))
+# the victim, silo-0, lacks the fox; every other silo holds every class, in both studies' data
+HOLDS = {"silo-0": (0, 1, 3), "silo-1": (0, 1, 2, 3), "silo-2": (0, 1, 2, 3), "silo-3": (0, 1, 2, 3)}
+
+
+def census_subject(silo: str) -> Subject:
+    """What `silo`'s census is keyed by, as its round driver makes it."""
+    rows = torch.zeros(4, 2, dtype=torch.float64)
+    rows[list(HOLDS[silo])] = 1.0
+    sums = RoundSums("r1.a1", FOUR, CENSUS_SCHEMA, k_min=2, census=None)
+    return SiloRound(
+        Side(),
+        sums,
+        rows.flatten(),
+        me=silo,
+        gate=gate(),
+        trained_from=Subject("contribution", b"s"),
+        class_names=CLASSES,
+    ).census_subject
+
+
+def census_sums(tmp_path, *, keyed_by_data: bool) -> list[np.ndarray | None]:
+    """Study 1's census over all four silos, then study 2's over all but the victim, every silo with its
+    own ledger and, in each study, its own data; the sums the aggregator reads (None: a silo refused)."""
+    for silo in FOUR:
+        (tmp_path / silo).mkdir(parents=True)
+    ledgers = {silo: ReleaseLedger(tmp_path / silo) for silo in FOUR}
+    sums: list[np.ndarray | None] = []
+    for study, silos in ((1, FOUR), (2, FOUR[1:])):
+        flags = []
+        for silo in silos:
+            subject = census_subject(silo)
+            if keyed_by_data:
+                subject = replace(subject, data=f"{silo}'s data of study {study}")
+            try:
+                gate(ledgers[silo]).release(spec(silos, "census"), Side(), silos, subject)
+            except RepeatedRelease:
+                sums.append(None)
+                break
+            flags.append(np.isin(np.arange(4), HOLDS[silo]).astype(np.int64))
+        else:
+            sums.append(np.sum(flags, axis=0))
+    return sums
+
+
+def test_a_census_keyed_by_its_data_would_give_one_silos_presence_to_two_studies_sums(tmp_path):
+    """Why a census names no data. The attack: two studies over different data in which every silo holds the
+    same classes; study 1's census over four silos, study 2's over the three that are not the victim. Were
+    censuses keyed by the data (each silo's data differs between studies), every silo would release both,
+    and the difference of the sums is the victim's presence: it lacks the fox. Keyed by the presence the
+    census is, each of the three refuses to give its presence to a second silo set."""
+    first, second = census_sums(tmp_path / "by-data", keyed_by_data=True)
+    assert (first - second).tolist() == [1, 1, 0, 1]  # the victim's class presence, exactly
+    first, second = census_sums(tmp_path / "by-presence", keyed_by_data=False)
+    assert second is None
+
+
+class Forgetful(ReleaseLedger):
+    """An upgrade that forgot the pins an older agent made under version-2 keys."""
+
+    def v2_pin(self, key: str) -> list[str] | None:
+        return None
+
+
+def test_a_pin_made_before_keys_named_the_data_still_refuses_a_second_release(tmp_path):
+    """(c) The attack on the upgrade: a silo released a contribution over three silos before this change (its
+    ledger holds the version-2 key, without the data); after the upgrade the aggregator asks for it again
+    over four. The version-3 key is new, so an upgrade that forgot the old pins releases it; the gate meets
+    the old key too and refuses, for as long as the ledger holds it."""
+    subject = contribution(shard(0))
+    older = {"survivors": {subject.v2_key("c"): list(THREE)}, "censuses": {}, "disclosure": {}}
+    (tmp_path / LEDGER).write_text(json.dumps(older))  # as an agent before this change left it
+    attacked = tmp_path / "attacked"
+    attacked.mkdir()
+    (attacked / LEDGER).write_text(json.dumps(older))
+    gate(Forgetful(attacked)).release(spec(FOUR), Side(), FOUR, subject)  # the attack works on the forgetful
+    with pytest.raises(RepeatedRelease, match=r"silo-0, silo-1, silo-2 \(recorded before this version"):
+        gate(ReleaseLedger(tmp_path)).release(spec(FOUR), Side(), FOUR, subject)
+    gate(ReleaseLedger(tmp_path)).release(spec(FOUR), Side(), THREE, subject)  # the same set: the same sum
+    book = json.loads((tmp_path / LEDGER).read_text())
+    assert book["keys"] == KEY_VERSION
+    assert book["v2"] == [subject.v2_key("c")]  # noted once; no version-2 key is pinned any more
+    assert book["survivors"][subject.key("c")] == list(THREE)
+
+
+def test_a_census_kept_before_keys_were_versioned_is_the_one_the_silo_took_part_in(tmp_path):
+    """After the upgrade, a RoundSpec naming the census the silo took part in (and kept under its version-2
+    key) is taken, and one naming other counts is refused, as before."""
+    census = Census.of(["a", "b", "c"], [3, 1, 2])
+    key = Subject("census", np.array([1, 0, 1], dtype="<u8").tobytes()).v2_key("c")  # "a" holds classes 0, 2
+    older = {
+        "survivors": {key: ["a", "b", "c"]},
+        "censuses": {key: {"silos": ["a", "b", "c"], "counts": [3, 1, 2], "records": []}},
+        "disclosure": {},
+    }
+    (tmp_path / LEDGER).write_text(json.dumps(older))
+    census_round(tmp_path, census, holds=[0, 2])
+    with pytest.raises(CensusError, match="differs from the census this silo took part in"):
+        census_round(tmp_path, Census.of(["a", "b", "c"], [3, 2, 2]), holds=[0, 2])
+
+
+STUDY_IDS = st.lists(
+    st.from_regex(r"[a-z0-9][a-z0-9-]{0,39}", fullmatch=True), min_size=1, max_size=3, unique=True
+)
+
+
+@settings(max_examples=20, deadline=None)
+@given(labels=STUDY_IDS)
+def test_the_study_label_changes_nothing_in_any_key(labels):
+    """(d) Property: whatever a silo's studies are called, each study's agent prepares the same data to the
+    same digests, and so releases under the same keys, as the silo without studies: the label only routes
+    calls, and the aggregator may put any label on any study."""
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "silo.toml"
+        data = {"source": "embedded", "index": 0, "recipe": as_table(RECIPE)}
+        path.write_text(render_toml({"data": data, "study": {label: {} for label in labels}}))
+        config = load_silo_config(path)
+        alone = replace(config, studies=())
+        keys = {prepared_keys(alone)}
+        keys |= {prepared_keys(config.for_study(label)) for label in labels}
+        assert len(keys) == 1
+
+
+def prepared_keys(config) -> tuple[str, ...]:
+    """The keys a contribution and an evaluation from STATE are released under, by `config`'s agent."""
+    wanted = PLAN.wanted()
+    prepared = Prepared.of(config.load_data().prepared(wanted), config.load_evaluation().prepared(wanted))
+    kinds = (("contribution", prepared.data_digest), ("evaluation", prepared.held_out_digest))
+    return tuple(Subject(kind, STATE, digest).key("c") for kind, digest in kinds)
+
+
+def test_a_data_digest_names_the_arrays_values_dtype_and_shape_whatever_their_memory_layout():
+    """Found by a consortium run: a silo whose held-out slice is empty stopped at its first round."""
+    samples = np.arange(12, dtype=np.float32).reshape(3, 4)
+    labels = np.array([0, 1, 1])
+    assert data_digest(samples, labels) == data_digest(np.asfortranarray(samples), labels)
+    assert data_digest(samples, labels) != data_digest(samples.reshape(4, 3), labels)
+    assert data_digest(samples, labels) != data_digest(samples.astype(np.float64), labels)
+    assert data_digest(samples, labels) != data_digest(samples, labels[::-1])
+    empty = data_digest(np.zeros((0, 1, 8, 8), dtype=np.float32), np.zeros(0, dtype=np.int64))
+    assert empty != data_digest(np.zeros((0, 1, 4, 4), dtype=np.float32), np.zeros(0, dtype=np.int64))

@@ -11,20 +11,33 @@ layer and no agent reaches a half without passing the gate. It checks, with the 
   release ledger allows this survivor set for what is released.
 
 **The ledger is keyed by what the silo releases, never by labels the aggregator chooses.** A contribution is
-a function of the state the silo trains from and its data; plan text, seed, round number, attempt and phase
-label change it little or not at all, so two sums over silo sets that differ by one silo would subtract to
-that silo's input (exactly, or closely enough). The key is therefore the consortium and the *content* of the
-starting state (`GlobalState.content_digest`, which leaves out the round number the aggregator labels it
-with): one survivor set per state, whatever the RoundSpec says. A census is keyed by the presence vector the
-silo sends, which does not change between phases, plans or studies, so a silo gives its class presence over
-one silo set per consortium (and data). A legitimately new study starts from a new state (its own seeded
-initial model) and so gets new keys; replaying an old round, under any new label, trains from an old state
-and meets the old key.
+a function of the state the silo trains from and its data; plan text, seed, round number, attempt, phase label
+and study label change it little or not at all, so two sums over silo sets that differ by one silo would
+subtract to that silo's input (exactly, or closely enough). The key is therefore the consortium, the *content*
+of the starting state (`GlobalState.content_digest`, which leaves out the round number the aggregator labels
+it with) and the data the silo computed it from (`data_digest` of the plan's prepared arrays): one survivor
+set per state and data, whatever the RoundSpec says. Two studies of one silo over the same data, from the same
+state, meet the same key; over different data they do not, since their contributions differ (before keys
+named the data, two studies over different data whose plans start from the same seeded model refused each
+other).
+
+Replaying an old round, under any new label, trains from an old state and the old data, and meets the old
+key.
+
+A census is keyed by the presence it carries (the names of the classes the silo holds), and by nothing of the
+data: it *is* that presence. Were the same presence released twice, in a census over a set with silo v and in
+one over the same set without v (two studies over different data, where every silo holds the same classes in
+both), the two sums would subtract to v's presence; so each of the others refuses the second census, whatever
+study, plan or data asks for it: a silo gives its class presence over one silo set per consortium.
+
+Keys are versioned (`KEY_VERSION`). A release ledger written before keys named the data holds version-2 keys
+(the same parts, no data); while it holds any, every release also meets its version-2 key (`Ledger.v2_pin`),
+so what a silo released before the upgrade is still released over one silo set only.
 
 What stays possible, and is stated in docs/threat-model.md: an aggregator may send a *slightly different*
-state (it chooses the model under secagg), which is a new key and an approximately equal contribution; only
-differential privacy bounds that, and only under ckks do silos check the state they train from (signed by
-every counted silo).
+state (it chooses the model under secagg), or a plan that prepares the same files slightly differently (image
+size, table encoding), each a new key and an approximately equal contribution; only differential privacy
+bounds that, and only under ckks do silos check the state they train from (signed by every counted silo).
 """
 
 from __future__ import annotations
@@ -36,7 +49,11 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from fedlt.aggregation.halves import SiloSide, SumAborted, SumSpec
+
+KEY_VERSION = 3
 
 
 class GateRefusal(SumAborted):
@@ -58,14 +75,19 @@ class Floors:
 
 @dataclass(frozen=True)
 class Subject:
-    """What a release is of, as the silo itself knows it: `kind` and the bytes that identify the data."""
+    """What a release is of, as the silo itself knows it: `kind`, the bytes that identify it, and the digest
+    of the data it was computed from (`data_digest`; "" where the release is a value of its own, a census)."""
 
     kind: str  # "census", "contribution", "evaluation"
     identity: bytes
+    data: str = ""
 
     def key(self, consortium: str) -> str:
-        parts = (b"fedlt/release/v2", consortium.encode(), self.kind.encode(), self.identity)
-        return hashlib.sha256(b"".join(len(p).to_bytes(4, "big") + p for p in parts)).hexdigest()
+        return _key(f"fedlt/release/v{KEY_VERSION}", consortium, self.kind, self.identity, self.data)
+
+    def v2_key(self, consortium: str) -> str:
+        """The key a silo gave this release before keys named the data (`KEY_VERSION` 2)."""
+        return _key("fedlt/release/v2", consortium, self.kind, self.identity)
 
     @classmethod
     def fresh(cls, kind: str) -> Subject:
@@ -73,11 +95,32 @@ class Subject:
         return cls(kind, secrets.token_bytes(16))
 
 
+def _key(*parts: bytes | str) -> str:
+    encoded = [p.encode() if isinstance(p, str) else p for p in parts]
+    return hashlib.sha256(b"".join(len(p).to_bytes(4, "big") + p for p in encoded)).hexdigest()
+
+
+def data_digest(*arrays: np.ndarray) -> str:
+    """SHA-256 of the arrays a silo computes a release from (a plan's prepared samples and labels): each one's
+    dtype, shape and bytes. Computed once per prepared dataset; it names data, it is not a secret (the
+    key it goes into is a hash too, and stays on the silo)."""
+    digest = hashlib.sha256(b"fedlt/data/v1")
+    for array in arrays:
+        array = np.ascontiguousarray(array)
+        digest.update(f"{array.dtype.str}{array.shape}".encode())
+        digest.update(array.reshape(-1).view(np.uint8))  # its bytes, uncopied (none for an empty array)
+    return digest.hexdigest()
+
+
 class Ledger(Protocol):
     """Where a silo keeps the survivor set it released each subject for (`silo.releases` on disk)."""
 
     def pin_survivors(self, key: str, survivors: Sequence[str], what: str) -> None:
         """Record `survivors` for `key`, or raise `RepeatedRelease` if another set is recorded."""
+        ...
+
+    def v2_pin(self, key: str) -> list[str] | None:
+        """The survivor set a version-2 `key` was pinned to before the upgrade, if the ledger holds one."""
         ...
 
 
@@ -97,6 +140,9 @@ class MemoryLedger:
                 f"this silo already released the {what} for {', '.join(pinned)}; releasing it for "
                 f"{', '.join(wanted)} would let the aggregator subtract the two sums"
             )
+
+    def v2_pin(self, key: str) -> list[str] | None:
+        return None  # it lives as long as the process: nothing in it is older than version 3
 
 
 class ReleaseGate:
@@ -165,6 +211,13 @@ class ReleaseGate:
             )
         if subject is not None:
             what = _WHAT.get(subject.kind, subject.kind)
+            earlier = self._ledger.v2_pin(subject.v2_key(self.consortium))
+            if earlier is not None and earlier != list(counted):
+                raise RepeatedRelease(
+                    f"this silo already released the {what} for {', '.join(earlier)} (recorded before this "
+                    f"version of the agent); releasing it for {', '.join(counted)} would let the aggregator "
+                    "subtract the two sums"
+                )
             self._ledger.pin_survivors(subject.key(self.consortium), counted, what)
 
 
