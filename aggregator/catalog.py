@@ -17,13 +17,12 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from aggregator.store import now_ms
+from aggregator.store import now_ms, transaction
 from fedlt.errors import FedltError
 
 CATALOG = "studies.sqlite"
@@ -101,16 +100,8 @@ class Catalog:
         with self._lock:
             self._db.close()
 
-    @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+    def _transaction(self) -> AbstractContextManager[sqlite3.Connection]:
+        return transaction(self._db, self._lock)
 
     def add(self, study: str, study_toml: str, *, is_default: bool = False, state: str = "queued") -> None:
         with self._transaction() as db:

@@ -11,6 +11,7 @@ disclosures, so it and its directory are created readable by the aggregator's us
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -126,6 +127,21 @@ class AuditKey:
         return hmac.new(self.secret, AUDIT_KEY_ID, hashlib.sha256).hexdigest()[:32]
 
 
+@contextmanager
+def transaction(
+    db: sqlite3.Connection, lock: contextlib.AbstractContextManager
+) -> Iterator[sqlite3.Connection]:
+    """One write transaction under `lock`, rolled back if its body raises (the store's and the catalog's)."""
+    with lock:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -184,16 +200,8 @@ class Store:
         with self._lock:
             self._db.close()
 
-    @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+    def _transaction(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        return transaction(self._db, self._lock)
 
     def _adopt_audit_key(self) -> None:
         """A new database records which key chains it; an existing one must be chained under this key."""
