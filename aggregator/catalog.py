@@ -83,6 +83,7 @@ class StudyInfo:
     committed_rounds: int = 0
     total_rounds: int = 0
     state_digest: str = ""
+    dp_enabled: bool = False
     queue_position: int = 0  # 1 for the next queued study to start; 0 when not queued
 
 

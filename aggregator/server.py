@@ -121,8 +121,17 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
         lock.release()
         raise ConfigError("server.listen", [f"cannot listen on {config.server.listen}"])
     host = config.server.listen.rsplit(":", 1)[0]
-    page = _status_page(config, studies, revocations, watch)
-    studies.start()  # the runs' drivers gather silos; a silo calling before the server starts retries
+    page = None
+    try:
+        page = _status_page(config, studies, revocations, watch)
+        studies.start()  # the runs' drivers gather silos; a silo calling before the server starts retries
+    except BaseException:
+        if page is not None:
+            page.stop()
+        studies.halt()
+        studies.close()
+        lock.release()
+        raise
     server.start()
     for name in services[:2]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

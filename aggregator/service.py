@@ -818,6 +818,7 @@ class OperatorServicer(operator_pb2_grpc.OperatorServiceServicer):
             certificate_warnings=self.warnings(),
             study=status["study"],
             studies=[_study_pb(info) for info in listed],
+            dp_enabled=status["dp_enabled"],
         )
 
     @_abort_on_refusal

@@ -38,9 +38,7 @@ def show_status(
     config = load_consortium_config(config_path)
     request = operator_pb2.StatusRequest(study=study)
     status = ask(config, "Status", request, cert=cert, key=key, address=address)
-    # a created study's plan is its study file, not consortium.toml: there, show what the silos report
-    default = any(s.is_default for s in status.studies if s.id == status.study)
-    print(render(status, dp=config.plan.dp.enabled if default else True))
+    print(render(status, dp=status.dp_enabled))
     return 0
 
 

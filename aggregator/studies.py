@@ -34,6 +34,7 @@ from aggregator.config import ConsortiumConfig, load_study_config
 from aggregator.status_page import aggregator_snapshot, snapshot, standing, study_entry
 from aggregator.store import DATABASE, Store, StoreError
 from aggregator.study_run import Shared, StudyRun, dp_line
+from fedlt.errors import FedltError
 from fedlt.studies import study_of
 from fedlt.telemetry.prometheus import ConsortiumFacts
 from fedlt.v1 import consortium_pb2 as pb
@@ -59,13 +60,18 @@ class Studies:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._stopping = False
+        self._starting = False  # within `start`: the default study failing to start stops the aggregator
 
     # --- running ----------------------------------------------------------------------------------------
 
     def start(self) -> None:
         """Run what ran when the aggregator stopped, then what waits, up to `max_studies`."""
         with self._lock:
-            self._schedule()
+            self._starting = True
+            try:
+                self._schedule()
+            finally:
+                self._starting = False
 
     def _schedule(self) -> None:
         """Fill the free slots: studies left running by a restart first, then the queue in order; studies
@@ -88,10 +94,15 @@ class Studies:
             run = StudyRun(
                 study.id, self.config_of(study), self.shared, name="" if study.is_default else study.id
             )
+        except FedltError as exc:
+            if study.is_default and self._starting:
+                raise  # consortium.toml's own study: the aggregator stops, saying why, as a single run did
+            log.error("study %r cannot start: %s", study.id, exc)
+            self._cannot_start(study, exc)
+            return
         except Exception as exc:  # a store or plan that cannot run: the study fails, the others go on
             log.exception("study %r cannot start", study.id)
-            self.catalog.set_state(study.id, "failed", f"cannot start: {exc}")
-            self.failed.append(study.id)
+            self._cannot_start(study, exc)
             return
         self.catalog.set_state(study.id, "running")
         run.store.audit("study_started", {"study": study.id})
@@ -100,6 +111,10 @@ class Studies:
         self.echo(run.say(dp_line(run.config.plan.dp)))
         run.start(self._ended)
         self._changed.notify_all()
+
+    def _cannot_start(self, study: StudyInfo, exc: Exception) -> None:
+        self.catalog.set_state(study.id, "failed", f"cannot start: {exc}")
+        self.failed.append(study.id)
 
     def config_of(self, study: StudyInfo) -> ConsortiumConfig:
         if study.is_default:
@@ -220,6 +235,7 @@ class Studies:
             "method": info.method,
             "privacy": info.privacy,
             "total_rounds": info.total_rounds,
+            "dp_enabled": info.dp_enabled,
         }
         with self._dormant(study) as store:
             return {**dormant_status(store, info), **about}
@@ -244,7 +260,7 @@ class Studies:
             "method": info.method,
             "privacy": info.privacy,
             "total_rounds": info.total_rounds,
-            "dp_enabled": False,
+            "dp_enabled": info.dp_enabled,
         }
         with self._dormant(info.id) as store:
             return None if store is None else snapshot(dormant_status(store, info), about, store)
@@ -348,6 +364,7 @@ def _planned(config: ConsortiumConfig) -> dict:
         "method": config.plan.method.name,
         "privacy": config.consortium.privacy,
         "total_rounds": config.consortium.rounds,
+        "dp_enabled": config.plan.dp.enabled,
     }
 
 

@@ -133,6 +133,7 @@ class StudyRun:
             "committed_rounds": self.committed,
             "total_rounds": self.rounds.table.total_rounds,
             "state_digest": self.rounds.table.held.digest,
+            "dp_enabled": self.config.plan.dp.enabled,
         }
 
     def say(self, text: str) -> str:

@@ -17,7 +17,7 @@ from aggregator.__main__ import main as aggregator_main
 from aggregator.catalog import CATALOG, BadStudy, Catalog, UnknownStudy, WrongState, study_text
 from aggregator.config import load_consortium_config, load_study_config
 from aggregator.server import derive_audit_key, serve
-from aggregator.store import DATABASE, Store
+from aggregator.store import DATABASE, Store, StoreError
 from fedlt.config import render_toml
 from privacy.pki.signing import load_private_key
 from tests.consortium_harness import write_kit
@@ -209,3 +209,17 @@ def test_a_single_runs_data_directory_becomes_the_default_study_and_goes_on(tmp_
     assert store.latest_state().digest == digest  # the same run, not a new one
     assert len(store.audit_log()) > before
     store.close()
+
+
+def test_consortium_tomls_own_study_on_a_store_of_other_settings_stops_the_aggregator_saying_so(
+    tmp_path, serving
+):
+    """As a single run did: the default study is the operator's file, so a mismatch is the operator's to fix
+    now, not a study left failed behind a running service."""
+    config = _kit(tmp_path)
+    serving(config).close()
+    config.write_text(config.read_text().replace("seed = 0", "seed = 5"))
+    with pytest.raises(StoreError, match="other settings"):
+        serve(load_consortium_config(config), stop=threading.Event(), echo=lambda _: None)
+    config.write_text(config.read_text().replace("seed = 5", "seed = 0"))
+    serving(config).close()  # the lock on the data directory was let go

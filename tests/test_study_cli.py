@@ -110,6 +110,7 @@ class FakeStudies:
             "participants": [],
             "submitted": [],
             "state_digest": "ab" * 32,
+            "dp_enabled": False,
             "silos": [
                 {"silo_id": "silo-0", "connected": True, "last_seen_unix_ms": 1, "activity": "idle"},
             ],

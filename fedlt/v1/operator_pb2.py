@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66\x65\x64lt/v1/operator.proto\x12\x08\x66\x65\x64lt.v1\"\x1e\n\rStatusRequest\x12\r\n\x05study\x18\x01 \x01(\t\"\xdb\x01\n\nSiloStatus\x12\x0f\n\x07silo_id\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\x19\n\x11last_seen_unix_ms\x18\x03 \x01(\x03\x12\x10\n\x08\x61\x63tivity\x18\x04 \x01(\t\x12\x1e\n\x16last_contributed_round\x18\x05 \x01(\x04\x12\x1e\n\x11privacy_remaining\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12&\n\x07refusal\x18\x07 \x01(\x0b\x32\x15.fedlt.v1.SiloRefusalB\x14\n\x12_privacy_remaining\"O\n\x0bSiloRefusal\x12\x10\n\x08round_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x12\n\nat_unix_ms\x18\x04 \x01(\x03\"\xec\x02\n\x0eStatusResponse\x12\x15\n\rconsortium_id\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x0f\n\x07privacy\x18\x03 \x01(\t\x12\x18\n\x10\x63ommitted_rounds\x18\x04 \x01(\x04\x12\x14\n\x0ctotal_rounds\x18\x05 \x01(\x04\x12\x10\n\x08round_id\x18\x06 \x01(\t\x12\r\n\x05stage\x18\x07 \x01(\t\x12\x1e\n\x16stage_deadline_unix_ms\x18\x08 \x01(\x03\x12\x14\n\x0cparticipants\x18\t \x03(\t\x12\x11\n\tsubmitted\x18\n \x03(\t\x12#\n\x05silos\x18\x0b \x03(\x0b\x32\x14.fedlt.v1.SiloStatus\x12\x14\n\x0cstate_digest\x18\x0c \x01(\t\x12\x1c\n\x14\x63\x65rtificate_warnings\x18\r \x03(\t\x12\r\n\x05study\x18\x0e \x01(\t\x12 \n\x07studies\x18\x0f \x03(\x0b\x32\x0f.fedlt.v1.Study\"\xf7\x01\n\x05Study\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x12\n\nis_default\x18\x04 \x01(\x08\x12\x16\n\x0equeue_position\x18\x05 \x01(\r\x12\x0e\n\x06method\x18\x06 \x01(\t\x12\x0f\n\x07privacy\x18\x07 \x01(\t\x12\x18\n\x10\x63ommitted_rounds\x18\x08 \x01(\x04\x12\x14\n\x0ctotal_rounds\x18\t \x01(\x04\x12\x14\n\x0cstate_digest\x18\n \x01(\t\x12\x17\n\x0f\x63reated_unix_ms\x18\x0b \x01(\x03\x12\x17\n\x0f\x63hanged_unix_ms\x18\x0c \x01(\x03\"4\n\x12\x43reateStudyRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nstudy_toml\x18\x02 \x01(\t\"5\n\x13\x43reateStudyResponse\x12\x1e\n\x05study\x18\x01 \x01(\x0b\x32\x0f.fedlt.v1.Study\"\x14\n\x12ListStudiesRequest\"7\n\x13ListStudiesResponse\x12 \n\x07studies\x18\x01 \x03(\x0b\x32\x0f.fedlt.v1.Study\"\x1f\n\x11PauseStudyRequest\x12\n\n\x02id\x18\x01 \x01(\t\"4\n\x12PauseStudyResponse\x12\x1e\n\x05study\x18\x01 \x01(\x0b\x32\x0f.fedlt.v1.Study\" \n\x12ResumeStudyRequest\x12\n\n\x02id\x18\x01 \x01(\t\"5\n\x13ResumeStudyResponse\x12\x1e\n\x05study\x18\x01 \x01(\x0b\x32\x0f.fedlt.v1.Study\"0\n\x12\x43\x61ncelStudyRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"5\n\x13\x43\x61ncelStudyResponse\x12\x1e\n\x05study\x18\x01 \x01(\x0b\x32\x0f.fedlt.v1.Study2\xc7\x03\n\x0fOperatorService\x12;\n\x06Status\x12\x17.fedlt.v1.StatusRequest\x1a\x18.fedlt.v1.StatusResponse\x12J\n\x0b\x43reateStudy\x12\x1c.fedlt.v1.CreateStudyRequest\x1a\x1d.fedlt.v1.CreateStudyResponse\x12J\n\x0bListStudies\x12\x1c.fedlt.v1.ListStudiesRequest\x1a\x1d.fedlt.v1.ListStudiesResponse\x12G\n\nPauseStudy\x12\x1b.fedlt.v1.PauseStudyRequest\x1a\x1c.fedlt.v1.PauseStudyResponse\x12J\n\x0bResumeStudy\x12\x1c.fedlt.v1.ResumeStudyRequest\x1a\x1d.fedlt.v1.ResumeStudyResponse\x12J\n\x0b\x43\x61ncelStudy\x12\x1c.fedlt.v1.CancelStudyRequest\x1a\x1d.fedlt.v1.CancelStudyResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66\x65\x64lt/v1/operator.proto\x12\x08\x66\x65\x64lt.v1\"\x1e\n\rStatusRequest\x12\r\n\x05study\x18\x01 \x01(\t\"\xdb\x01\n\nSiloStatus\x12\x0f\n\x07silo_id\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\x19\n\x11last_seen_unix_ms\x18\x03 \x01(\x03\x12\x10\n\x08\x61\x63tivity\x18\x04 \x01(\t\x12\x1e\n\x16last_contributed_round\x18\x05 \x01(\x04\x12\x1e\n\x11privacy_remaining\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12&\n\x07refusal\x18\x07 \x01(\x0b\x32\x15.fedlt.v1.SiloRefusalB\x14\n\x12_privacy_remaining\"O\n\x0bSiloRefusal\x12\x10\n\x08round_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x12\n\nat_unix_ms\x18\x04 \x01(\x03\"\x80\x03\n\x0eStatusResponse\x12\x15\n\rconsortium_id\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x0f\n\x07privacy\x18\x03 \x01(\t\x12\x18\n\x10\x63ommitted_rounds\x18\x04 \x01(\x04\x12\x14\n\x0ctotal_rounds\x18\x05 \x01(\x04\x12\x10\n\x08round_id\x18\x06 \x01(\t\x12\r\n\x05stage\x18\x07 \x01(\t\x12\x1e\n\x16stage_deadline_unix_ms\x18\x08 \x01(\x03\x12\x14\n\x0cparticipants\x18\t \x03(\t\x12\x11\n\tsubmitted\x18\n \x03(\t\x12#\n\x05silos\x18\x0b \x03(\x0b\x32\x14.fedlt.v1.SiloStatus\x12\x14\n\x0cstate_digest\x18\x0c \x01(\t\x12\x1c\n\x14\x63\x65rtificate_warnings\x18\r \x03(\t\x12\r\n\x05study\x18\x0e \x01(\t\x12 \n\x07studies\x18\x0f \x03(\x0b\x32\x0f.fedlt.v1.Study\x12\x12\n\ndp_enabled\x18\x10 \x01(\x08\"\xf7\x01\n\x05Study\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x12\n\nis_default\x18\x04 \x01(\x08\x12\x16\n\x0equeue_position\x18\x05 \x01(\r\x12\x0e\n\x06method\x18\x06 \x01(\t\x12\x0f\n\x07privacy\x18\x07 \x01(\t\x12\x18\n\x10\x63ommitted_rounds\x18\x08 \x01(\x04\x12\x14\n\x0ctotal_rounds\x18\t \x01(\x04\x12\x14\n\x0cstate_digest\x18\n \x01(\t\x12\x17\n\x0f\x63reated_unix_ms\x18\x0b \x01(\x03\x12\x17\n\x0f\x63hanged_unix_ms\x18\x0c \x01(\x03\"4\n\x12\x43reateStudyRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nstudy_toml\x18\x02 \x01(\t\"5\n\x13\x43reateStudyResponse\x12\x1e\n\x05study\x18\x01 \x01(\x0b\x32\x0f.fedlt.v1.Study\"\x14\n\x12ListStudiesRequest\"7\n\x13ListStudiesResponse\x12 \n\x07studies\x18\x01 \x03(\x0b\x32\x0f.fedlt.v1.Study\"\x1f\n\x11PauseStudyRequest\x12\n\n\x02id\x18\x01 \x01(\t\"4\n\x12PauseStudyResponse\x12\x1e\n\x05study\x18\x01 \x01(\x0b\x32\x0f.fedlt.v1.Study\" \n\x12ResumeStudyRequest\x12\n\n\x02id\x18\x01 \x01(\t\"5\n\x13ResumeStudyResponse\x12\x1e\n\x05study\x18\x01 \x01(\x0b\x32\x0f.fedlt.v1.Study\"0\n\x12\x43\x61ncelStudyRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"5\n\x13\x43\x61ncelStudyResponse\x12\x1e\n\x05study\x18\x01 \x01(\x0b\x32\x0f.fedlt.v1.Study2\xc7\x03\n\x0fOperatorService\x12;\n\x06Status\x12\x17.fedlt.v1.StatusRequest\x1a\x18.fedlt.v1.StatusResponse\x12J\n\x0b\x43reateStudy\x12\x1c.fedlt.v1.CreateStudyRequest\x1a\x1d.fedlt.v1.CreateStudyResponse\x12J\n\x0bListStudies\x12\x1c.fedlt.v1.ListStudiesRequest\x1a\x1d.fedlt.v1.ListStudiesResponse\x12G\n\nPauseStudy\x12\x1b.fedlt.v1.PauseStudyRequest\x1a\x1c.fedlt.v1.PauseStudyResponse\x12J\n\x0bResumeStudy\x12\x1c.fedlt.v1.ResumeStudyRequest\x1a\x1d.fedlt.v1.ResumeStudyResponse\x12J\n\x0b\x43\x61ncelStudy\x12\x1c.fedlt.v1.CancelStudyRequest\x1a\x1d.fedlt.v1.CancelStudyResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,29 +38,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SILOREFUSAL']._serialized_start=291
   _globals['_SILOREFUSAL']._serialized_end=370
   _globals['_STATUSRESPONSE']._serialized_start=373
-  _globals['_STATUSRESPONSE']._serialized_end=737
-  _globals['_STUDY']._serialized_start=740
-  _globals['_STUDY']._serialized_end=987
-  _globals['_CREATESTUDYREQUEST']._serialized_start=989
-  _globals['_CREATESTUDYREQUEST']._serialized_end=1041
-  _globals['_CREATESTUDYRESPONSE']._serialized_start=1043
-  _globals['_CREATESTUDYRESPONSE']._serialized_end=1096
-  _globals['_LISTSTUDIESREQUEST']._serialized_start=1098
-  _globals['_LISTSTUDIESREQUEST']._serialized_end=1118
-  _globals['_LISTSTUDIESRESPONSE']._serialized_start=1120
-  _globals['_LISTSTUDIESRESPONSE']._serialized_end=1175
-  _globals['_PAUSESTUDYREQUEST']._serialized_start=1177
-  _globals['_PAUSESTUDYREQUEST']._serialized_end=1208
-  _globals['_PAUSESTUDYRESPONSE']._serialized_start=1210
-  _globals['_PAUSESTUDYRESPONSE']._serialized_end=1262
-  _globals['_RESUMESTUDYREQUEST']._serialized_start=1264
-  _globals['_RESUMESTUDYREQUEST']._serialized_end=1296
-  _globals['_RESUMESTUDYRESPONSE']._serialized_start=1298
-  _globals['_RESUMESTUDYRESPONSE']._serialized_end=1351
-  _globals['_CANCELSTUDYREQUEST']._serialized_start=1353
-  _globals['_CANCELSTUDYREQUEST']._serialized_end=1401
-  _globals['_CANCELSTUDYRESPONSE']._serialized_start=1403
-  _globals['_CANCELSTUDYRESPONSE']._serialized_end=1456
-  _globals['_OPERATORSERVICE']._serialized_start=1459
-  _globals['_OPERATORSERVICE']._serialized_end=1914
+  _globals['_STATUSRESPONSE']._serialized_end=757
+  _globals['_STUDY']._serialized_start=760
+  _globals['_STUDY']._serialized_end=1007
+  _globals['_CREATESTUDYREQUEST']._serialized_start=1009
+  _globals['_CREATESTUDYREQUEST']._serialized_end=1061
+  _globals['_CREATESTUDYRESPONSE']._serialized_start=1063
+  _globals['_CREATESTUDYRESPONSE']._serialized_end=1116
+  _globals['_LISTSTUDIESREQUEST']._serialized_start=1118
+  _globals['_LISTSTUDIESREQUEST']._serialized_end=1138
+  _globals['_LISTSTUDIESRESPONSE']._serialized_start=1140
+  _globals['_LISTSTUDIESRESPONSE']._serialized_end=1195
+  _globals['_PAUSESTUDYREQUEST']._serialized_start=1197
+  _globals['_PAUSESTUDYREQUEST']._serialized_end=1228
+  _globals['_PAUSESTUDYRESPONSE']._serialized_start=1230
+  _globals['_PAUSESTUDYRESPONSE']._serialized_end=1282
+  _globals['_RESUMESTUDYREQUEST']._serialized_start=1284
+  _globals['_RESUMESTUDYREQUEST']._serialized_end=1316
+  _globals['_RESUMESTUDYRESPONSE']._serialized_start=1318
+  _globals['_RESUMESTUDYRESPONSE']._serialized_end=1371
+  _globals['_CANCELSTUDYREQUEST']._serialized_start=1373
+  _globals['_CANCELSTUDYREQUEST']._serialized_end=1421
+  _globals['_CANCELSTUDYRESPONSE']._serialized_start=1423
+  _globals['_CANCELSTUDYRESPONSE']._serialized_end=1476
+  _globals['_OPERATORSERVICE']._serialized_start=1479
+  _globals['_OPERATORSERVICE']._serialized_end=1934
 # @@protoc_insertion_point(module_scope)

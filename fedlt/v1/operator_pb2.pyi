@@ -43,7 +43,7 @@ class SiloRefusal(_message.Message):
     def __init__(self, round_id: _Optional[str] = ..., code: _Optional[str] = ..., text: _Optional[str] = ..., at_unix_ms: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("consortium_id", "method", "privacy", "committed_rounds", "total_rounds", "round_id", "stage", "stage_deadline_unix_ms", "participants", "submitted", "silos", "state_digest", "certificate_warnings", "study", "studies")
+    __slots__ = ("consortium_id", "method", "privacy", "committed_rounds", "total_rounds", "round_id", "stage", "stage_deadline_unix_ms", "participants", "submitted", "silos", "state_digest", "certificate_warnings", "study", "studies", "dp_enabled")
     CONSORTIUM_ID_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     PRIVACY_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class StatusResponse(_message.Message):
     CERTIFICATE_WARNINGS_FIELD_NUMBER: _ClassVar[int]
     STUDY_FIELD_NUMBER: _ClassVar[int]
     STUDIES_FIELD_NUMBER: _ClassVar[int]
+    DP_ENABLED_FIELD_NUMBER: _ClassVar[int]
     consortium_id: str
     method: str
     privacy: str
@@ -74,7 +75,8 @@ class StatusResponse(_message.Message):
     certificate_warnings: _containers.RepeatedScalarFieldContainer[str]
     study: str
     studies: _containers.RepeatedCompositeFieldContainer[Study]
-    def __init__(self, consortium_id: _Optional[str] = ..., method: _Optional[str] = ..., privacy: _Optional[str] = ..., committed_rounds: _Optional[int] = ..., total_rounds: _Optional[int] = ..., round_id: _Optional[str] = ..., stage: _Optional[str] = ..., stage_deadline_unix_ms: _Optional[int] = ..., participants: _Optional[_Iterable[str]] = ..., submitted: _Optional[_Iterable[str]] = ..., silos: _Optional[_Iterable[_Union[SiloStatus, _Mapping]]] = ..., state_digest: _Optional[str] = ..., certificate_warnings: _Optional[_Iterable[str]] = ..., study: _Optional[str] = ..., studies: _Optional[_Iterable[_Union[Study, _Mapping]]] = ...) -> None: ...
+    dp_enabled: bool
+    def __init__(self, consortium_id: _Optional[str] = ..., method: _Optional[str] = ..., privacy: _Optional[str] = ..., committed_rounds: _Optional[int] = ..., total_rounds: _Optional[int] = ..., round_id: _Optional[str] = ..., stage: _Optional[str] = ..., stage_deadline_unix_ms: _Optional[int] = ..., participants: _Optional[_Iterable[str]] = ..., submitted: _Optional[_Iterable[str]] = ..., silos: _Optional[_Iterable[_Union[SiloStatus, _Mapping]]] = ..., state_digest: _Optional[str] = ..., certificate_warnings: _Optional[_Iterable[str]] = ..., study: _Optional[str] = ..., studies: _Optional[_Iterable[_Union[Study, _Mapping]]] = ..., dp_enabled: _Optional[bool] = ...) -> None: ...
 
 class Study(_message.Message):
     __slots__ = ("id", "state", "reason", "is_default", "queue_position", "method", "privacy", "committed_rounds", "total_rounds", "state_digest", "created_unix_ms", "changed_unix_ms")
