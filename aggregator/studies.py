@@ -55,11 +55,13 @@ class Studies:
         self.base, self.shared, self.echo = base, shared, echo
         self.data_dir = base.path(base.server.data_dir)
         self.catalog = _open_catalog(base, self.data_dir)
+        self._default = self.catalog.default()
         self.runs: dict[str, StudyRun] = {}
         self.failed: list[str] = []  # studies that stopped on an error while this aggregator served
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._stopping = False
+        self._closing: set[StudyRun] = set()  # runs that ended and are writing their last words
         self._starting = False  # within `start`: the default study failing to start stops the aggregator
 
     # --- running ----------------------------------------------------------------------------------------
@@ -135,14 +137,17 @@ class Studies:
             if self._stopping:
                 return
             self.runs.pop(run.study, None)
-            run.close(self.echo)
+            self._closing.add(run)
+        run.close(self.echo)  # its plots and final table written outside the lock every call routes under
+        with self._lock:
+            self._closing.discard(run)
             self._schedule()
             self._changed.notify_all()
 
     def active(self) -> bool:
         """Whether anything runs, waits to run, or is paused (the operator will resume it)."""
         with self._lock:
-            return bool(self.runs) or any(
+            return bool(self.runs or self._closing) or any(
                 s.state in ("queued", "running", "paused") for s in self.catalog.studies()
             )
 
@@ -162,6 +167,10 @@ class Studies:
 
     def close(self) -> None:
         """After `halt`, once the server takes no more calls: every run's end said, its store closed."""
+        with self._lock:
+            closing = list(self._closing)
+        for run in closing:
+            run.join()  # its thread closes it
         for run in list(self.runs.values()):
             run.join()
             run.close(self.echo)
@@ -287,11 +296,14 @@ class Studies:
 
     # --- routing ----------------------------------------------------------------------------------------
 
-    def route(self, study: str) -> tuple[str, StudyRun | None, StudyInfo]:
-        """The study a call names (the default one if none) with its run if running; `Unrouted` if the call
-        cannot go anywhere now."""
+    def route(self, study: str) -> tuple[str, StudyRun | StudyInfo]:
+        """The study a call names (the default one if none) with its run if running, else with its catalog
+        entry; `Unrouted` if the call cannot go anywhere now. A running study's calls never read the
+        catalog: every silo call of every round passes here."""
         with self._lock:
-            named = study or self.catalog.default()
+            named = study or self._default
+            if named in self.runs:
+                return named, self.runs[named]
             if named is None:
                 raise Unrouted(
                     grpc.StatusCode.NOT_FOUND,
@@ -301,7 +313,7 @@ class Studies:
                 info = self._info(named)
             except UnknownStudy:
                 raise Unrouted(grpc.StatusCode.NOT_FOUND, f"no study {named!r} on this aggregator") from None
-            return named, self.runs.get(named), info
+            return named, info
 
 
 class Unrouted(Exception):
@@ -412,13 +424,14 @@ class StudyRouter(consortium_pb2_grpc.ConsortiumServiceServicer):
     def __init__(self, studies: Studies) -> None:
         self.studies = studies
 
-    def _servicer(self, context: grpc.ServicerContext, rpc: str) -> Any:
+    def _servicer(self, context: grpc.ServicerContext) -> Any:
         try:
-            study, run, info = self.studies.route(study_of(context.invocation_metadata()))
+            study, found = self.studies.route(study_of(context.invocation_metadata()))
         except Unrouted as exc:
             context.abort(exc.code, exc.details)
-        if run is not None:
-            return run.servicer
+        if isinstance(found, StudyRun):
+            return found.servicer
+        info = found
         if info.state in ("done", "cancelled"):
             return _FinishedStudy(self.studies, info)
         context.abort(grpc.StatusCode.UNAVAILABLE, f"study {study!r} is {_stage(info)}")
@@ -427,7 +440,7 @@ class StudyRouter(consortium_pb2_grpc.ConsortiumServiceServicer):
 
 def _routed(rpc: str) -> Callable:
     def handler(self: StudyRouter, request: Any, context: grpc.ServicerContext) -> Any:
-        return getattr(self._servicer(context, rpc), rpc)(request, context)
+        return getattr(self._servicer(context), rpc)(request, context)
 
     handler.__name__ = rpc
     return handler
