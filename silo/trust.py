@@ -32,6 +32,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
 from fedlt.atomic import atomic_write, atomic_write_text
+from privacy.dp.ledger import ledger_lock
 from privacy.pki.errors import PkiError
 from privacy.pki.identity import (
     MemberTrust,
@@ -82,9 +83,7 @@ class SiloTrust:
                 roster.digest()[:16],
                 kit_roster,
             )
-        saved = state_dir / REVOKED
-        serials = json.loads(saved.read_text())["serials"] if saved.exists() else []
-        self.revoked = RevokedSerials(frozenset(int(s, 16) for s in serials))
+        self.revoked = RevokedSerials(_saved_serials(state_dir / REVOKED))
         self._roster = roster
         self.members = MemberTrust(ca_pem, self, self.revoked)
         self._local_crl = crl
@@ -108,13 +107,15 @@ class SiloTrust:
         if not raw:
             return False
         self._merge_local()
-        with self._lock:
+        pinned = self.state_dir / PINNED_ROSTER
+        with self._lock, ledger_lock(pinned):
+            self._take_newer_pin(pinned)
             seen = hashlib.sha256(raw).hexdigest()
             if seen in self._refused:
                 return False
             try:
                 offered = Roster.from_json(raw, source="the roster the aggregator offers")
-                if offered.digest() == self.roster.digest():
+                if offered.digest() == self.roster.digest() or offered.version < self.roster.version:
                     return False
                 self.roster.check_successor(offered, revocations=self.revoked)
                 check_roster_floor(offered, self.quorum_above)
@@ -122,10 +123,18 @@ class SiloTrust:
                 self._refused.add(seen)
                 log.warning("keeping the pinned roster v%d: %s", self.roster.version, exc)
                 return False
-            atomic_write(self.state_dir / PINNED_ROSTER, lambda fh: fh.write(offered.to_json()))
+            atomic_write(pinned, lambda fh: fh.write(offered.to_json()))
             self._roster = offered
         log.info("adopted roster v%d (%s…), signed by a quorum", offered.version, offered.digest()[:16])
         return True
+
+    def _take_newer_pin(self, pinned: Path) -> None:
+        """The pinned file as another agent on this state directory (another study's) may have advanced
+        it: a newer roster there was adopted by that agent's checks, and is this agent's from now on; an older
+        one is never written over a newer one."""
+        on_disk = Roster.read(pinned)
+        if on_disk.version > self._roster.version:
+            self._roster = on_disk
 
     def note_once(self, key: str, message: str) -> None:
         """Log `message` as a warning the first time `key` comes up (checks that repeat every heartbeat)."""
@@ -154,12 +163,21 @@ class SiloTrust:
         except PkiError as exc:
             log.warning("ignoring %s: %s", source, exc)
             return
-        with self._lock:
-            if not self.revoked.add(serials):
+        saved = self.state_dir / REVOKED
+        with self._lock, ledger_lock(saved):
+            # the file may hold revocations another agent on this state directory (another study's) took
+            self.revoked.add(_saved_serials(saved))
+            if serials <= _saved_serials(saved):
                 return
+            self.revoked.add(serials)
             text = json.dumps({"serials": sorted(f"{s:x}" for s in self.revoked.serials)})
-            atomic_write_text(self.state_dir / REVOKED, text)
+            atomic_write_text(saved, text)
         log.info("revocations now known: %d certificates", len(self.revoked.serials))
+
+
+def _saved_serials(path: Path) -> frozenset[int]:
+    serials = json.loads(path.read_text())["serials"] if path.exists() else []
+    return frozenset(int(s, 16) for s in serials)
 
 
 def check_roster_floor(roster: Roster, above: Fraction) -> None:

@@ -172,7 +172,8 @@ class Consortium:
             text=True,
             env={**ENV, "OMP_NUM_THREADS": str(self.aggregator_threads)},
         )
-        threading.Thread(target=self._pump, args=(self.aggregator,), daemon=True).start()
+        self._reader = threading.Thread(target=self._pump, args=(self.aggregator,), daemon=True)
+        self._reader.start()
         address = wait_for_address(self.data_dir, self.aggregator, timeout=60)
         if not self.address:
             point_silos_at(address, self.silo_configs)
@@ -255,9 +256,11 @@ class Consortium:
     def wait_aggregator(self, timeout: float) -> int:
         assert self.aggregator is not None
         try:
-            return self.aggregator.wait(timeout)
+            code = self.aggregator.wait(timeout)
         except subprocess.TimeoutExpired:
             raise AssertionError("aggregator did not finish; output:\n" + "\n".join(self.output)) from None
+        self._reader.join(timeout)  # its last lines read: the reader ends at the pipe's end
+        return code
 
     def kill(self, process: subprocess.Popen) -> None:
         process.send_signal(signal.SIGKILL)

@@ -336,3 +336,34 @@ def test_a_successor_is_adopted_iff_its_valid_distinct_unrevoked_signers_reach_t
     else:
         with pytest.raises(PkiError, match=f"carries {counted} valid signatures"):
             pinned.check_successor(successor, revocations=revoked)
+
+
+# --- one state directory, several agents (a silo in several studies) -----------------------------------
+
+
+def test_two_studies_agents_never_roll_the_pinned_roster_back_on_disk(pki, tmp_path):
+    """Each study's agent keeps the silo's one pinned roster. One adopts v2, the other, still holding v1 in
+    memory, then adopts v3 — or is offered v2 again — and must not write an older roster over a newer one: a
+    rollback on disk would trust again, after a restart, a member a later roster removed."""
+    first, second = (pki.silo(pki.v1, tmp_path, crl=None) for _ in range(2))
+    v2 = pki.signed(pki.roster(SILOS, previous=pki.v1), SILOS[:3], pinned=pki.v1)
+    v3 = pki.signed(pki.roster(SILOS[:3], previous=v2), SILOS[:3], pinned=v2)
+    assert first.offer_roster(v2.to_json())
+    assert first.offer_roster(v3.to_json())
+    second.offer_roster(v2.to_json())  # the aggregator replays the older successor to the other agent
+    pinned = Roster.read(tmp_path / "state" / "roster.json")
+    assert pinned.version == 3, f"the pinned roster went back to v{pinned.version}"
+    assert second.current().version == 3  # and the other agent took the newer roster from the disk
+
+
+def test_two_studies_agents_keep_each_others_revocations(pki, tmp_path):
+    """The aggregator relays an older CRL to one study's agent after the other took a newer one: the file
+    keeps both agents' revocations (a lost one would make a revoked member's certificate count again)."""
+    first, second = (pki.silo(pki.v1, tmp_path, crl=None) for _ in range(2))
+    revoke(pki.ca, silo_id="alpha")
+    older = (pki.ca / "crl.pem").read_bytes()
+    revoke(pki.ca, silo_id="bravo")
+    first.offer_crl((pki.ca / "crl.pem").read_bytes())
+    second.offer_crl(older)
+    saved = json.loads((tmp_path / "state" / "revoked.json").read_text())["serials"]
+    assert len(saved) == 2, saved

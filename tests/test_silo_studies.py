@@ -44,7 +44,7 @@ from silo.__main__ import main
 from silo.agent import SiloAgent
 from silo.config import load_silo_config
 from silo.releases import LedgerMissing, check_ledgers
-from silo.studies import Supervisor
+from silo.studies import Supervisor, note_single_run
 from silo.transport import study_channel
 from tests.consortium_harness import ENV, write_kit
 
@@ -329,7 +329,7 @@ def test_a_lost_release_ledger_stops_every_study_when_any_studys_folder_shows_wo
         SiloAgent(config.for_study("imaging"))  # another study's agent: refused all the same
 
 
-def test_the_default_study_goes_on_from_its_files_once_silo_toml_names_studies(tmp_path):
+def test_the_default_study_goes_on_from_its_files_once_silo_toml_names_studies(tmp_path, caplog):
     """A silo that ran the aggregator's default study without tables, then names studies: [study.main]'s agent
     takes that study's progress, pending upload, stepped state and keys into its folder at its first start."""
     path = kit(tmp_path)
@@ -346,6 +346,9 @@ def test_the_default_study_goes_on_from_its_files_once_silo_toml_names_studies(t
     with agents(config, "imaging") as (imaging,):
         assert imaging.progress.read() == {}  # another study: nothing of the default study's
         assert (root / "progress.json").exists()
+    caplog.set_level(logging.WARNING, logger="silo")
+    note_single_run(root, ("imaging",))  # what `python -m silo run` says at its start without [study.main]
+    assert "add a [study.main] table to go on with that study" in caplog.text
     with agents(config, "main") as (main_study,):
         assert main_study.progress.read() == {"committed": 4, "submitted": "r5.a1"}
         moved = root / "studies" / "main"
