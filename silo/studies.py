@@ -20,12 +20,14 @@ its first start (`adopt_single_run`), so the default study goes on where it was.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import logging
 import os
 import queue
 import signal
 import subprocess
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -38,6 +40,7 @@ from silo.export import STEPPED
 
 log = logging.getLogger("silo")
 
+PR_SET_PDEATHSIG = 1  # prctl(2)
 # a study's own files, which a silo without studies keeps at the top of its state directory
 SINGLE_RUN_FILES = ("progress.json", "pending.json", "pending.bin", STEPPED)
 
@@ -135,7 +138,7 @@ class Supervisor:
             for study in self.studies:
                 if self._stopping:
                     break
-                process = subprocess.Popen(self.command(study))
+                process = subprocess.Popen(self.command(study), preexec_fn=_with_parent(os.getpid()))
                 self.processes[study] = process
                 threading.Thread(target=self._watch, args=(study, process), daemon=True).start()
                 log.info("study %r: its agent started (pid %d)", study, process.pid)
@@ -163,6 +166,19 @@ class Supervisor:
 
     def _watch(self, study: str, process: subprocess.Popen) -> None:
         self._ended.put((study, process.wait()))
+
+
+def _with_parent(parent: int) -> Callable[[], None]:
+    """A study's agent gets SIGTERM when the supervisor dies, even by SIGKILL (Linux's parent-death
+    signal), so no agent is left running without the process its administrator starts and stops."""
+
+    def die_with_parent() -> None:
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the supervisor died before the signal was asked for
+            os._exit(1)
+
+    return die_with_parent
 
 
 def _ended(code: int) -> str:

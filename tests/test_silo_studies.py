@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from contextlib import contextmanager
@@ -580,6 +581,60 @@ def test_sigterm_to_the_supervisor_reaches_every_study_which_stops_on_its_own(tm
     finally:
         restore()
     assert all(p.returncode == 0 for p in supervisor.processes.values())  # each left through its handler
+
+
+def test_a_study_agent_does_not_outlive_a_supervisor_killed_outright(tmp_path):
+    """SIGKILL leaves the supervisor no moment to pass anything on: the kernel's parent-death signal does."""
+    script = (
+        "import sys\n"
+        "from silo.studies import Supervisor\n"
+        "from tests.test_silo_studies import fake_agent\n"
+        "from pathlib import Path\n"
+        "Supervisor(['a'], fake_agent(Path(sys.argv[1]), {'a': 'wait for SIGTERM'})).run()\n"
+    )
+    supervisor = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], env=ENV)
+    try:
+        for _ in range(600):  # its fifo made, then its agent started (bounded)
+            if (tmp_path / "a").exists():
+                break
+            time.sleep(0.1)
+        ready(tmp_path / "a")
+        agents = children_of(supervisor.pid)
+        supervisor.kill()
+        supervisor.wait(WAIT)
+        for pid in agents:
+            assert _gone(pid), f"study agent {pid} outlived its supervisor"
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc; Linux, where the parent-death signal exists)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _gone(pid: int) -> bool:
+    """Whether `pid` has ended within `WAIT` seconds (an orphan is reaped by init, so it disappears)."""
+    until = time.monotonic() + WAIT
+    while time.monotonic() < until:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def test_python_m_silo_run_starts_an_agent_per_study_and_stops_them_on_sigterm(tmp_path):
