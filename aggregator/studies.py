@@ -31,7 +31,7 @@ from aggregator.catalog import (
     UnknownStudy,
 )
 from aggregator.config import ConsortiumConfig, load_study_config
-from aggregator.status_page import aggregator_snapshot, snapshot, standing, study_entry
+from aggregator.status_page import aggregator_snapshot, audit_tally, snapshot, standing, study_entry
 from aggregator.store import DATABASE, Store, StoreError
 from aggregator.study_run import Shared, StudyRun, dp_line
 from fedlt.errors import FedltError
@@ -344,7 +344,12 @@ class _DormantStore:
 
 
 def dormant_status(store: Store | None, info: StudyInfo) -> dict:
-    """`RoundInbox.status()`'s keys for a study with no run: no round in flight, its silos as registered."""
+    """`RoundInbox.status()`'s keys for a study with no run: no round in flight, its silos as registered,
+    each with the last round its contribution was counted in (from the audit log)."""
+    counted: dict[str, int] = {}
+    if store is not None:
+        for round_number, (_, silos) in sorted(audit_tally(store.audit_log()).rounds.items()):
+            counted.update(dict.fromkeys(silos, round_number))
     return {
         "committed_rounds": info.committed_rounds,
         "stage": _stage(info),
@@ -359,7 +364,7 @@ def dormant_status(store: Store | None, info: StudyInfo) -> dict:
                 "connected": False,
                 "last_seen_unix_ms": seen,
                 "activity": "",
-                "last_contributed_round": 0,
+                "last_contributed_round": counted.get(silo, 0),
             }
             for silo, seen in (store.silos().items() if store is not None else ())
         ],

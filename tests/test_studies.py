@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from aggregator.__main__ import main as aggregator_main
-from aggregator.catalog import CATALOG, BadStudy, Catalog, UnknownStudy, WrongState, study_text
+from aggregator.catalog import CATALOG, BadStudy, Catalog, StudyInfo, UnknownStudy, WrongState, study_text
 from aggregator.config import load_consortium_config, load_study_config
 from aggregator.server import derive_audit_key, serve
-from aggregator.store import DATABASE, Store, StoreError
+from aggregator.store import DATABASE, AuditKey, Store, StoreError
+from aggregator.studies import dormant_status
 from fedlt.config import render_toml
 from privacy.pki.signing import load_private_key
 from tests.consortium_harness import write_kit
@@ -223,3 +224,19 @@ def test_consortium_tomls_own_study_on_a_store_of_other_settings_stops_the_aggre
         serve(load_consortium_config(config), stop=threading.Event(), echo=lambda _: None)
     config.write_text(config.read_text().replace("seed = 5", "seed = 0"))
     serving(config).close()  # the lock on the data directory was let go
+
+
+def test_a_study_not_running_shows_each_silos_last_counted_round_from_its_audit_log(tmp_path):
+    store = Store(tmp_path / DATABASE, audit_key=AuditKey(b"k" * 32))
+    store.register_silo("silo-0", "00", "test", {})
+    store.register_silo("silo-1", "11", "test", {})
+    for round_number, counted in ((1, ["silo-0", "silo-1"]), (2, ["silo-0"])):
+        store.audit("attempt_started", {"round_id": f"r{round_number}", "participants": ["silo-0", "silo-1"]})
+        store.audit(
+            "round_committed",
+            {"round_id": f"r{round_number}", "round": round_number, "contributors": counted},
+        )
+    info = StudyInfo("b", "paused", "", 2, 0, 0, False, committed_rounds=2)
+    shown = {s["silo_id"]: s["last_contributed_round"] for s in dormant_status(store, info)["silos"]}
+    store.close()
+    assert shown == {"silo-0": 2, "silo-1": 1}
