@@ -85,7 +85,10 @@ class SiloTrust:
             )
         self.revoked = RevokedSerials(_saved_serials(state_dir / REVOKED))
         self._roster = roster
-        self.members = MemberTrust(ca_pem, self, self.revoked)
+        # the files other agents of this silo (its other studies') write too, re-read when they change
+        self._shared = {name: _SharedFile(state_dir / name) for name in (PINNED_ROSTER, REVOKED)}
+        self._reading = threading.Lock()
+        self.members = MemberTrust(ca_pem, self, _Revocations(self))
         self._local_crl = crl
         self._lock = threading.Lock()
         self._refused: set[str] = set()  # digests of offered rosters already refused (and logged)
@@ -95,10 +98,23 @@ class SiloTrust:
 
     @property
     def roster(self) -> Roster:
-        return self._roster
+        return self.current()
 
     def current(self) -> Roster:
+        self.refresh()
         return self._roster
+
+    def refresh(self) -> None:
+        """Take what another agent of this silo (another study's) wrote since: a newer pinned roster, which
+        that agent's checks adopted, and revocations it learned (never undone). A silo with several studies
+        thus acts on one roster and one revocation list, whichever agent the aggregator tells what."""
+        with self._reading:
+            if self._shared[REVOKED].changed():
+                self.revoked.add(_saved_serials(self._shared[REVOKED].path))
+            if self._shared[PINNED_ROSTER].changed():
+                on_disk = Roster.read(self._shared[PINNED_ROSTER].path)
+                if on_disk.version > self._roster.version:
+                    self._roster = on_disk
 
     def offer_roster(self, raw: bytes) -> bool:
         """Adopt a newer roster if a quorum of the pinned one's silos signed it and its own quorum is above
@@ -109,7 +125,7 @@ class SiloTrust:
         self._merge_local()
         pinned = self.state_dir / PINNED_ROSTER
         with self._lock, ledger_lock(pinned):
-            self._take_newer_pin(pinned)
+            self.refresh()
             seen = hashlib.sha256(raw).hexdigest()
             if seen in self._refused:
                 return False
@@ -127,14 +143,6 @@ class SiloTrust:
             self._roster = offered
         log.info("adopted roster v%d (%s…), signed by a quorum", offered.version, offered.digest()[:16])
         return True
-
-    def _take_newer_pin(self, pinned: Path) -> None:
-        """The pinned file as another agent on this state directory (another study's) may have advanced
-        it: a newer roster there was adopted by that agent's checks, and is this agent's from now on; an older
-        one is never written over a newer one."""
-        on_disk = Roster.read(pinned)
-        if on_disk.version > self._roster.version:
-            self._roster = on_disk
 
     def note_once(self, key: str, message: str) -> None:
         """Log `message` as a warning the first time `key` comes up (checks that repeat every heartbeat)."""
@@ -173,6 +181,37 @@ class SiloTrust:
             text = json.dumps({"serials": sorted(f"{s:x}" for s in self.revoked.serials)})
             atomic_write_text(saved, text)
         log.info("revocations now known: %d certificates", len(self.revoked.serials))
+
+
+class _SharedFile:
+    """A file of the state directory that several agents replace atomically: whether it changed since it
+    was last looked at (its inode and time, from one stat; a replaced file is a new inode)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._seen: tuple[int, int, int] | None = None
+
+    def changed(self) -> bool:
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            return False
+        seen = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+        if seen == self._seen:
+            return False
+        self._seen = seen
+        return True
+
+
+class _Revocations:
+    """The silo's revocations as `MemberTrust` checks them: those of every agent of the silo, as of now."""
+
+    def __init__(self, trust: SiloTrust) -> None:
+        self.trust = trust
+
+    def is_revoked(self, cert: x509.Certificate) -> bool:
+        self.trust.refresh()
+        return self.trust.revoked.is_revoked(cert)
 
 
 def _saved_serials(path: Path) -> frozenset[int]:

@@ -441,11 +441,6 @@ def pki(tmp_path):
     return Pki(tmp_path / "pki")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding 5 (medium): a study's agent reads the silo's revocations from revoked.json only when "
-    "handed a CRL, so one the operator hands none counts a revoked member's roster signature",
-)
 def test_a_revocation_one_studys_agent_took_stops_every_studys_agent_counting_that_member(pki, tmp_path):
     """The attack (the operator holds the key of a member it expelled, delta, as in
     tests/test_roster_quorum.py): two studies' agents run on one state directory; the operator relays the
@@ -465,11 +460,6 @@ def test_a_revocation_one_studys_agent_took_stops_every_studys_agent_counting_th
     assert (adopted, pinned.silo_ids) == (False, MEMBERS), f"the silo pinned {pinned.silo_ids}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding 5 (medium): a study's agent takes the roster another study's agent adopted only when "
-    "offered one, so it goes on counting a member the silo's pinned roster removed",
-)
 def test_a_member_one_studys_agent_saw_removed_is_no_member_to_another_studys_agent(pki, tmp_path):
     """The attack: study A's agent adopts roster v2, which a quorum signed to remove delta (whose key the
     operator may hold); the operator never offers v2 to study B's agent, which goes on listing delta as a
