@@ -19,6 +19,7 @@ from fedlt.data.embedded import EMBEDDED
 from fedlt.errors import ConfigError
 from fedlt.keepalive import MIN_SECONDS
 from fedlt.metrics import ShotThresholds
+from fedlt.models.entry import parse_entry
 from fedlt.plan import RoundPlan
 from fedlt.studies import DEFAULT_STUDY, id_problems
 from fedlt.telemetry import TENSORBOARD
@@ -78,6 +79,12 @@ class ServerSection:
         "empty: none (studies come only from `python -m aggregator study create`)",
     )
     max_studies: int = setting(4, ge=1, doc="studies that run at once; the others wait in a queue")
+    study_models: tuple[str, ...] = setting(
+        (),
+        doc="entry points (package.module:factory) a study created with `python -m aggregator study create` "
+        "may name as its model; built-in models need no listing. The aggregator imports and calls a study's "
+        "model, so only this file, not an operator's request, decides which code that is",
+    )
 
 
 @dataclass(frozen=True)
@@ -237,6 +244,11 @@ def load_consortium_config(path: str | Path) -> ConsortiumConfig:
     config, problems = _parse(read_toml(path), path.parent)
     if config.server.default_study:
         problems += id_problems(config.server.default_study, "server.default_study")
+    problems += [
+        f"server.study_models: {entry!r} is not an entry point package.module:factory"
+        for entry in config.server.study_models
+        if parse_entry(entry) is None
+    ]
     if problems:
         raise ConfigError(path, problems)
     return config
@@ -263,6 +275,13 @@ def load_study_config(study: str, text: str, base: ConsortiumConfig) -> Consorti
             )
     config, found = _parse(tree, base.base_dir)
     problems += found
+    model = config.plan.model.name
+    if parse_entry(model) is not None and model not in base.server.study_models:
+        problems.append(
+            f"model.name: {model!r} is an entry point the aggregator would import and call; a created study "
+            "may name only built-in models and the entry points [server] study_models of consortium.toml "
+            "lists"
+        )
     if problems:
         raise BadStudy(problems)
     data_dir = Path(base.server.data_dir) / STUDIES / study

@@ -9,6 +9,7 @@ import re
 import threading
 import tomllib
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -185,6 +186,11 @@ def test_a_study_file_is_checked_whole_and_names_no_server(tmp_path):
     assert "[server]" in problems
     assert "consortium.id" in problems
     assert "consortium.rounds" in problems
+    entry = '[model]\nname = "hospital_models.resnet:build"\n'
+    with pytest.raises(BadStudy, match="study_models"):  # the aggregator would import and call it
+        load_study_config("b", entry, config)
+    listed = replace(config, server=replace(config.server, study_models=("hospital_models.resnet:build",)))
+    assert load_study_config("b", entry, listed).plan.model.name == "hospital_models.resnet:build"
     study = load_study_config("b", "[consortium]\nrounds = 3\n", config)
     assert study.server.data_dir == str(Path("aggregator-data") / "studies" / "b")
     assert study.consortium.id == config.consortium.id
