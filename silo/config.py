@@ -429,9 +429,12 @@ _SILO_WIDE = {
     "compute": "set it in [compute], for every study",
     "state_dir": "every study keeps its own folder, studies/<id>/, in the silo's state_dir",
 }
-# policy keys that guard what all studies share: the one pinned roster
+# policy keys that guard what all studies share: the one pinned roster, the one release ledger
 _SILO_WIDE_POLICY = {
     "roster_quorum_above": "the pinned roster is the silo's one, across its studies: set it in [policy]",
+    "min_class_records": "the census sends this silo's record counts capped at this floor, and two "
+    "studies' censuses over the same silos at two floors would give the counts away: set it in [policy], "
+    "for every study",
 }
 
 

@@ -68,7 +68,7 @@ class Participation:
             gate=gate,
             trained_from=Subject("contribution", trained_from.encode(), data),
             records=records,
-            on_census=lambda census: ledger.record_census(self._census_keys[0], census),
+            on_census=self._keep_census,
             noise=noise,
             class_names=class_names,
         )
@@ -119,29 +119,61 @@ class Participation:
                 continue
             self._on_sent(purpose, message)
 
+    def _keep_census(self, census: Census, checked: bool) -> None:
+        """Keep a census this round took, apart by whether this silo checked it (`SiloRound.on_census`)."""
+        if checked:
+            self._ledger.record_census(self._census_keys[0], census)
+        else:
+            self._ledger.record_unchecked_census(self._census_keys[0], census)
+
+    def _kept(self, find: Callable[[str], Census | None]) -> Census | None:
+        """The census `find` has under this silo's census keys (a census kept before keys were versioned is
+        under its version-2 key)."""
+        return next(filter(None, map(find, self._census_keys)), None)
+
     def _check_census_claim(self, census: Census) -> None:
         """The RoundSpec's census must be the one this silo took part in and kept (it keeps one the moment it
-        has computed it). A silo that signed the census but kept none (stopped before it could compute it)
-        takes no census on the aggregator's word where the layer hides inputs: the aggregator could withhold
-        the sum and name any counts. It leaves the round; the aggregator takes the census again over the same
-        silos, which this silo allows. Under DP the census says nothing of this silo's records (it claims
-        every class), and under plaintext the aggregator sees every input anyway: there a plausible census
-        is taken."""
-        kept = next(filter(None, map(self._ledger.census, self._census_keys)), None)
+        has computed it). Under DP the census says nothing of this silo's records (it claims every class),
+        and under plaintext the aggregator sees every input anyway: there a plausible census is taken (and
+        kept as unchecked). A round that hides inputs without DP guards only with a census this silo checked
+        (`_check_own`), in whatever study it was taken."""
         signed_for = any(self._ledger.survivors(key) == list(census.silos) for key in self._census_keys)
-        trusting = self.sums.noise is not None or (signed_for and not self.sums.side.hides_inputs)
-        if kept is None and trusting:
-            tail_guard.check_census(
-                np.asarray(census.vector(), dtype=np.uint64),
-                self.sums.census_input(),
-                len(census.silos),
-                self.sums.sums.record_floor,
+        if self.sums.noise is None and (self.sums.side.hides_inputs or not signed_for):
+            self._check_own(census, signed_for=signed_for)
+            return
+        unchecked = self._kept(self._ledger.unchecked_census)
+        if census in (unchecked, self._kept(self._ledger.census)):
+            return
+        if unchecked is not None:
+            raise CensusError("the RoundSpec's census differs from the census this silo took part in")
+        tail_guard.check_census(
+            np.asarray(census.vector(), dtype=np.uint64),
+            self.sums.census_input(),
+            len(census.silos),
+            self.sums.sums.record_floor,
+        )
+        self._ledger.record_unchecked_census(self._census_keys[0], census)
+
+    def _check_own(self, census: Census, *, signed_for: bool) -> None:
+        """Without DP, where the layer hides inputs (or under plaintext this silo never signed for it), a
+        census is the aggregator's word unless this silo computed it: it could withhold the sum and name any
+        counts, or name one a study under DP or plaintext kept (under DP: every class everywhere). Refused,
+        the silo leaves the round, and the aggregator takes the census again over the same silos, which this
+        silo allows."""
+        checked = self._kept(self._ledger.census)
+        if checked == census:
+            return
+        if checked is None and self._kept(self._ledger.unchecked_census) == census:
+            raise CensusError(
+                "the RoundSpec names a census this silo kept without checking it (under DP every silo "
+                "claims every class; under plaintext it is the aggregator's reading; or kept before this "
+                "silo marked the censuses it checked): a round that hides inputs without DP guards only with "
+                "a census this silo computed itself; it takes part again once the census is taken anew over "
+                "the same silos"
             )
-            self._ledger.record_census(self._census_keys[0], census)
-        elif kept is None and signed_for:
+        if checked is None and signed_for:
             raise CensusError(
                 "the RoundSpec names a census this silo signed for but never computed (it stopped before "
                 "the result); it takes part again once the census is taken anew over the same silos"
             )
-        elif kept != census:
-            raise CensusError("the RoundSpec's census differs from the census this silo took part in")
+        raise CensusError("the RoundSpec's census differs from the census this silo took part in")

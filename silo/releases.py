@@ -4,9 +4,17 @@ The release gate (`fedlt.aggregation.gate`) decides every release; this is the l
 what was released (the state a contribution was computed from, the presence vector a census carried),
 never by the round, plan or seed the aggregator labels it with. Before its input becomes readable in a sum
 (secagg: before the consistency signature; ckks: before decrypting), a silo records the survivor set, and for
-the same subject it never releases to another. It also keeps the census it took part in, and one disclosure
-(a retry gets the same bytes). The ledger is written (and its directory synced) before the signature leaves,
-so a silo restarted at any point remembers what it may already have released.
+the same subject it never releases to another. It also keeps the census it took part in, and every MFSC
+disclosure it made, by state and data (`record_disclosure`): the settings it was made with (mask, minimum)
+and the digest of its values for good, the values themselves while they fit in `KEPT_DISCLOSURES`. A retry
+gets the kept bytes; a disclosure whose values were dropped is made again with its own settings, whatever
+the plan asks then, and sent only if it comes out as the same bytes. The ledger is written (and its directory
+synced) before the signature leaves, so a silo restarted at any point remembers what it may already have
+released.
+
+A census is kept apart by whether this silo could check it (`census`, `unchecked_census`): one it took under
+DP (where every silo claims every class) or on the aggregator's word (plaintext) is never the census that a
+round hiding inputs without DP guards with, in whatever study.
 
 Every change is a read-modify-write under the file's lock (`privacy.dp.ledger.ledger_lock`, as the privacy
 ledger's): the file is re-read, the change checked against what it holds and applied, and the file replaced
@@ -28,10 +36,12 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import json
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from fedlt.aggregation.gate import KEY_VERSION, RepeatedRelease
 from fedlt.aggregation.tail_guard import Census
@@ -43,8 +53,14 @@ from silo.config import STUDY_FOLDERS
 LEDGER = "releases.json"
 # files a silo writes once it has started working: with any of them present, a missing ledger is a lost one
 EVIDENCE = ("progress.json", "pending.json", "roster.json")
-BOOK = ("survivors", "censuses", "disclosure")
+BOOK = ("survivors", "censuses", "disclosures")
 RESTORE = "restore releases.json from a backup of the state directory"
+# where a census this silo could not check is kept: beside, never under, the key of one it checked
+UNCHECKED = "unchecked/"
+# The disclosures' values kept for retries, newest first, in characters of the file (base64), which is
+# rewritten whole at every change: 1 MiB holds about 38 disclosures of 10 classes by 256 features (ResNet-8),
+# far more than the rounds a silo's studies have in flight at once; the newest is always kept.
+KEPT_DISCLOSURES = 2**20
 
 __all__ = ["LEDGER", "LedgerMissing", "ReleaseLedger", "RepeatedRelease", "check_ledgers"]
 
@@ -133,24 +149,84 @@ class ReleaseLedger:
         return self.survivors(key) if key in self._v2 else None
 
     def census(self, key: str) -> Census | None:
-        with self._lock:
-            saved = self._book["censuses"].get(key)
-        return None if saved is None else Census.of(saved["silos"], saved["counts"], saved.get("records", ()))
+        """The census kept for `key` that this silo checked: the only kind a round that hides inputs without
+        DP may guard with. A census kept before censuses were marked is not one: it may have been taken
+        under DP or on the aggregator's word (`unchecked_census`), and taking it anew costs one census over
+        the same silos, which the silo allows."""
+        saved = self._saved_census(key)
+        return _census(saved) if saved is not None and saved.get("checked") is True else None
+
+    def unchecked_census(self, key: str) -> Census | None:
+        """The census kept for `key` that this silo took without checking it (under DP every silo claims
+        every class; under plaintext it is the aggregator's reading), or one kept before censuses were
+        marked."""
+        saved = self._saved_census(UNCHECKED + key)
+        if saved is None:
+            older = self._saved_census(key)
+            saved = older if older is not None and "checked" not in older else None
+        return None if saved is None else _census(saved)
 
     def record_census(self, key: str, census: Census) -> None:
-        saved = {"silos": list(census.silos), "counts": list(census.counts), "records": list(census.records)}
+        """Keep `census`, which this silo computed itself without DP, for `key`."""
+        self._record_census(key, census, checked=True)
+
+    def record_unchecked_census(self, key: str, census: Census) -> None:
+        """Keep `census`, which this silo could not check, for `key`: apart from a checked one, so that
+        neither replaces the other (a study under DP and one without, over the same data, each keeps its
+        own)."""
+        self._record_census(UNCHECKED + key, census, checked=False)
+
+    def _saved_census(self, key: str) -> dict | None:
+        with self._lock:
+            return self._book["censuses"].get(key)
+
+    def _record_census(self, key: str, census: Census, *, checked: bool) -> None:
+        saved = {
+            "silos": list(census.silos),
+            "counts": list(census.counts),
+            "records": list(census.records),
+            "checked": checked,
+        }
         with self._changing() as book:
             book["censuses"][key] = saved
 
     def disclosure(self, key: str) -> bytes | None:
-        """The values already disclosed for `key` (this round's state), to be sent again unchanged."""
+        """The values already disclosed for `key` (a state and data), to be sent again unchanged; None once
+        they are no longer kept (`disclosure_settings` then says how to make them again)."""
         with self._lock:
-            saved = self._book["disclosure"]
-        return base64.b64decode(saved["values"]) if saved.get("key") == key else None
+            saved = self._book["disclosures"].get(key, {})
+        return base64.b64decode(saved["values"]) if "values" in saved else None
 
-    def record_disclosure(self, key: str, values: bytes) -> None:
+    def disclosure_settings(self, key: str) -> dict[str, Any] | None:
+        """What the disclosure of `key` was made with, kept for good: a disclosure made again for `key` is
+        made with these, whatever the plan asks now, so the two cannot tell real class means from masks."""
+        with self._lock:
+            saved = self._book["disclosures"].get(key, {})
+        return dict(saved["made_with"]) if "made_with" in saved else None
+
+    def record_disclosure(self, key: str, values: bytes, made_with: Mapping[str, Any] | None = None) -> bytes:
+        """Keep `values` as the disclosure of `key`, made with `made_with` (None: never dropped, as it could
+        not be made again), and return the values to send: those another agent of this silo kept first, if
+        any. RepeatedRelease if `key` was disclosed before as other values than these."""
+        digest = hashlib.sha256(values).hexdigest()
         with self._changing() as book:
-            book["disclosure"] = {"key": key, "values": base64.b64encode(values).decode()}
+            kept = book["disclosures"]
+            saved = kept.pop(key, None)
+            if saved is not None and "values" in saved:
+                kept[key] = saved
+                return base64.b64decode(saved["values"])
+            if saved is not None and saved["sha256"] != digest:
+                kept[key] = saved
+                raise RepeatedRelease(
+                    "this silo disclosed other class means for this state and data before (its features "
+                    "no longer compute to the same values); disclosing these too would tell its real class "
+                    "means from its masks"
+                )
+            made_with = saved.get("made_with") if saved is not None else made_with
+            entry = {"sha256": digest, "values": base64.b64encode(values).decode()}
+            kept[key] = entry | ({"made_with": dict(made_with)} if made_with is not None else {})
+            _drop_old_values(kept)
+        return values
 
     @contextlib.contextmanager
     def _changing(self) -> Iterator[dict]:
@@ -174,6 +250,10 @@ class ReleaseLedger:
             )
         book = _read(self.path)
         kept = all(book["survivors"].get(k) == pinned for k, pinned in self._book["survivors"].items())
+        disclosed = book["disclosures"]
+        kept &= all(
+            disclosed.get(k, {}).get("sha256") == d["sha256"] for k, d in self._book["disclosures"].items()
+        )
         if not kept or (self._book.get("privacy_ledger") and not book.get("privacy_ledger")):
             raise LedgerMissing(
                 f"{self.path} no longer holds releases this silo recorded (it was replaced by an older copy "
@@ -183,6 +263,22 @@ class ReleaseLedger:
 
     def _save(self, book: dict) -> None:
         atomic_write_text(self.path, json.dumps(book))
+
+
+def _drop_old_values(disclosures: dict) -> None:
+    """Drop the values of the oldest disclosures past `KEPT_DISCLOSURES` (never the newest one's, nor those
+    of one whose settings are unknown); their settings and digests stay."""
+    size = 0
+    for age, entry in enumerate(reversed(disclosures.values())):  # age 0: the newest
+        values = entry.get("values", "")
+        if age and "made_with" in entry and size + len(values) > KEPT_DISCLOSURES:
+            entry.pop("values", None)
+        else:
+            size += len(values)
+
+
+def _census(saved: dict) -> Census:
+    return Census.of(saved["silos"], saved["counts"], saved.get("records", ()))
 
 
 def _upgraded(book: dict) -> dict:
@@ -196,8 +292,44 @@ def _read(path: Path) -> dict:
         book = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise LedgerMissing(f"{path} is not a readable release ledger ({exc}); {RESTORE}") from None
+    if isinstance(book, dict) and "disclosures" not in book:
+        book = _one_disclosure(book, path)
     if not isinstance(book, dict) or not all(isinstance(book.get(part), dict) for part in BOOK):
         raise LedgerMissing(f"{path} is not a release ledger of this format; {RESTORE}")
+    if not all(_readable_disclosure(d) for d in book["disclosures"].values()):
+        raise LedgerMissing(f"{path} holds a damaged disclosure; {RESTORE}")
     if book.get("keys") == KEY_VERSION and not isinstance(book.get("v2"), list):
         raise LedgerMissing(f"{path} lost the list of its version-2 keys; {RESTORE}")
     return book
+
+
+def _one_disclosure(book: dict, path: Path) -> dict:
+    """A ledger from before disclosures were kept by key held one, the latest, under "disclosure": it is
+    kept as the only one, with its values for good (the settings it was made with are unknown)."""
+    older = {k: v for k, v in book.items() if k != "disclosure"}
+    slot = book.get("disclosure")
+    if not isinstance(slot, dict):
+        return older  # refused by the caller, as any book without its parts
+    if not slot:
+        return older | {"disclosures": {}}
+    key, encoded = slot.get("key"), slot.get("values")
+    try:
+        values = base64.b64decode(encoded, validate=True) if isinstance(key, str) else None
+    except (TypeError, ValueError):
+        values = None
+    if values is None:
+        raise LedgerMissing(f"{path} holds a damaged disclosure; {RESTORE}")
+    saved = {"sha256": hashlib.sha256(values).hexdigest(), "values": encoded}
+    return older | {"disclosures": {key: saved}}
+
+
+def _readable_disclosure(saved: Any) -> bool:
+    """A disclosure as `record_disclosure` keeps it: its digest, its values while kept, its settings if
+    known; one without settings keeps its values (it could not be made again)."""
+    return (
+        isinstance(saved, dict)
+        and isinstance(saved.get("sha256"), str)
+        and isinstance(saved.get("values", ""), str)
+        and isinstance(saved.get("made_with", {}), dict)
+        and ("values" in saved or "made_with" in saved)
+    )

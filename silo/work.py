@@ -4,9 +4,10 @@ its data from the checked state (or evaluated only, where the plan asks no train
 A finished contribution is written to disk before upload, keyed by the state it was trained from
 (`PendingContribution`, in the study's own folder), so an agent restarted mid-upload, or handed the same state
 under another label, sends the same bytes instead of training again; a disclosure is kept in the release
-ledger the same way, one per state and data. The disclosure's masks come from one secret per silo, across its
-studies: two studies of one silo disclosing from the same state and data disclose the same bytes, so that
-comparing them cannot tell a masked class from a held one.
+ledger the same way, by state and data. The disclosure's masks come from one secret per silo, across its
+studies, and a disclosure is made with the mask and minimum it was first made with (kept in the ledger for
+good): two studies of one silo disclosing from the same state and data disclose the same bytes, whatever
+their plans ask, so that comparing them cannot tell a masked class from a held one.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from privacy.dp import BudgetExceeded
 from silo.admission import AdmittedRound, PlanCache, RefusedRound
 from silo.config import PolicySection
 from silo.connection import Standing
-from silo.releases import ReleaseLedger
+from silo.releases import ReleaseLedger, RepeatedRelease
 from silo.stepping import round_contribution
 from silo.transport import SiloTransport
 
@@ -127,19 +128,10 @@ class Work:
     def _disclose(self, transport: SiloTransport, admitted: AdmittedRound) -> None:
         """MFSC: this silo's class means under the received model, random points for classes it lacks or holds
         too few samples of. One disclosure per round's state: a retried attempt sends the same bytes."""
-        spec, plan, method, state = admitted.spec, admitted.plan, admitted.method, admitted.state
-        # one disclosure per state and data, whatever round or study the aggregator labels it with; one kept
-        # by an agent from before keys named the data is under the state's digest alone
-        key = f"{state.content_digest()}/{admitted.prepared.data_digest}"
-        values = self.ledger.disclosure(key) or self.ledger.disclosure(state.content_digest())
+        spec, method = admitted.spec, admitted.method
+        values = self._disclosed(admitted)
         if values is None:
-            minimum = max(plan.selection.min_samples, self.policy.disclosure_min_samples)
-            stream = mask_stream(self.mask_secret(), key)
-            means = class_mean_disclosure(
-                method, state, admitted.data, plan.selection.mask, stream, min_samples=minimum
-            )
-            values = np.ascontiguousarray(means.numpy(), dtype="<f8").tobytes()
-            self.ledger.record_disclosure(key, values)
+            return
         classes = method.model_spec.num_classes
         shape = [classes, len(values) // (8 * classes)]
         try:
@@ -149,12 +141,51 @@ class Work:
             log.warning("%s: the disclosure did not go through (%s)", spec.round_id, reason)
             return
         log.info(
-            "round %d: disclosed masked class means (%s, mask %s) as policy.disclosures allows; sha256 %s",
+            "round %d: disclosed masked class means (%s) as policy.disclosures allows; sha256 %s",
             spec.round,
             DISCLOSURE,
-            plan.selection.mask,
             sha256[:16],
         )
+
+    def _disclosed(self, admitted: AdmittedRound) -> bytes | None:
+        """The disclosure of this state and data, whatever round or study the aggregator labels it with: the
+        values kept, or made again with the mask and minimum it was first made with (the plan's only for a
+        first one). None where that is not the same bytes, or its minimum is below the policy's now."""
+        state, plan = admitted.state, admitted.plan
+        key = f"{state.content_digest()}/{admitted.prepared.data_digest}"
+        made_with = self.ledger.disclosure_settings(key)
+        if made_with is not None and made_with["min_samples"] < self.policy.disclosure_min_samples:
+            log.warning(
+                "%s: not disclosing: this state's class means were made with a minimum of %d samples, "
+                "below policy.disclosure_min_samples = %d",
+                admitted.spec.round_id,
+                made_with["min_samples"],
+                self.policy.disclosure_min_samples,
+            )
+            return None
+        # one kept by an agent from before keys named the data is under the state's digest alone
+        kept = self.ledger.disclosure(key) or self.ledger.disclosure(state.content_digest())
+        if kept is not None:
+            return kept
+        made_with = made_with or {
+            "mask": plan.selection.mask,
+            "min_samples": max(plan.selection.min_samples, self.policy.disclosure_min_samples),
+        }
+        stream = mask_stream(self.mask_secret(), key)
+        means = class_mean_disclosure(
+            admitted.method,
+            state,
+            admitted.data,
+            made_with["mask"],
+            stream,
+            min_samples=made_with["min_samples"],
+        )
+        values = np.ascontiguousarray(means.numpy(), dtype="<f8").tobytes()
+        try:
+            return self.ledger.record_disclosure(key, values, made_with)
+        except RepeatedRelease as exc:
+            log.warning("%s: not disclosing: %s", admitted.spec.round_id, exc)
+            return None
 
     def mask_secret(self) -> bytes:
         """The key of this silo's MFSC masks: made once, kept in state_dir (owner-only), never sent; the

@@ -46,18 +46,35 @@ def gated(silos: list[str]) -> dict[str, object]:
 
 
 def play(
-    tamper: Tamper = lambda _, step: step, *, inflate: bool = False
+    tamper: Tamper = lambda _, step: step,
+    *,
+    inflate: bool = False,
+    dp: bool = False,
+    kept: dict[str, bool] | None = None,
 ) -> tuple[Released | None, dict[str, str]]:
     """One round's census and contribution, delivered at once as the simulator does; a silo that refuses a
     step leaves the round's sums, as the agent does; with `inflate` the aggregator reports the false census.
-    The released contribution sum (None if the round aborted) and each refusing silo's reason."""
+    The released contribution sum (None if the round aborted) and each refusing silo's reason; `kept` gets
+    whether each silo marked the census it kept as checked."""
     silos = sorted(HOLDINGS)
     sides, aggregator_side = SecAggSum().in_process(silos)
     sums = RoundSums("r1.a1", tuple(silos), SCHEMA, K_MIN, census=None)
     if inflate:
         aggregator_side = Inflating(aggregator_side)
     aggregator = AggregatorRound(aggregator_side, sums, min_contributors=2)
-    rounds = {u: SiloRound(sides[u], sums, contribution(u), me=u, **gated(silos)) for u in silos}
+    marks = {} if kept is None else kept
+    rounds = {
+        u: SiloRound(
+            sides[u],
+            sums,
+            contribution(u),
+            me=u,
+            on_census=lambda _census, checked, u=u: marks.__setitem__(u, checked),
+            noise=Unnoised() if dp else None,
+            **gated(silos),
+        )
+        for u in silos
+    }
     refusals: dict[str, str] = {}
 
     def answer(silo: str, call: Callable[[], list[tuple[str, object]]]) -> list[tuple[str, str, object]]:
@@ -84,6 +101,13 @@ def play(
             sent = tamper(u, step)
             if sent is not None:  # None: withheld
                 inbox += answer(u, partial(rounds[u].step, purpose, sent))
+
+
+class Unnoised:
+    """A silo's DP as the census sees it: on, so the silo claims every class (no noise is drawn here)."""
+
+    def noised(self, spec: SumSpec, vector: torch.Tensor, *, counted: int) -> torch.Tensor:
+        return vector
 
 
 def rare_row(released: Released | None) -> torch.Tensor:
@@ -122,6 +146,18 @@ def test_an_honest_census_zeroes_the_class_one_silo_holds():
     assert released is not None
     assert set(released.survivors) == set(HOLDINGS)
     assert torch.equal(rare_row(released), torch.zeros(2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dp", [False, True])
+def test_a_silo_marks_as_checked_only_a_census_it_computed_without_dp(dp):
+    """What a silo keeps decides which census a round of another study may guard with (finding 1 of issue
+    35's review): only the sum the silo recomputed from its peers' signed inputs, without DP, says which
+    classes are held; under DP every silo claims every class, so the sum reads every class everywhere."""
+    kept: dict[str, bool] = {}
+    released, refusals = play(dp=dp, kept=kept)
+    assert not refusals
+    assert released is not None
+    assert kept == dict.fromkeys(HOLDINGS, not dp)
 
 
 def test_an_aggregator_that_inflates_the_census_gets_no_row_of_a_class_one_silo_holds():

@@ -1,11 +1,15 @@
 import contextlib
 import json
 import math
+import tempfile
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fedlt.dp import DPSettings
 from fedlt.methods import ModelSpec, SiloContext, TrainConfig
@@ -17,6 +21,7 @@ from privacy.dp.noise import SecureRandom
 from privacy.dp.silo_privacy import SiloPrivacy
 
 BUDGET = Budget(1.0, 1e-5)
+ROOMY = Budget(100.0, 1e-5)  # for tests of what is charged, not of the budget
 SMALL = gaussian_rdp(noise_multiplier=8.0)  # ε ≈ 0.46 alone at δ = 1e-5
 LARGE = gaussian_rdp(noise_multiplier=2.0)  # ε ≈ 2.7 alone: past BUDGET on its own
 COUNTS = np.array([30, 12, 5, 0, 3, 9, 20, 1, 7, 13])
@@ -232,6 +237,82 @@ def test_counts_are_noised_once_and_reused_across_calls_and_restarts(tmp_path):
     assert len(_count_entries(restarted)) == 2
     np.testing.assert_array_equal(restarted.reported_counts(grown), again)
     assert len(_count_entries(restarted)) == 2
+
+
+def test_a_release_made_once_is_found_by_its_params_whichever_run_or_writer_made_it(tmp_path):
+    """Guards `once_per`: another writer's entry for the same records (another run tag, written after this
+    object last read the file) is returned and nothing is charged; other records are a new release, and a
+    charge without `once_per` is charged again whatever is recorded."""
+    path = tmp_path / "ledger.json"
+    this, other = PrivacyLedger(BUDGET, path), PrivacyLedger(BUDGET, path)
+    made = other.charge(
+        "gaussian", SMALL / 4, what="class counts", run="b", records=[1, 2], reported=[1.5, 2]
+    )
+    found = this.charge(
+        "gaussian", SMALL / 4, what="class counts", run="a", once_per=("records",), records=[1, 2]
+    )
+    assert found == made
+    assert len(PrivacyLedger(BUDGET, path).entries) == 1
+    this.charge("gaussian", SMALL / 4, what="class counts", run="a", once_per=("records",), records=[2, 1])
+    this.charge("gaussian", SMALL / 4, what="class counts", run="a", records=[1, 2])
+    assert [e["params"]["records"] for e in PrivacyLedger(BUDGET, path).entries] == [[1, 2], [2, 1], [1, 2]]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.tuples(st.sampled_from(["a", "b"]), st.integers(0, 2), st.booleans()), min_size=1, max_size=8)
+)
+def test_each_datas_counts_are_noised_once_across_studies_and_restarts(reports):
+    """The property finding 3 broke: studies' agents (each with its own ledger object on the silo's one
+    file, each restarted at will) report the counts of any of three data sets in any order, charging DP-SGD
+    in between: each data set's counts are charged once and reported as the same numbers every time."""
+    data = [COUNTS, COUNTS[::-1].copy(), COUNTS + 1]
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "ledger.json"
+
+        def agent(study: str, seed: int) -> SiloPrivacy:
+            ledger = PrivacyLedger(ROOMY, path)
+            return SiloPrivacy(
+                _settings(), method=_method(), ledger=ledger, rng=SecureRandom.seeded(seed), run=study
+            )
+
+        agents = {"a": agent("a", 1), "b": agent("b", 2)}
+        seen: dict[int, set] = {}
+        for k, (study, which, restarted) in enumerate(reports):
+            if restarted:
+                agents[study] = agent(study, 10 + k)
+            seen.setdefault(which, set()).add(tuple(agents[study].reported_counts(data[which])))
+            agents[study].admit_sgd(sample_rate=0.1, steps=1)
+        entries = PrivacyLedger(ROOMY, path).entries
+    charged = sorted(tuple(e["params"]["records"]) for e in entries if e["mechanism"] == "gaussian")
+    assert charged == sorted(tuple(int(c) for c in data[which]) for which in seen)
+    assert all(len(values) == 1 for values in seen.values())
+
+
+def test_two_agents_reporting_the_same_counts_at_once_charge_them_once(tmp_path):
+    """Finding and charging are one hold of the file's lock: two studies' agents over the same data that
+    report its counts at the same moment release one noised copy, not two."""
+    path = tmp_path / "ledger.json"
+    agents = [
+        SiloPrivacy(
+            _settings(), method=_method(), ledger=PrivacyLedger(ROOMY, path), rng=SecureRandom.seeded(s)
+        )
+        for s in (1, 2)
+    ]
+    start, reported = threading.Barrier(len(agents)), []
+
+    def report(agent: SiloPrivacy) -> None:
+        start.wait()
+        reported.append(tuple(agent.reported_counts(COUNTS)))
+
+    threads = [threading.Thread(target=report, args=(agent,)) for agent in agents]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(reported) == 2
+    assert len(set(reported)) == 1
+    assert len(PrivacyLedger(ROOMY, path).entries) == 1
 
 
 def test_counts_are_noisy_at_the_set_scale():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -31,10 +32,15 @@ from fedlt.sim.run import CHECKPOINT, run_simulation
 from fedlt.v1 import round_pb2
 from fedlt.wire import schema_to_pb
 from privacy.pki.signing import ROUNDSPEC_CONTEXT, sign
+from silo import releases, work
 from silo.admission import RefusedRound
 from silo.agent import SiloAgent
-from silo.config import load_silo_config
+from silo.config import PolicySection, load_silo_config
+from silo.releases import ReleaseLedger
+from silo.work import Work
 from tests.consortium_harness import AUDIT_KEY, PLAN, write_kit
+from tests.test_release_gate import shard
+from tests.test_review_studies import Disclosures
 from tests.test_silo_refusals import check
 
 CLASSES, DIM = 6, 32
@@ -364,3 +370,92 @@ def test_a_silos_mask_secret_is_its_own_kept_and_private(tmp_path):
     first.state_lock.release()  # the first agent stops: its directory is free for the restart
     assert SiloAgent(load_silo_config(silo_configs[0])).work.mask_secret() == secret  # kept across restarts
     assert (first.state_dir / "mask.secret").stat().st_mode & 0o077 == 0
+
+
+# --- one disclosure per state and data, whatever the plan asks later --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def states_and_data():
+    """Two seeded states of the tests' plan, and silo 0's data as the plan prepares it (its classes hold
+    5, 47, 1, 16, 1, 29, 2, 4, 0 and 1 samples)."""
+    method = PLAN.build_method()
+    return method.init_state(seed=1), method.init_state(seed=2), shard(0)
+
+
+def asking(state, prepared, *, mask: str = "gaussian", min_samples: int = 5) -> SimpleNamespace:
+    """An admitted round that asks for the silo's masked class means and no training."""
+    return SimpleNamespace(
+        spec=SimpleNamespace(round_id="r1.a1.x", round=1),
+        plan=SimpleNamespace(selection=SimpleNamespace(min_samples=min_samples, mask=mask)),
+        method=PLAN.build_method(),
+        state=state,
+        prepared=prepared,
+        data=prepared.data,
+        discloses=True,
+        trains=False,
+    )
+
+
+def agent_work(state_dir, *, policy_minimum: int = 1) -> Work:
+    policy = PolicySection(disclosures=("mfsc",), disclosure_min_samples=policy_minimum)
+    ledger = ReleaseLedger(state_dir)
+    return Work(
+        state_dir, policy, ledger=ledger, plans=None, pending=None, standing=SimpleNamespace(), refuse=None
+    )
+
+
+def dropped_after_another(tmp_path, states_and_data, monkeypatch) -> Disclosures:
+    """State S disclosed (gaussian masks, minimum 5), then another state, after which the ledger keeps the
+    newest values only: S's values are dropped, its settings and digest kept."""
+    monkeypatch.setattr(releases, "KEPT_DISCLOSURES", 1)
+    state, other, prepared = states_and_data
+    sent = Disclosures()
+    agent_work(tmp_path).train(sent, asking(state, prepared))
+    agent_work(tmp_path).train(sent, asking(other, prepared))
+    assert ReleaseLedger(tmp_path).disclosure(f"{state.content_digest()}/{prepared.data_digest}") is None
+    return sent
+
+
+@pytest.mark.parametrize("later", [{"mask": "uniform"}, {"min_samples": 20}], ids=["mask", "minimum"])
+def test_a_state_whose_disclosure_was_dropped_is_disclosed_again_as_the_same_bytes(
+    tmp_path, states_and_data, monkeypatch, later
+):
+    """The attack of finding 2 past the ledger's bound on kept values: S handed back (another study's agent)
+    with a plan asking for uniform masks, or a higher minimum (which would name each class's sample count),
+    is made again with the mask and minimum S was first made with: the same bytes, so comparing the two
+    tells no held class from a mask. The plan's settings alone would have given other bytes."""
+    state, _, prepared = states_and_data
+    sent = dropped_after_another(tmp_path, states_and_data, monkeypatch)
+    agent_work(tmp_path).train(sent, asking(state, prepared, **later))
+    first, _, again = sent.sent
+    assert np.array_equal(first, again)
+    fresh = Disclosures()
+    agent_work(tmp_path / "fresh").train(fresh, asking(state, prepared, **later))
+    assert not np.array_equal(first, fresh.sent[0])
+
+
+def test_a_disclosure_made_again_as_other_bytes_is_not_sent(tmp_path, states_and_data, monkeypatch):
+    """A silo whose features no longer compute to the same values (another thread count, another torch)
+    would show its real class means beside the same masks moved otherwise: it discloses nothing."""
+    state, _, prepared = states_and_data
+    sent = dropped_after_another(tmp_path, states_and_data, monkeypatch)
+    made = work.class_mean_disclosure
+    monkeypatch.setattr(work, "class_mean_disclosure", lambda *a, **k: made(*a, **k) * (1 + 1e-12))
+    agent_work(tmp_path).train(sent, asking(state, prepared))
+    assert len(sent.sent) == 2
+
+
+@pytest.mark.parametrize("dropped", [False, True], ids=["kept", "dropped"])
+def test_a_disclosure_made_under_a_lower_minimum_than_the_policy_now_asks_is_not_sent_again(
+    tmp_path, states_and_data, monkeypatch, dropped
+):
+    """The administrator raised policy.disclosure_min_samples: a state's disclosure made under the lower
+    minimum is not sent again (it may never have reached the aggregator), kept or made again."""
+    state, other, prepared = states_and_data
+    monkeypatch.setattr(releases, "KEPT_DISCLOSURES", 1 if dropped else releases.KEPT_DISCLOSURES)
+    sent = Disclosures()
+    agent_work(tmp_path).train(sent, asking(state, prepared))
+    agent_work(tmp_path).train(sent, asking(other, prepared))
+    agent_work(tmp_path, policy_minimum=10).train(sent, asking(state, prepared))
+    assert len(sent.sent) == 2

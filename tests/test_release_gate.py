@@ -32,7 +32,7 @@ from fedlt.aggregation.gate import (
     Subject,
     data_digest,
 )
-from fedlt.aggregation.halves import Released, SiloHalf, SiloSide, SumAborted, SumSpec
+from fedlt.aggregation.halves import PartyKeys, Released, SiloHalf, SiloSide, SumAborted, SumSpec
 from fedlt.aggregation.round_sums import AggregatorRound, RoundSums, SiloRound
 from fedlt.aggregation.tail_guard import Census, CensusError
 from fedlt.atomic import atomic_write_text
@@ -40,11 +40,18 @@ from fedlt.config import as_table, render_toml
 from fedlt.data.federation import build_federation
 from fedlt.data.source import Slice, embedded
 from fedlt.methods.state import GlobalState
+from fedlt.v1 import round_pb2
+from fedlt.wire import schema_to_pb
+from privacy import roundspec
 from privacy.blind.layer import BlindSum
+from privacy.secagg.layer import SecAggSum
+from privacy.secagg.settings import SessionPolicy
 from silo.admission import Prepared
 from silo.config import load_silo_config
+from silo.participation import Participation
 from silo.releases import LEDGER, LedgerMissing, ReleaseLedger, check_ledgers
 from tests.consortium_harness import PLAN, RECIPE
+from tests.test_silo_releases import CENSUS_SCHEMA as THREE_CLASSES
 from tests.test_silo_releases import census_round
 
 SILOS = tuple(f"silo-{k}" for k in range(6))
@@ -484,20 +491,88 @@ def test_a_pin_made_before_keys_named_the_data_still_refuses_a_second_release(tm
     assert book["survivors"][subject.key("c")] == list(THREE)
 
 
-def test_a_census_kept_before_keys_were_versioned_is_the_one_the_silo_took_part_in(tmp_path):
-    """After the upgrade, a RoundSpec naming the census the silo took part in (and kept under its version-2
-    key) is taken, and one naming other counts is refused, as before."""
+def test_a_census_kept_before_censuses_were_marked_is_taken_anew_by_a_round_without_dp(tmp_path):
+    """A census kept before the silo marked the ones it checked (here under its version-2 key) may have been
+    taken under DP or on the aggregator's word under plaintext (finding 1 of issue 35's review), so it is
+    kept as unchecked: a round that hides inputs without DP finds it and refuses it, as it refuses other
+    counts; once the census is taken anew over the same silos (which the old pin allows), the round takes
+    that one and no other."""
     census = Census.of(["a", "b", "c"], [3, 1, 2])
-    key = Subject("census", np.array([1, 0, 1], dtype="<u8").tobytes()).v2_key("c")  # "a" holds classes 0, 2
+    presence = Subject("census", np.array([1, 0, 1], dtype="<u8").tobytes())  # "a" holds classes 0, 2
+    key = presence.v2_key("c")
     older = {
         "survivors": {key: ["a", "b", "c"]},
         "censuses": {key: {"silos": ["a", "b", "c"], "counts": [3, 1, 2], "records": []}},
         "disclosure": {},
     }
     (tmp_path / LEDGER).write_text(json.dumps(older))
+    ledger = ReleaseLedger(tmp_path)
+    assert (ledger.census(key), ledger.unchecked_census(key)) == (None, census)
+    with pytest.raises(CensusError, match="kept without checking it"):
+        census_round(tmp_path, census, holds=[0, 2])
+    with pytest.raises(CensusError, match="signed for but never computed"):
+        census_round(tmp_path, Census.of(["a", "b", "c"], [3, 2, 2]), holds=[0, 2])
+    gate(ledger, members=("a", "b", "c")).release(
+        SumSpec("r1.a1", "census", ("a", "b", "c"), SCHEMA), Side(), ("a", "b", "c"), presence
+    )
+    ledger.record_census(presence.key("c"), census)  # computed when the census was taken again
     census_round(tmp_path, census, holds=[0, 2])
     with pytest.raises(CensusError, match="differs from the census this silo took part in"):
         census_round(tmp_path, Census.of(["a", "b", "c"], [3, 2, 2]), holds=[0, 2])
+
+
+def study_round(tmp_path, census: Census, *, dp: bool) -> Participation:
+    """Silo "a"'s part in a round of a study under secagg, with DP or without, whose RoundSpec names
+    `census`, as its agent makes it: with the plan's class names, on the silo's one release ledger."""
+    rows = torch.zeros(3, 2, dtype=torch.float64)
+    rows[[0, 2]] = 1.0  # "a" holds the cat and the fox
+    spec = round_pb2.RoundSpec(
+        consortium_id="c",
+        round=2,
+        round_id="r2.a1.x",
+        config_sha256="plan",
+        schema=schema_to_pb(THREE_CLASSES),
+        privacy="secagg",
+        participants=list(census.silos),
+        secagg=round_pb2.SecAggParameters(k_min=2),
+        census=round_pb2.Census(silos=census.silos, silos_per_class=census.counts),
+    )
+    ledger = ReleaseLedger(tmp_path)
+    return Participation(
+        spec,
+        roundspec.sums_of(round_pb2.SignedRoundSpec(spec=spec.SerializeToString()), spec),
+        THREE_CLASSES.flatten({"n": torch.tensor(1.0, dtype=torch.float64), "rows": rows}),
+        me="a",
+        side=SecAggSum().silo_side(PartyKeys(policy=SessionPolicy())),
+        gate=ReleaseGate(consortium="c", floors=Floors(), members=lambda: "abc", ledger=ledger),
+        trained_from="state",
+        ledger=ledger,
+        transport=None,
+        on_sent=lambda purpose, message: None,
+        noise=Recorder() if dp else None,
+        class_names=("cat", "dog", "fox"),
+    )
+
+
+def test_a_study_under_dp_and_one_without_over_the_same_data_each_keep_their_census(tmp_path):
+    """Both studies' censuses are kept, apart (finding 1 of issue 35's review): the one the study without
+    DP computed (the dog held by one silo) and the one the study under DP names (every class by every silo,
+    what a census under DP reads), neither replacing the other. Each study's rounds take their own; the
+    study without DP refuses the DP study's census, which would lift its tail guard."""
+    computed, under_dp = Census.of("abc", [3, 1, 2]), Census.of("abc", [3, 3, 3])
+    presence = Subject("census", json.dumps(["cat", "fox"]).encode())
+    ReleaseLedger(tmp_path).record_census(presence.key("c"), computed)  # the study without DP took it
+    for _ in range(2):
+        study_round(tmp_path, under_dp, dp=True)  # plausible under DP: kept, as unchecked
+        study_round(tmp_path, computed, dp=False)
+    study_round(tmp_path, computed, dp=True)  # a study under DP may guard with a checked census too
+    with pytest.raises(CensusError, match="differs from the census this silo took part in"):
+        study_round(tmp_path, under_dp, dp=False)
+    ledger = ReleaseLedger(tmp_path)
+    assert (ledger.census(presence.key("c")), ledger.unchecked_census(presence.key("c"))) == (
+        computed,
+        under_dp,
+    )
 
 
 STUDY_IDS = st.lists(

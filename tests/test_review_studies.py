@@ -169,11 +169,6 @@ def test_a_census_nobody_computed_is_refused_by_a_study_without_dp(tmp_path):
             study_round(tmp_path / silo, silo, EVERY_CLASS_BY_EVERY_SILO, Recording(), dp=False)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding 1 (high): a census taken under DP or plaintext is kept under the same key as a checked "
-    "one, and a study without DP takes it, so its tail guard zeroes no class held by one silo",
-)
 @pytest.mark.parametrize("via", ["dp", "plaintext"])
 def test_a_census_kept_by_a_study_that_cannot_check_it_does_not_lift_another_studys_tail_guard(tmp_path, via):
     """The attack: the operator runs two studies over the same silos and data, one under DP (or under
@@ -267,11 +262,6 @@ def test_a_state_disclosed_in_one_study_is_disclosed_as_the_same_bytes_in_anothe
     assert np.array_equal(sent.sent[0], sent.sent[1])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding 2 (medium): the release ledger keeps one disclosure, and a disclosure made again depends "
-    "on the plan's mask and min_samples, so two disclosures of one state tell the held classes from masks",
-)
 def test_two_studies_disclosures_of_one_state_do_not_tell_held_classes_from_masks(tmp_path, disclosing):
     """The attack: study A's agent discloses from state S (gaussian masks); study B's agent then discloses
     from another state (its own round: the ledger keeps one disclosure, so A's is gone); the operator hands
@@ -295,18 +285,13 @@ def test_two_studies_disclosures_of_one_state_do_not_tell_held_classes_from_mask
 # --- DP: the class counts of two studies' data -------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding 3 (medium): `PrivacyLedger.find` returns the latest class-count release whatever its "
-    "records, so two DP studies over different data noise and charge each data's counts again and again",
-)
 def test_two_dp_studies_over_different_data_each_noise_their_class_counts_once(tmp_path):
     """The attack needs no malice: two studies under DP over different data (this year's and last year's),
     each agent with its own ledger object on the silo's one privacy ledger, each round reporting its class
-    counts and charging DP-SGD. `reported_counts` reuses the latest "class counts" entry only when its
-    records match; once an agent's ledger object has re-read the file (at its DP-SGD charge), the latest is
-    the other study's, so it draws fresh noise for the same records and charges it again: about every second
-    round. The aggregator gets many independently noised copies of each data's counts (their average is
+    counts and charging DP-SGD. `reported_counts` reused the latest "class counts" entry only when its
+    records matched; once an agent's ledger object had re-read the file (at its DP-SGD charge), the latest
+    was the other study's, so it drew fresh noise for the same records and charged it again: about every
+    second round (now the entry with the same records is found under the file's lock, whoever wrote it). The aggregator gets many independently noised copies of each data's counts (their average is
     ever closer to the truth), and the budget pays for releases the plan never planned (its σ is calibrated
     for one). Each data's counts should be noised once, and found again by their records."""
     dp = DPSettings(enabled=True, epsilon=8.0)
@@ -371,11 +356,6 @@ def census_at_floor(floor: int, records: np.ndarray) -> tuple[Subject, np.ndarra
     return silo_round.census_subject, silo_round.census_input()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding 4 (low): policy.min_class_records may differ per study, so one silo sends capped record "
-    "counts at two floors over one silo set, which a silo refuses within one study",
-)
 def test_a_silo_sends_its_capped_record_counts_at_one_floor_across_its_studies(tmp_path):
     """The attack: a silo's administrator gives one study a record floor of 2 and another of 5 (each study
     may override any policy key but roster_quorum_above). The operator takes each study's census over the

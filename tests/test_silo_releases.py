@@ -9,6 +9,8 @@ silos that keep their ledger (it does not).
 
 from __future__ import annotations
 
+import base64
+import json
 import threading
 
 import numpy as np
@@ -19,7 +21,7 @@ from aggregator.config import ConsortiumConfig, ConsortiumSection, TimeoutSectio
 from aggregator.rounds import RoundDriver
 from aggregator.store import Store
 from fedlt.aggregation import Field, Schema, Sums
-from fedlt.aggregation.gate import Floors, ReleaseGate, Subject
+from fedlt.aggregation.gate import KEY_VERSION, Floors, ReleaseGate, Subject
 from fedlt.aggregation.halves import PartyKeys, SumAborted
 from fedlt.aggregation.tail_guard import Census, CensusError
 from fedlt.v1 import round_pb2
@@ -27,8 +29,9 @@ from fedlt.wire import schema_to_pb
 from privacy import roundspec
 from privacy.secagg.layer import SecAggSum
 from privacy.secagg.settings import SessionPolicy
+from silo import releases
 from silo.participation import Participation
-from silo.releases import LEDGER, ReleaseLedger, RepeatedRelease
+from silo.releases import LEDGER, LedgerMissing, ReleaseLedger, RepeatedRelease
 from tests.consortium_harness import AUDIT_KEY, PLAN
 from tests.engine_harness import InProcessSilo, peers_of
 
@@ -215,3 +218,92 @@ def test_a_silo_that_signed_a_census_but_kept_none_takes_no_count_on_trust(tmp_p
         census_round(tmp_path, Census.of(signed, [3, 2, 2]), holds=[0, 2])
     with pytest.raises(CensusError, match="differs from the census this silo took part in"):
         census_round(tmp_path, Census.of(["a", "b", "d"], [3, 1, 2]), holds=[0, 2])
+
+
+# ---------------------------------------------------------------- MFSC disclosures, one per state and data
+
+
+MADE = {"mask": "gaussian", "min_samples": 5}
+
+
+def test_every_disclosure_is_kept_by_its_key_across_restarts_and_writers(tmp_path):
+    """Guards against one slot: a disclosure of another state (another study's round) no longer evicts the
+    first, across a restart and another writer on the same state directory; a writer that made its own
+    values for a key another writer kept first is handed the kept ones."""
+    first, second = ReleaseLedger(tmp_path), ReleaseLedger(tmp_path)
+    assert first.record_disclosure("s/d", b"means of s", MADE) == b"means of s"
+    assert second.record_disclosure("t/d", b"means of t", MADE) == b"means of t"
+    assert second.record_disclosure("s/d", b"redrawn masks", {"mask": "uniform", "min_samples": 9}) == (
+        b"means of s"
+    )
+    reopened = ReleaseLedger(tmp_path)
+    assert (reopened.disclosure("s/d"), reopened.disclosure("t/d")) == (b"means of s", b"means of t")
+    assert reopened.disclosure_settings("s/d") == MADE
+
+
+def test_past_the_bound_a_disclosure_keeps_its_settings_and_digest_not_its_values(tmp_path, monkeypatch):
+    """The file is rewritten whole at every change, so the values kept are bounded; what is dropped can be
+    made again with the settings kept, and only the same bytes are let out again: other values for a dropped
+    key are refused (a silo whose features no longer compute alike would tell its masks apart)."""
+    monkeypatch.setattr(releases, "KEPT_DISCLOSURES", 2 * len(base64.b64encode(b"x" * 30)))
+    ledger = ReleaseLedger(tmp_path)
+    for k in range(4):
+        ledger.record_disclosure(f"s{k}/d", bytes([k]) * 30, MADE | {"min_samples": k + 5})
+    reopened = ReleaseLedger(tmp_path)
+    assert [reopened.disclosure(f"s{k}/d") is not None for k in range(4)] == [False, False, True, True]
+    assert reopened.disclosure_settings("s0/d") == MADE
+    with pytest.raises(RepeatedRelease, match="disclosed other class means for this state and data"):
+        reopened.record_disclosure("s0/d", b"y" * 30, MADE)
+    assert reopened.record_disclosure("s0/d", bytes([0]) * 30, MADE) == bytes([0]) * 30
+    assert ReleaseLedger(tmp_path).disclosure("s0/d") == bytes([0]) * 30  # the newest again: kept
+    assert ReleaseLedger(tmp_path).disclosure("s2/d") is None
+
+
+def test_the_newest_disclosure_is_kept_whatever_its_size(tmp_path, monkeypatch):
+    monkeypatch.setattr(releases, "KEPT_DISCLOSURES", 1)
+    ledger = ReleaseLedger(tmp_path)
+    ledger.record_disclosure("s/d", b"means of s", MADE)
+    ledger.record_disclosure("t/d", b"means of t", MADE)
+    assert (ledger.disclosure("s/d"), ledger.disclosure("t/d")) == (None, b"means of t")
+
+
+def test_a_ledger_with_the_one_disclosure_of_an_older_agent_stays_readable(tmp_path, monkeypatch):
+    """A ledger written before disclosures were kept by key held one, under "disclosure": it is read as
+    that one disclosure, whose values are never dropped (the settings it was made with are unknown), and
+    the file takes further disclosures."""
+    monkeypatch.setattr(releases, "KEPT_DISCLOSURES", 1)
+    older = {
+        "survivors": {},
+        "censuses": {},
+        "disclosure": {"key": "s/d", "values": base64.b64encode(b"older means").decode()},
+        "keys": KEY_VERSION,
+        "v2": [],
+    }
+    (tmp_path / LEDGER).write_text(json.dumps(older))
+    ledger = ReleaseLedger(tmp_path)
+    assert (ledger.disclosure("s/d"), ledger.disclosure_settings("s/d")) == (b"older means", None)
+    ledger.record_disclosure("t/d", b"means of t", MADE)
+    ledger.record_disclosure("u/d", b"means of u", MADE)
+    reopened = ReleaseLedger(tmp_path)
+    assert [reopened.disclosure(k) for k in ("s/d", "t/d", "u/d")] == [b"older means", None, b"means of u"]
+
+
+@pytest.mark.parametrize(
+    "slot", [{"key": "s/d"}, {"key": 3, "values": "bWVhbnM="}, {"key": "s/d", "values": "not base64!"}]
+)
+def test_a_damaged_disclosure_of_an_older_agent_is_a_clear_error(tmp_path, slot):
+    older = {"survivors": {}, "censuses": {}, "disclosure": slot}
+    (tmp_path / LEDGER).write_text(json.dumps(older))
+    with pytest.raises(LedgerMissing, match="holds a damaged disclosure"):
+        ReleaseLedger(tmp_path)
+
+
+def test_a_ledger_that_lost_a_disclosure_while_the_silo_ran_is_refused_not_rewritten(tmp_path):
+    """A lost disclosure (an older copy put back) would let the silo make it again with another plan's mask
+    and minimum: refused as a lost pin is."""
+    ledger = ReleaseLedger(tmp_path)
+    older = (tmp_path / LEDGER).read_bytes()
+    ledger.record_disclosure("s/d", b"means of s", MADE)
+    (tmp_path / LEDGER).write_bytes(older)
+    with pytest.raises(LedgerMissing, match="replaced by an older copy"):
+        ledger.record_disclosure("t/d", b"means of t", MADE)

@@ -11,6 +11,12 @@ Under differential privacy (a silo with `noise`) per-class rows are noised inste
 every class in the census, so the census says nothing about its records and zeroes no class, and it adds its
 share of noise to its contribution, calibrated for the fewest silos the sum can count.
 
+A silo keeps the census it took (`on_census`) with whether it could check it: only a census it computed
+itself without DP is one. Under DP every silo claims every class, so the sum reads "every class everywhere"
+whatever the silos hold, and under plaintext the silo takes the aggregator's reading; a round that hides
+inputs without DP must never guard with either (`silo.participation`), or any other study's round could lift
+its tail guard.
+
 Every half a silo runs is made through its release gate (`gate.ReleaseGate`: roster, floors, ledger), which
 also has the last word wherever the half releases the silo's input.
 
@@ -103,8 +109,9 @@ class SiloRound:
     """One silo's sums of one round, every half made and every release decided through `gate`.
     `trained_from` is what the contribution was computed from (the starting state's content), the ledger's
     key for it; `records` this silo's record count per class, for the census's record floor (None: the
-    fewest its presence allows); `on_census` keeps a census this silo took part in; `class_names` the plan's
-    names of the classes (None: the simulator's one plan), by which the census is keyed."""
+    fewest its presence allows); `on_census` keeps a census this silo took part in, with whether this silo
+    checked it (computed it itself, without DP); `class_names` the plan's names of the classes (None: the
+    simulator's one plan), by which the census is keyed."""
 
     def __init__(
         self,
@@ -116,7 +123,7 @@ class SiloRound:
         gate: ReleaseGate,
         trained_from: Subject,
         records: np.ndarray | None = None,
-        on_census: Callable[[Census], None] = lambda _: None,
+        on_census: Callable[[Census, bool], None] = lambda _census, _checked: None,
         noise: ReleaseNoise | None = None,
         class_names: Sequence[str] | None = None,
     ) -> None:
@@ -161,7 +168,7 @@ class SiloRound:
         outgoing = [(purpose, m) for m in self.half.step(step)]
         if purpose == "census" and self.half.done and self.half.result is not None:
             # kept at once: the aggregator may stop before it sends the result it read
-            self._keep_census(np.rint(self.half.result.numpy()).astype(np.uint64))
+            self._keep_census(np.rint(self.half.result.numpy()).astype(np.uint64), computed=True)
         return outgoing
 
     @property
@@ -261,18 +268,19 @@ class SiloRound:
         if self.census is None or self.census.silos != self.half.counted:
             if self.side.hides_inputs or reported is None:
                 raise CensusError("this silo computed no census of its own, and takes no count on trust")
-            self._keep_census(reported)
+            self._keep_census(reported, computed=False)
         if reported is not None and tuple(int(v) for v in reported) != self.census.vector():
             raise CensusError("the census the aggregator reports is not the sum this silo computed")
         self.binds_census = reported is not None
         return self._begin_contribution(self.census.silos)
 
-    def _keep_census(self, counts: np.ndarray) -> None:
-        """Check the census sum as far as a silo can, and keep it (`on_census`) before anything else."""
+    def _keep_census(self, counts: np.ndarray, *, computed: bool) -> None:
+        """Check the census sum as far as a silo can, and keep it (`on_census`) before anything else, as
+        checked only if this silo `computed` it and claimed no more than it holds (no DP)."""
         survivors = self.half.counted
         tail_guard.check_census(counts, self.census_input(), len(survivors), self.sums.record_floor)
         self.census = Census.from_sum(survivors, counts, self.sums.schema.classes)
-        self.on_census(self.census)
+        self.on_census(self.census, computed and self.noise is None)
         log.info(
             "%s: census of %d silos taken; classes held by fewer than %d silos or %d records: %s",
             self.sums.round_id,

@@ -109,9 +109,21 @@ class PrivacyLedger:
             outside = [e["rdp"] for e in self._entries if e.get("run") != run]
         return np.sum(np.asarray(outside, dtype=np.float64), axis=0) if outside else np.zeros(len(ORDERS))
 
-    def charge(self, mechanism: str, rdp: np.ndarray, *, what: str, run: str = "", **params: Any) -> dict:
+    def charge(
+        self,
+        mechanism: str,
+        rdp: np.ndarray,
+        *,
+        what: str,
+        run: str = "",
+        once_per: Sequence[str] = (),
+        **params: Any,
+    ) -> dict:
         """Record one mechanism run before it runs, tagged with the `run` (plan) it is part of;
-        BudgetExceeded (nothing recorded) if it would not fit."""
+        BudgetExceeded (nothing recorded) if it would not fit. A release made once and reused, such as a
+        noised count, names in `once_per` the params that say what it released (the records counted): an
+        entry for `what` with the same values of those, by any run or writer (the file is re-read under its
+        lock first, in the same hold), is returned instead, and nothing is charged."""
         rdp = np.asarray(rdp, dtype=np.float64)
         if rdp.shape != (len(ORDERS),):
             raise ValueError(f"an RDP curve has {len(ORDERS)} orders, got shape {rdp.shape}")
@@ -119,6 +131,9 @@ class PrivacyLedger:
             raise ValueError("an RDP curve is >= 0 at every order (no negative values, no NaN)")
         with self._lock, self._file_lock():
             self._reread()
+            made = self._made(what, {name: params[name] for name in once_per}) if once_per else None
+            if made is not None:
+                return made
             after = epsilon(self._total + rdp, self.budget.delta)
             if after > self.budget.epsilon:
                 before = epsilon(self._total, self.budget.delta)
@@ -149,10 +164,14 @@ class PrivacyLedger:
             self._reread()
             self._save()
 
-    def find(self, what: str) -> dict | None:
-        """The latest entry recorded for `what` (a release made once and reused, such as a noised count)."""
-        with self._lock:
-            return next((dict(e) for e in reversed(self._entries) if e["what"] == what), None)
+    def _made(self, what: str, params: Mapping[str, Any]) -> dict | None:
+        """The latest entry for `what` with these values of `params` (compared as the file holds them)."""
+        wanted = json.loads(json.dumps(params))
+        for entry in reversed(self._entries):
+            recorded = entry["params"]
+            if entry["what"] == what and all(recorded.get(k) == v for k, v in wanted.items()):
+                return dict(entry)
+        return None
 
     def describe(self) -> str:
         entries = self.entries
