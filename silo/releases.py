@@ -73,22 +73,31 @@ def check_ledgers(state_dir: Path, privacy_ledger: Path) -> None:
     """Refuse to start on a state directory whose ledgers were lost (deleted, or a partial restore);
     `state_dir` is the silo's, which holds the ledgers, with each study's folder in it."""
     releases = state_dir / LEDGER
-    if not releases.exists():
-        seen = _evidence(state_dir) + ([privacy_ledger.name] if privacy_ledger.exists() else [])
-        if seen:
-            raise LedgerMissing(
-                f"{releases} is missing, but this silo has worked before ({', '.join(seen)} in its state "
-                "directory): without the record of what it released it could release the same data again "
-                "over other silos. Restore releases.json from a backup of the state directory; if this "
-                "silo is truly starting over, move the whole state directory aside first"
-            )
-        return
-    if ReleaseLedger(state_dir).keeps_privacy_ledger and not privacy_ledger.exists():
+    # one step under the ledger's lock, the book made where there is none: the agents of a silo's studies
+    # start together, and one must not find another's first files before that agent's empty book
+    with ledger_lock(releases):
+        if not releases.exists():
+            seen = _evidence(state_dir) + ([privacy_ledger.name] if privacy_ledger.exists() else [])
+            if seen:
+                raise LedgerMissing(
+                    f"{releases} is missing, but this silo has worked before ({', '.join(seen)} in its state "
+                    "directory): without the record of what it released it could release the same data "
+                    "again over other silos. Restore releases.json from a backup of the state directory; if "
+                    "this silo is truly starting over, move the whole state directory aside first"
+                )
+            atomic_write_text(releases, json.dumps(_new_book()))
+            return
+        kept = bool(_read(releases).get("privacy_ledger"))
+    if kept and not privacy_ledger.exists():
         raise LedgerMissing(
             f"{privacy_ledger} is missing, but {releases} records that this silo kept one: without it the "
             "silo would spend its differential-privacy budget again. Restore the privacy ledger from a "
             "backup of the state directory"
         )
+
+
+def _new_book() -> dict:
+    return {part: {} for part in BOOK} | {"keys": KEY_VERSION, "v2": []}
 
 
 def _evidence(state_dir: Path) -> list[str]:
@@ -112,7 +121,7 @@ class ReleaseLedger:
                     self._book = _upgraded(self._book)
                     self._save(self._book)
             else:
-                self._book = {part: {} for part in BOOK} | {"keys": KEY_VERSION, "v2": []}
+                self._book = _new_book()
                 self._save(self._book)
         self._v2 = frozenset(self._book["v2"])  # never grows: no version-2 key is pinned any more
 

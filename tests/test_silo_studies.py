@@ -44,7 +44,7 @@ from privacy.dp.accountant import ORDERS
 from silo.__main__ import main
 from silo.agent import SiloAgent
 from silo.config import load_silo_config
-from silo.releases import LedgerMissing, check_ledgers
+from silo.releases import LEDGER, LedgerMissing, check_ledgers
 from silo.studies import Supervisor, note_single_run
 from silo.transport import study_channel
 from tests.consortium_harness import ENV, write_kit
@@ -676,3 +676,15 @@ def test_python_m_silo_run_starts_an_agent_per_study_and_stops_them_on_sigterm(t
         assert f"[{study}] INFO stopped on request; progress is kept in" in text
         assert f"study '{study}': its agent ended (finished, or stopped on request)" in text
     assert "Traceback" not in text
+
+
+def test_studies_agents_starting_together_on_a_new_state_directory_all_start(tmp_path):
+    """The first start of a silo with studies: one study's agent checks the ledgers and pins the roster while
+    another is starting. The check makes the empty book in the same hold of its lock, so the other agent finds
+    a book beside the roster, not a roster without a book (it refused to start: "releases.json is missing,
+    but this silo has worked before")."""
+    privacy = tmp_path / "privacy-ledger.json"
+    check_ledgers(tmp_path, privacy)  # the first agent
+    (tmp_path / "roster.json").write_text("{}")  # which pins the roster next
+    check_ledgers(tmp_path, privacy)  # the second agent, a moment later
+    assert (tmp_path / LEDGER).exists()
