@@ -152,6 +152,8 @@ def serve(config: ConsortiumConfig, *, stop: threading.Event | None = None, echo
     try:
         if config.consortium.exit_when_done:
             studies.wait_idle(stop)
+            for line in [] if stop.is_set() else studies.idle_words():
+                echo(line)
         else:
             stop.wait()
     finally:

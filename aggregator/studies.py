@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sqlite3
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,8 +28,10 @@ from aggregator.catalog import (
     RESUMABLE,
     STUDIES,
     Catalog,
+    StudyError,
     StudyInfo,
     UnknownStudy,
+    WrongState,
 )
 from aggregator.config import ConsortiumConfig, load_study_config
 from aggregator.status_page import aggregator_snapshot, audit_tally, snapshot, standing, study_entry
@@ -61,6 +64,7 @@ class Studies:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._stopping = False
+        self._launched = 0  # runs started while this aggregator served
         self._closing: set[StudyRun] = set()  # runs that ended and are writing their last words
         self._starting = False  # within `start`: the default study failing to start stops the aggregator
 
@@ -96,11 +100,14 @@ class Studies:
             run = StudyRun(
                 study.id, self.config_of(study), self.shared, name="" if study.is_default else study.id
             )
-        except FedltError as exc:
-            if study.is_default and self._starting:
+        except (FedltError, sqlite3.DatabaseError, OSError) as exc:
+            if study.is_default and self._starting and isinstance(exc, FedltError):
                 raise  # consortium.toml's own study: the aggregator stops, saying why, as a single run did
-            log.error("study %r cannot start: %s", study.id, exc)
-            self._cannot_start(study, exc)
+            problem = (
+                exc if isinstance(exc, FedltError) else f"{self.data_dir_of(study.id) / DATABASE}: {exc}"
+            )
+            log.error("study %r cannot start: %s", study.id, problem)
+            self._cannot_start(study, problem)
             return
         except Exception as exc:  # a store or plan that cannot run: the study fails, the others go on
             log.exception("study %r cannot start", study.id)
@@ -109,13 +116,14 @@ class Studies:
         self.catalog.set_state(study.id, "running")
         run.store.audit("study_started", {"study": study.id})
         self.runs[study.id] = run
+        self._launched += 1
         self.echo(run.say(f"privacy layer: {run.describe_layer()}"))
         self.echo(run.say(dp_line(run.config.plan.dp)))
         run.start(self._ended)
         self._changed.notify_all()
 
-    def _cannot_start(self, study: StudyInfo, exc: Exception) -> None:
-        self.catalog.set_state(study.id, "failed", f"cannot start: {exc}")
+    def _cannot_start(self, study: StudyInfo, problem: object) -> None:
+        self.catalog.set_state(study.id, "failed", f"cannot start: {problem}")
         self.failed.append(study.id)
 
     def config_of(self, study: StudyInfo) -> ConsortiumConfig:
@@ -150,6 +158,20 @@ class Studies:
             return bool(self.runs or self._closing) or any(
                 s.state in ("queued", "running", "paused") for s in self.catalog.studies()
             )
+
+    def idle_words(self) -> list[str]:
+        """Why an aggregator told to exit when done stops now, where a run's own last line does not say it:
+        the studies that failed, or nothing having run at all."""
+        with self._lock:
+            failed = [s for s in self.catalog.studies() if s.state == "failed"]
+        words = [f"study {s.id!r} failed: {s.reason}" for s in failed]
+        if failed or not self._launched:
+            words.append(
+                "nothing runs or waits on this aggregator, so it stops ([consortium] exit_when_done); "
+                "`python -m aggregator study list` shows every study; set exit_when_done = false to resume "
+                "or create studies"
+            )
+        return words
 
     def wait_idle(self, stop: threading.Event) -> None:
         """Return once nothing runs or waits (or `stop` is set)."""
@@ -202,8 +224,15 @@ class Studies:
 
     def resume(self, study: str, *, by: str) -> StudyInfo:
         with self._lock:
+            state = self.catalog.info(study).state
+            if state not in RESUMABLE:  # said before anything is written
+                raise WrongState(f"study {study!r} is {state}")
+            try:
+                self._note(study, "study_resumed", by)
+            except (sqlite3.DatabaseError, OSError, StoreError) as exc:  # the study stays as it was
+                path = self.data_dir_of(study) / DATABASE
+                raise StudyError(f"study {study!r} cannot be resumed: its store {path}: {exc}") from None
             self.catalog.set_state(study, "queued", "resumed", allowed=RESUMABLE)
-            self._note(study, "study_resumed", by)
             self._schedule()
             return self._info(study)
 

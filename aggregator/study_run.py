@@ -92,7 +92,7 @@ class StudyRun:
             side=layer.aggregator_side(PartyKeys(peers=ConsortiumPeers(shared.members), secret=relay)),
             sign=shared.sign,
             recorder=open_recorder(config, self.data_dir, self.store, facts=facts, study=self.name),
-            echo=shared.echo,
+            echo=lambda text: shared.echo(self.say(text)),  # two studies' round lines, told apart
             roster=lambda: shared.roster.current().silo_ids,
         )
         facts.rounds = rounds
@@ -138,13 +138,16 @@ class StudyRun:
 
     def say(self, text: str) -> str:
         """`text` as the aggregator prints it of this study (the default study's lines read as a run's)."""
-        return f"study {self.name!r}: {text}" if self.name else text
+        if not self.name:
+            return text
+        body = text.lstrip("\n")
+        return f"{text[: len(text) - len(body)]}study {self.name!r}: {body}"
 
     def close(self, echo: Callable[[str], None]) -> None:
         """Let the silos go, say how the run ended and release the store (the run's thread has ended)."""
         self.rounds.table.sessions.end_all()
         recorder = self.rounds.recorder
-        if recorder is not None and recorder.rounds:
+        if recorder is not None and recorder.rounds and self.finished:  # a paused or stopped run's is not
             echo(self.say(f"\nfinal test accuracy after round {self.committed}:\n{recorder.finish()}"))
         if recorder is not None:
             recorder.close()  # TensorBoard's files flushed, MLflow told what is left

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -312,24 +313,29 @@ class StudyWait:
 
     def said(self, code: grpc.StatusCode, details: str) -> bool:
         """Whether `code` is the aggregator's word on this study, which is then said (once) or repeated
-        quietly; False for the aggregator's default study and any other code, said as before studies."""
-        wording = _WAITING.get(code) if self.study else None
+        quietly; False for any other code, and for an answer to the default study's agent (which names no
+        study) that names none either: a connection problem, said as before studies."""
+        # the default study's agent names no study; the aggregator's words on the study name it
+        named = _NAMED.match(details)
+        about = self.study or (named.group(1) if named else "")
+        wording = _WAITING.get(code) if about else None
         if wording is None:
             return False
         if self._last == (code, details):
-            log.debug("study %r: still waiting (%s: %s)", self.study, code.name, details)
+            log.debug("study %r: still waiting (%s: %s)", about, code.name, details)
             return True
         self._last = (code, details)
-        log.warning(wording.format(study=self.study, address=self.address, details=details or code.name))
+        log.warning(wording.format(study=about, address=self.address, details=details or code.name))
         return True
 
     def taken(self) -> None:
         """Registered: the aggregator takes the study (a later wait is a change, and said again)."""
         if self._last is not None:
-            log.info("study %r: the aggregator takes it now", self.study)
+            log.info("the aggregator takes the study now")
         self._last = None
 
 
+_NAMED = re.compile(r"study '([a-z0-9-]+)' ")  # how the aggregator's answers on a study begin
 _WAITING = {
     grpc.StatusCode.UNAVAILABLE: "study {study!r} is not open on the aggregator at {address} now "
     "({details}); waiting",

@@ -688,3 +688,19 @@ def test_studies_agents_starting_together_on_a_new_state_directory_all_start(tmp
     (tmp_path / "roster.json").write_text("{}")  # which pins the roster next
     check_ledgers(tmp_path, privacy)  # the second agent, a moment later
     assert (tmp_path / LEDGER).exists()
+
+
+def test_a_silo_without_studies_says_once_that_the_default_study_is_paused(caplog):
+    """It said so at every retry, as a connection problem (found in the new-user walkthrough)."""
+    from silo.connection import StudyWait
+
+    waiting = StudyWait("", "aggregator.example:50051")
+    paused = "study 'main' is paused: by operator"
+    with caplog.at_level(logging.WARNING, logger="silo"):
+        assert waiting.said(grpc.StatusCode.UNAVAILABLE, paused)
+        assert waiting.said(grpc.StatusCode.UNAVAILABLE, paused)
+        assert not waiting.said(grpc.StatusCode.UNAVAILABLE, "Socket closed")  # a connection problem
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "study 'main' is not open on the aggregator at aggregator.example:50051 now (" + paused + "); waiting"
+    ]

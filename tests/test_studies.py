@@ -246,3 +246,38 @@ def test_a_study_not_running_shows_each_silos_last_counted_round_from_its_audit_
     shown = {s["silo_id"]: s["last_contributed_round"] for s in dormant_status(store, info)["silos"]}
     store.close()
     assert shown == {"silo-0": 2, "silo-1": 1}
+
+
+def test_a_study_whose_store_is_broken_fails_naming_it_and_resumes_once_it_is_mended(
+    tmp_path, serving, capsys
+):
+    config = _kit(tmp_path)
+    served = serving(config)
+    second = _study_file(config, tmp_path, "second", seed=1)
+    assert served.operator(capsys, "create", "--id", "second", "--plan", str(second))[0] == 0
+    assert served.operator(capsys, "pause", "--id", "second")[0] == 0
+    store = tmp_path / "aggregator-data" / "studies" / "second" / DATABASE
+    kept = store.read_bytes()
+    store.write_bytes(b"not a database" * 100)  # a disk fault, or a bad restore
+    code, shown = served.operator(capsys, "resume", "--id", "second")
+    assert code == 1
+    assert str(store) in shown  # named, not an internal error
+    assert _states(served, capsys)["second"] == "paused"  # as it was: resume can be tried again
+    store.write_bytes(kept)
+    code, shown = served.operator(capsys, "resume", "--id", "second")
+    assert code == 0, shown
+    assert _states(served, capsys)["second"] == "running"
+    served.close()
+
+
+def test_an_aggregator_with_nothing_to_run_says_why_it_stops(tmp_path, serving):
+    config = _kit(tmp_path)
+    serving(config).close()
+    catalog = Catalog(tmp_path / "aggregator-data" / CATALOG)
+    catalog.set_state("main", "failed", "stopped on an error: the disk was full")
+    catalog.close()
+    config.write_text(config.read_text().replace("exit_when_done = false", "exit_when_done = true"))
+    said: list[str] = []
+    assert serve(load_consortium_config(config), stop=threading.Event(), echo=said.append) == 0
+    assert "study 'main' failed: stopped on an error: the disk was full" in said
+    assert any(line.startswith("nothing runs or waits on this aggregator") for line in said)
