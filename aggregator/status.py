@@ -14,6 +14,7 @@ from google.protobuf.message import Message
 
 from aggregator.config import ConsortiumConfig, load_consortium_config
 from aggregator.server import LISTENING
+from aggregator.status_page import standing as study_standing
 from fedlt.errors import FedltError
 from fedlt.v1 import operator_pb2, operator_pb2_grpc
 
@@ -155,14 +156,7 @@ def studies_table(studies: Iterable[operator_pb2.Study]) -> list[str]:
 
 def standing(study: operator_pb2.Study) -> str:
     """A study's state, with its place in the queue or the reason it is in that state."""
-    if study.state == "queued" and study.queue_position:
-        return f"queued ({_ordinal(study.queue_position)} in line)"
-    return f"{study.state}: {_printable(study.reason)}" if study.reason else study.state
-
-
-def _ordinal(n: int) -> str:
-    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"
+    return study_standing(study.state, _printable(study.reason), study.queue_position)
 
 
 def _refusal_line(refusal: operator_pb2.SiloRefusal) -> str:

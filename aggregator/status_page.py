@@ -134,9 +134,11 @@ def study_states(studies: Iterable[StudyInfo]) -> dict[str, int]:
 
 
 def standing(state: str, reason: str, queue_position: int) -> str:
-    """Where a study stands, in words: a queued study's place in line, then why it is where it is."""
-    said = f"queued, {ordinal(queue_position)} in line" if state == "queued" else state
-    return f"{said}: {reason}" if reason else said
+    """Where a study stands, in words, the same on the page, in the operator's commands and to silos: a
+    queued study's place in line, any other state with why it is there."""
+    if state == "queued" and queue_position:
+        return f"queued ({ordinal(queue_position)} in line)"
+    return f"{state}: {reason}" if reason else state
 
 
 def ordinal(n: int) -> str:

@@ -291,9 +291,10 @@ def test_two_dp_studies_over_different_data_each_noise_their_class_counts_once(t
     counts and charging DP-SGD. `reported_counts` reused the latest "class counts" entry only when its
     records matched; once an agent's ledger object had re-read the file (at its DP-SGD charge), the latest
     was the other study's, so it drew fresh noise for the same records and charged it again: about every
-    second round (now the entry with the same records is found under the file's lock, whoever wrote it). The aggregator gets many independently noised copies of each data's counts (their average is
-    ever closer to the truth), and the budget pays for releases the plan never planned (its σ is calibrated
-    for one). Each data's counts should be noised once, and found again by their records."""
+    second round (now the entry with the same records is found under the file's lock, whoever wrote it).
+    The aggregator got many independently noised copies of each data's counts (their average ever closer to
+    the truth), and the budget paid for releases the plan never planned (its σ is calibrated for one). Each
+    data's counts should be noised once, and found again by their records."""
     dp = DPSettings(enabled=True, epsilon=8.0)
     method = replace(PLAN, dp=dp).build_method()
     path = tmp_path / "privacy-ledger.json"

@@ -671,8 +671,8 @@ def test_each_study_has_a_line_in_the_table_and_a_section_of_its_own(store, imag
     assert "<a " not in rows[3]  # queued, never run: no section to link to
     assert "<td class='ok'>running</td><td>creff over secagg</td><td>2 of 5</td>" in rows[0]
     assert "paused: study paused by the operator ops</td><td>fedavg over ckks</td><td>1 of 2</td>" in rows[1]
-    assert "queued, 1st in line" in rows[2]
-    assert "queued, 2nd in line</td><td>creff over secagg</td><td>0 of 8</td>" in rows[3]
+    assert "queued (1st in line)" in rows[2]
+    assert "queued (2nd in line)</td><td>creff over secagg</td><td>0 of 8</td>" in rows[3]
     assert text.count('<h2 id="study-') == 2
     main, paused = _section(text, "main"), _section(text, "imaging")
     assert "<strong>2 of 5</strong> rounds committed" in main
@@ -740,7 +740,7 @@ def test_an_aggregator_without_a_default_study_shows_only_its_own_facts_at_the_t
     assert snap.keys() == {"consortium_id", "generated_unix_ms", "certificate_warnings", "studies"}
     text = render(snap)
     assert "Consortium st-test" in text
-    assert "queued, 1st in line" in text
+    assert "queued (1st in line)" in text
     assert '<h2 id="study-' not in text
     assert "No study yet" in render(aggregator_snapshot(None, [], consortium_id="st-test", warnings=[]))
 
@@ -749,8 +749,8 @@ def test_where_a_study_stands_reads_in_words():
     assert [ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 23, 101, 111, 112)] == [
         "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "23rd", "101st", "111th", "112th",
     ]  # fmt: skip
-    assert standing("queued", "", 2) == "queued, 2nd in line"
-    assert standing("queued", "resumed", 1) == "queued, 1st in line: resumed"
+    assert standing("queued", "", 2) == "queued (2nd in line)"
+    assert standing("queued", "resumed", 1) == "queued (1st in line)"  # its place says it
     assert standing("failed", "stopped on an error: disk full", 0) == "failed: stopped on an error: disk full"
     assert standing("done", "", 0) == "done"
 
