@@ -265,6 +265,16 @@ def load_study_config(study: str, text: str, base: ConsortiumConfig) -> Consorti
         raise BadStudy([f"not valid TOML: {exc}"]) from None
     if "server" in tree:
         problems.append("[server]: a study file has none; the aggregator's own [server] serves every study")
+    if "model" not in tree:
+        problems.append(
+            "[model]: a study file names its model (name, image_shape or its table's columns, classes); the "
+            "defaults are a demo's, not a study's"
+        )
+    problems += [
+        f"{where}: the aggregator's, set in consortium.toml for every study"
+        for where, table in (("consortium.exit_when_done", "consortium"), ("timeouts.keepalive", "timeouts"))
+        if isinstance(tree.get(table), dict) and where.split(".")[1] in tree[table]
+    ]
     consortium = tree.setdefault("consortium", {})
     if isinstance(consortium, dict):
         named = consortium.setdefault("id", base.consortium.id)

@@ -57,7 +57,9 @@ def _kit(tmp_path: Path, **server: object) -> Path:
 
 def _study_file(config: Path, directory: Path, name: str, **consortium: object) -> Path:
     tree = tomllib.loads(config.read_text())
-    tree.pop("server")
+    tree.pop("server")  # and what else is the aggregator's, for every study
+    tree["consortium"].pop("exit_when_done")
+    tree["timeouts"].pop("keepalive", None)
     tree["consortium"].update(consortium)
     path = directory / f"{name}.toml"
     path.write_text(render_toml(tree))
@@ -178,20 +180,24 @@ def test_a_study_file_is_checked_whole_and_names_no_server(tmp_path):
     with pytest.raises(BadStudy) as raised:
         load_study_config(
             "Bad Id",
-            '[server]\nlisten = "0.0.0.0:1"\n[consortium]\nid = "other"\nrounds = 0\n',
+            '[server]\nlisten = "0.0.0.0:1"\n[consortium]\nid = "other"\nrounds = 0\nexit_when_done = false\n'
+            "[timeouts]\nkeepalive = 60.0\n",
             config,
         )
     problems = "\n".join(raised.value.problems)
+    assert "[model]: a study file names its model" in problems
     assert "study id" in problems
     assert "[server]" in problems
     assert "consortium.id" in problems
     assert "consortium.rounds" in problems
+    assert "consortium.exit_when_done: the aggregator's" in problems
+    assert "timeouts.keepalive: the aggregator's" in problems
     entry = '[model]\nname = "hospital_models.resnet:build"\n'
     with pytest.raises(BadStudy, match="study_models"):  # the aggregator would import and call it
         load_study_config("b", entry, config)
     listed = replace(config, server=replace(config.server, study_models=("hospital_models.resnet:build",)))
     assert load_study_config("b", entry, listed).plan.model.name == "hospital_models.resnet:build"
-    study = load_study_config("b", "[consortium]\nrounds = 3\n", config)
+    study = load_study_config("b", '[consortium]\nrounds = 3\n[model]\nname = "cnn-small"\n', config)
     assert study.server.data_dir == str(Path("aggregator-data") / "studies" / "b")
     assert study.consortium.id == config.consortium.id
 

@@ -40,7 +40,9 @@ CCVR = replace(PLAN, method=MethodChoice("ccvr", METHODS["ccvr"].Options()))
 def study_file(kit: Consortium, study: str, **changes: dict) -> str:
     """A study file made from the consortium's own file: its sections without [server], changed as asked."""
     tree = tomllib.loads((kit.directory / "consortium.toml").read_text())
-    tree.pop("server")
+    tree.pop("server")  # and what else is the aggregator's, for every study
+    tree["consortium"].pop("exit_when_done")
+    tree["timeouts"].pop("keepalive", None)
     for section, settings in changes.items():
         # another method is another method's options: its table replaced, not merged
         tree[section] = settings if section == "method" else {**tree.get(section, {}), **settings}
