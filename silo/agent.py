@@ -195,9 +195,16 @@ class SiloAgent:
                 self.finish.aborted(directive.abort.round_id)
             elif kind == "finished":
                 done = directive.finished
-                log.info(
-                    "consortium finished after %d rounds (state %s)", done.rounds, done.state_digest[:16]
-                )
+                rounds = f"{done.rounds} round{'' if done.rounds == 1 else 's'}"
+                if self.config.study:  # done, or cancelled by its operator: the aggregator says only that
+                    log.info(
+                        "study %r ended after %s (state %s)",
+                        self.config.study,
+                        rounds,
+                        done.state_digest[:16],
+                    )
+                else:
+                    log.info("consortium finished after %s (state %s)", rounds, done.state_digest[:16])
                 self.progress.save(committed=done.rounds)
                 return True
         return False
