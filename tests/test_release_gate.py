@@ -32,7 +32,7 @@ from fedlt.aggregation.gate import (
     Subject,
     data_digest,
 )
-from fedlt.aggregation.halves import PartyKeys, Released, SiloHalf, SiloSide, SumAborted, SumSpec
+from fedlt.aggregation.halves import Released, SiloHalf, SiloSide, SumAborted, SumSpec
 from fedlt.aggregation.round_sums import AggregatorRound, RoundSums, SiloRound
 from fedlt.aggregation.tail_guard import Census, CensusError
 from fedlt.atomic import atomic_write_text
@@ -40,18 +40,12 @@ from fedlt.config import as_table, render_toml
 from fedlt.data.federation import build_federation
 from fedlt.data.source import Slice, embedded
 from fedlt.methods.state import GlobalState
-from fedlt.v1 import round_pb2
-from fedlt.wire import schema_to_pb
-from privacy import roundspec
 from privacy.blind.layer import BlindSum
-from privacy.secagg.layer import SecAggSum
-from privacy.secagg.settings import SessionPolicy
 from silo.admission import Prepared
 from silo.config import load_silo_config
 from silo.participation import Participation
 from silo.releases import LEDGER, LedgerMissing, ReleaseLedger, check_ledgers
 from tests.consortium_harness import PLAN, RECIPE
-from tests.test_silo_releases import CENSUS_SCHEMA as THREE_CLASSES
 from tests.test_silo_releases import census_round
 
 SILOS = tuple(f"silo-{k}" for k in range(6))
@@ -325,7 +319,9 @@ def test_a_blind_sum_left_with_fewer_survivors_than_a_silos_floor_is_read_by_no_
 
 def test_ledgers_fail_closed_when_the_state_shows_earlier_work(tmp_path):
     privacy = tmp_path / "privacy-ledger.json"
-    check_ledgers(tmp_path, privacy)  # a new silo
+    check_ledgers(tmp_path, privacy)  # a new silo: its empty book is made there and then
+    assert (tmp_path / LEDGER).exists()
+    (tmp_path / LEDGER).unlink()  # then lost, after the silo worked
     (tmp_path / "progress.json").write_text("{}")
     with pytest.raises(LedgerMissing, match=r"releases.json is missing, but this silo has worked before"):
         check_ledgers(tmp_path, privacy)
@@ -524,33 +520,9 @@ def test_a_census_kept_before_censuses_were_marked_is_taken_anew_by_a_round_with
 def study_round(tmp_path, census: Census, *, dp: bool) -> Participation:
     """Silo "a"'s part in a round of a study under secagg, with DP or without, whose RoundSpec names
     `census`, as its agent makes it: with the plan's class names, on the silo's one release ledger."""
-    rows = torch.zeros(3, 2, dtype=torch.float64)
-    rows[[0, 2]] = 1.0  # "a" holds the cat and the fox
-    spec = round_pb2.RoundSpec(
-        consortium_id="c",
-        round=2,
-        round_id="r2.a1.x",
-        config_sha256="plan",
-        schema=schema_to_pb(THREE_CLASSES),
-        privacy="secagg",
-        participants=list(census.silos),
-        secagg=round_pb2.SecAggParameters(k_min=2),
-        census=round_pb2.Census(silos=census.silos, silos_per_class=census.counts),
-    )
-    ledger = ReleaseLedger(tmp_path)
-    return Participation(
-        spec,
-        roundspec.sums_of(round_pb2.SignedRoundSpec(spec=spec.SerializeToString()), spec),
-        THREE_CLASSES.flatten({"n": torch.tensor(1.0, dtype=torch.float64), "rows": rows}),
-        me="a",
-        side=SecAggSum().silo_side(PartyKeys(policy=SessionPolicy())),
-        gate=ReleaseGate(consortium="c", floors=Floors(), members=lambda: "abc", ledger=ledger),
-        trained_from="state",
-        ledger=ledger,
-        transport=None,
-        on_sent=lambda purpose, message: None,
-        noise=Recorder() if dp else None,
-        class_names=("cat", "dog", "fox"),
+    noise = Recorder() if dp else None  # "a" holds the cat and the fox
+    return census_round(
+        tmp_path, census, holds=[0, 2], members="abc", noise=noise, class_names=("cat", "dog", "fox")
     )
 
 

@@ -168,8 +168,16 @@ def test_silos_refuse_to_sign_a_second_survivor_set_for_the_round_so_no_second_s
 CENSUS_SCHEMA = Schema((Field("n", (), 100.0, frac_bits=0), Field("rows", (3, 2), 10.0, per_class=True)))
 
 
-def census_round(tmp_path, census: Census, *, holds: list[int]) -> Participation:
-    """This silo's part in a round whose RoundSpec names the phase's census (per-class rows: `holds`)."""
+def census_round(
+    tmp_path,
+    census: Census,
+    *,
+    holds: list[int],
+    members: str = "abcd",
+    **options: object,
+) -> Participation:
+    """Silo "a"'s part in a round whose RoundSpec names the phase's census (per-class rows: `holds`), on the
+    release ledger in `tmp_path`; `options` go to `Participation` (its noise, the plan's class names)."""
     rows = torch.zeros(3, 2, dtype=torch.float64)
     rows[holds] = 1.0
     spec = round_pb2.RoundSpec(
@@ -190,11 +198,12 @@ def census_round(tmp_path, census: Census, *, holds: list[int]) -> Participation
         CENSUS_SCHEMA.flatten({"n": torch.tensor(1.0, dtype=torch.float64), "rows": rows}),
         me="a",
         side=SecAggSum().silo_side(PartyKeys(policy=SessionPolicy())),
-        gate=ReleaseGate(consortium="c", floors=Floors(), members=lambda: "abcd", ledger=ledger),
+        gate=ReleaseGate(consortium="c", floors=Floors(), members=lambda: members, ledger=ledger),
         trained_from="state",
         ledger=ledger,
         transport=None,
         on_sent=lambda purpose, message: None,
+        **options,
     )
 
 
