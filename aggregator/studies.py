@@ -381,7 +381,7 @@ def dormant_status(store: Store | None, info: StudyInfo) -> dict:
             counted.update(dict.fromkeys(silos, round_number))
     return {
         "committed_rounds": info.committed_rounds,
-        "stage": _stage(info),
+        "stage": "finished" if info.state == "done" else _stage(info),  # as a finished run's table said
         "round_id": "",
         "deadline_ms": 0,
         "participants": [],
