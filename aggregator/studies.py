@@ -103,9 +103,7 @@ class Studies:
         except (FedltError, sqlite3.DatabaseError, OSError) as exc:
             if study.is_default and self._starting and isinstance(exc, FedltError):
                 raise  # consortium.toml's own study: the aggregator stops, saying why, as a single run did
-            problem = (
-                exc if isinstance(exc, FedltError) else f"{self.data_dir_of(study.id) / DATABASE}: {exc}"
-            )
+            problem = exc if isinstance(exc, FedltError) else f"{self._dir(study) / DATABASE}: {exc}"
             log.error("study %r cannot start: %s", study.id, problem)
             self._cannot_start(study, problem)
             return
@@ -214,7 +212,7 @@ class Studies:
 
     def list(self) -> list[StudyInfo]:
         with self._lock:
-            return [self._info(s.id) for s in self.catalog.studies()]
+            return [self._with_progress(s) for s in self.catalog.studies()]
 
     def pause(self, study: str, *, by: str) -> StudyInfo:
         return self._stop(study, "paused", PAUSABLE, by, f"by {by}")
@@ -262,27 +260,18 @@ class Studies:
     def status(self, study: str) -> dict:
         """The study's round table with its facts (the status RPC); a study not running, from its store."""
         with self._lock:
-            study = study or self.catalog.default() or ""
-            info = self.catalog.info(study)
-            run = self.runs.get(study)
+            info = self.catalog.info(study or self._default or "")
+            run = self.runs.get(info.id)
             if run is not None:
                 return {**run.rounds.inbox.status(), **run.about()}
-        about = {
-            "consortium_id": self.base.consortium.id,
-            "study": study,
-            "method": info.method,
-            "privacy": info.privacy,
-            "total_rounds": info.total_rounds,
-            "dp_enabled": info.dp_enabled,
-        }
-        with self._dormant(study) as store:
-            return {**dormant_status(store, info), **about}
+        with self._dormant(info) as store:
+            return {**dormant_status(store, info), **self._about(info)}
 
     def page(self, warnings: list[str]) -> dict:
         """The status page's and status.json's facts: every study, with the snapshot of each that has a
         store, the default study's also at the top (as a single run's page had them)."""
         with self._lock:
-            listed = [self._info(s.id) for s in self.catalog.studies()]
+            listed = [self._with_progress(s) for s in self.catalog.studies()]
             details = {info.id: self._detail(info) for info in listed}
         default = next((details[info.id] for info in listed if info.is_default), None)
         entries = [study_entry(info, details[info.id]) for info in listed]
@@ -292,7 +281,12 @@ class Studies:
         run = self.runs.get(info.id)
         if run is not None:
             return snapshot(run.rounds.inbox.status(), run.about(), run.store)
-        about = {
+        with self._dormant(info) as store:
+            return None if store is None else snapshot(dormant_status(store, info), self._about(info), store)
+
+    def _about(self, info: StudyInfo) -> dict:
+        """A study's facts beside its round table, from the catalog, for a study that is not running."""
+        return {
             "consortium_id": self.base.consortium.id,
             "study": info.id,
             "method": info.method,
@@ -300,8 +294,6 @@ class Studies:
             "total_rounds": info.total_rounds,
             "dp_enabled": info.dp_enabled,
         }
-        with self._dormant(info.id) as store:
-            return None if store is None else snapshot(dormant_status(store, info), about, store)
 
     def facts(self) -> list[ConsortiumFacts]:
         """`/metrics`' facts of every running study."""
@@ -309,19 +301,21 @@ class Studies:
             return [run.facts() for run in self.runs.values()]
 
     def _info(self, study: str) -> StudyInfo:
-        """The catalog's entry, with the running study's progress as its round table has it now."""
-        info = self.catalog.info(study)
-        run = self.runs.get(study)
-        if run is None:
-            return info
-        return StudyInfo(**{**info.__dict__, **run.progress()})
+        return self._with_progress(self.catalog.info(study))
 
-    def _dormant(self, study: str):
-        return _DormantStore(self.data_dir_of(study), self.shared)
+    def _with_progress(self, info: StudyInfo) -> StudyInfo:
+        """The catalog's entry, with a running study's progress as its round table has it now."""
+        run = self.runs.get(info.id)
+        return info if run is None else StudyInfo(**{**info.__dict__, **run.progress()})
+
+    def _dormant(self, info: StudyInfo) -> _DormantStore:
+        return _DormantStore(self._dir(info), self.shared)
 
     def data_dir_of(self, study: str) -> Path:
-        info = self.catalog.info(study)
-        return self.data_dir if info.is_default else self.data_dir / STUDIES / study
+        return self._dir(self.catalog.info(study))
+
+    def _dir(self, info: StudyInfo) -> Path:
+        return self.data_dir if info.is_default else self.data_dir / STUDIES / info.id
 
     # --- routing ----------------------------------------------------------------------------------------
 
