@@ -30,6 +30,7 @@ import grpc
 from fedlt.atomic import atomic_write_text
 from fedlt.errors import FedltError
 from fedlt.keepalive import silo_options
+from fedlt.listen import split_listen
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc
 from privacy.dp import PrivacyLedger
@@ -152,6 +153,13 @@ class Connection:
         retry can mend (this silo refused, an aggregator its kit does not trust) raises Fatal."""
         backoff = 1.0
         address = self.config.connection.aggregator
+        try:
+            split_listen(address)
+        except ValueError:  # no retry mends it; said before any dial, not as a traceback from the probe
+            raise Fatal(
+                f"connection.aggregator in silo.toml: expected host:port, such as "
+                f"'aggregator.example.org:50051'; got {address!r}"
+            ) from None
         while not self.stop.is_set():
             try:
                 if self._session():

@@ -211,3 +211,20 @@ def test_the_aggregator_logs_who_it_refused_and_why(live, tmp_path):
         code_of(lambda: register(ch))
     line = live.wait_for_output(lambda text: "revoked" in text and "CN=leaving" in text, LOG_SECONDS)
     assert "refused /fedlt.v1.ConsortiumService/Register from ipv4:127.0.0.1:" in line
+
+
+def test_an_aggregator_address_without_a_port_exits_2_naming_the_setting(tmp_path):
+    """A mistake in silo.toml no retry mends: said once, before any dial (it was a ValueError's traceback
+    from the connection probe, at every retry)."""
+    (config,) = write_kit(tmp_path, silos=1)[:1]
+    config.write_text(config.read_text().replace('"ADDRESS"', '"aggregator.example.org"'))
+    done = subprocess.run(
+        [sys.executable, "-m", "silo", "run", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=AGENT_SECONDS,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "connection.aggregator in silo.toml: expected host:port" in done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
