@@ -134,7 +134,7 @@ def test_two_studies_with_different_methods_and_layers_run_at_once_each_as_its_s
     assert _catalog_states(consortium) == {"main": "done", "imaging": "done"}
 
 
-@pytest.mark.slow  # 38 s alone; tests/test_silo_studies.py checks two study agents' one budget in the default run
+@pytest.mark.slow  # 38 s alone; tests/test_silo_studies.py checks two agents' one budget by default
 def test_a_silos_one_ledger_refuses_the_second_studys_work_once_the_first_spent_its_budget(
     make_consortium,  # noqa: F811
 ):
