@@ -122,8 +122,9 @@ def test_two_studies_with_different_methods_and_layers_run_at_once_each_as_its_s
     assert [r for r, _ in states] == list(range(ROUNDS + 1))
     assert [d for r, d in states if r > 0] == [m["state_digest"] for m in secagg.metrics["rounds"]]
 
-    # both ran at once: each study's rounds began before the other's last round committed
-    started = {study: _first_attempt_ms(consortium, study) for study in ("", "imaging")}
+    # both ran at once: each study was running before the other's last round committed (whether their rounds
+    # also interleave is the silos' timing: on a busy machine one study's two rounds may fit in a gap)
+    started = {study: _started_ms(consortium, study) for study in ("", "imaging")}
     ended = {study: _last_commit_ms(consortium, study) for study in ("", "imaging")}
     assert started[""] < ended["imaging"], (started, ended)
     assert started["imaging"] < ended[""], (started, ended)
@@ -175,10 +176,10 @@ def _catalog_states(consortium: Consortium) -> dict[str, str]:
         db.close()
 
 
-def _first_attempt_ms(consortium: Consortium, study: str) -> int:
+def _started_ms(consortium: Consortium, study: str) -> int:
     store = consortium.store(study)
     try:
-        return min(r.at_ms for r in store.audit_log() if r.event == "attempt_started")
+        return min(r.at_ms for r in store.audit_log() if r.event == "study_started")
     finally:
         store.close()
 
