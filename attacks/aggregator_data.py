@@ -31,7 +31,7 @@ import json
 import math
 import sqlite3
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +42,7 @@ from aggregator.held_state import SEALED
 from aggregator.store import DATABASE
 from attacks.analytic import recover_feature
 from attacks.audit import Finding
+from attacks.census_bits import MAX_SILOS, pinned_beyond_each
 from attacks.config import Thresholds
 from attacks.decoder import FeatureDecoder, decode, train_decoder
 from attacks.presence import presence_report, presence_scores
@@ -90,6 +91,9 @@ class AggregatorData:
     disclosures: dict[str, dict[str, np.ndarray]]  # round_id -> silo -> flat float64 class means
     database: Path  # resolved
     fingerprint: str  # of the consortium settings the store is bound to (`Store.bind`); "" if none
+    censuses: dict[str, tuple[tuple[str, ...], list[int]]] = field(
+        default_factory=dict
+    )  # phase -> silos, counts
 
 
 def read_aggregator_data(folder: Path) -> AggregatorData:
@@ -149,7 +153,11 @@ def _read(db: sqlite3.Connection, path: Path) -> AggregatorData:
     ):
         disclosures.setdefault(round_id, {})[silo] = np.frombuffer(data, dtype="<f8").copy()
     bound = db.execute("SELECT value FROM meta WHERE key = 'fingerprint'").fetchone()
-    return AggregatorData(rounds, disclosures, path, bound[0] if bound else "")
+    censuses = {}
+    for phase, silos, counts in db.execute("SELECT phase, silos, counts FROM censuses ORDER BY phase"):
+        counts = json.loads(counts)  # a list; with a record floor, {"counts": [...], "records": [...]}
+        censuses[phase] = (tuple(json.loads(silos)), counts["counts"] if isinstance(counts, dict) else counts)
+    return AggregatorData(rounds, disclosures, path, bound[0] if bound else "", censuses)
 
 
 def _state(data: bytes, number: int, path: Path) -> GlobalState | None:
@@ -242,6 +250,11 @@ def _holdings(data: AggregatorData) -> list[str]:
         if silos
         else "no MFSC disclosures"
     )
+    holds.append(
+        f"the census of {_count(len(data.censuses), 'phase')} ({', '.join(data.censuses)})"
+        if data.censuses
+        else "no census"
+    )
     return holds
 
 
@@ -259,6 +272,8 @@ def _why_nothing_applies(data: AggregatorData) -> str:
             reasons.append(f"{_states_of(states[how])}: {how}")
     if not data.disclosures:
         reasons.append("it holds no MFSC disclosures (the presence attack's input)")
+    if not data.censuses:
+        reasons.append("it holds no census (the presence intersection's input)")
     return "; ".join([*reasons, NEVER_STORED])
 
 
@@ -338,6 +353,9 @@ def audit_stored(
     for round_id, disclosed in sorted(data.disclosures.items()):
         progress(f"{round_id}: MFSC disclosures of {len(disclosed)} silos")
         findings.append(_presence_finding(round_id, disclosed, models, mode, thresholds, holdings))
+    if data.censuses:
+        progress(f"the {_count(len(data.censuses), 'census')} kept: presence intersection")
+        findings.append(_census_finding(data.censuses, mode))
     return findings
 
 
@@ -490,6 +508,56 @@ def _presence_finding(
         leaked = not math.isnan(within[best]) and within[best] > thresholds.presence_auc
         note = f"scored against the holdings the operator gave; best detector: {best}"
     return Finding("presence", mode, PARTY, target, metrics, leaked, True, note=note)
+
+
+def _census_finding(censuses: Mapping[str, tuple[tuple[str, ...], list[int]]], mode: str) -> Finding:
+    """(g) presence intersection on the censuses the store keeps, one per phase: the bits of which silo
+    holds which class that all of them pin together beyond what each pins alone by its own counts (a class
+    none or all of its silos hold). The release gate keeps a silo from releasing its presence to a second
+    set of silos, so a store of a consortium of real silos holds censuses over one set, or sets that add
+    nothing."""
+    silos = sorted({silo for members, _ in censuses.values() for silo in members})
+    classes = max(len(counts) for _, counts in censuses.values())
+    target = (
+        f"which of {len(silos)} silos holds which of {classes} classes, from the "
+        f"{_count(len(censuses), 'census')} the store keeps ({', '.join(censuses)})"
+    )
+    sets = {members for members, _ in censuses.values()}
+    metrics = {"censuses": float(len(censuses)), "silo_sets": float(len(sets))}
+    if len(silos) > MAX_SILOS:
+        leaked = (
+            len(sets) > 1
+        )  # not enumerable: censuses over different sets are flagged, as they may pin bits
+        note = f"{len(silos)} silos, more than the {MAX_SILOS} an exhaustive reading enumerates" + (
+            "; the censuses cover different sets of silos" if leaked else "; one set of silos: nothing beyond"
+        )
+        return Finding(
+            "protocol: presence intersection", mode, PARTY, target, metrics, leaked, True, note=note
+        )
+    index = {silo: k for k, silo in enumerate(silos)}
+    per_class = [
+        [
+            (tuple(index[s] for s in members), counts[c])
+            for members, counts in censuses.values()
+            if c < len(counts)
+        ]
+        for c in range(classes)
+    ]
+    together, alone = pinned_beyond_each(per_class, len(silos))
+    bits = len(silos) * classes
+    metrics |= {
+        "bits_recovered": together / bits,
+        "bits_from_census_counts": alone / bits,
+        "bits_beyond_census": (together - alone) / bits,
+    }
+    note = (
+        "the censuses together pin presence bits no single census's counts imply"
+        if together > alone
+        else "the only bits known are those each census's own counts imply (a class none or all hold)"
+    )
+    return Finding(
+        "protocol: presence intersection", mode, PARTY, target, metrics, together > alone, True, note=note
+    )
 
 
 def _truth(holdings: Mapping[str, Collection[int]], silos: list[str], classes: int) -> np.ndarray:

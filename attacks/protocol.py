@@ -51,6 +51,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from attacks.audit import Finding
 from attacks.blind_sums import chosen_totals
+from attacks.census_bits import pinned
 from attacks.ckks_sums import chosen_sums
 from fedlt.aggregation import Field, Schema, make_layer, record
 from fedlt.aggregation.gate import Floors, ReleaseGate, Subject
@@ -113,8 +114,6 @@ PRESENCE_SCHEMA = Schema(
     )
 )
 NAMES = [f"silo-{k}" for k in range(SILOS)]  # single digits: sorted order is index order
-# every 0/1 holding of one class over the silos: [2^SILOS, SILOS]
-_HOLDINGS = (np.arange(2**SILOS)[:, None] >> np.arange(SILOS)) & 1
 
 Equations = list[list[tuple[tuple[int, ...], int]]]  # per class: (silos summed, their presence sum)
 
@@ -213,16 +212,7 @@ def _secagg_view(truth: np.ndarray, rounds: list[tuple[int, ...]], seed: int) ->
 def _recovered(equations: Equations, truth: np.ndarray) -> float:
     """Fraction of (silo, class) bits recovered correctly: those on which every 0/1 holding consistent with
     the released sums agrees (the strongest use of the sums, stronger than least squares)."""
-    correct = 0
-    for c, eqs in enumerate(equations):
-        fits = np.ones(len(_HOLDINGS), dtype=bool)
-        for members, value in eqs:
-            fits &= _HOLDINGS[:, list(members)].sum(axis=1) == value
-        consistent = _HOLDINGS[fits]
-        if not len(consistent):
-            continue
-        known = (consistent == consistent[0]).all(axis=0)
-        correct += int((known & (consistent[0] == truth[:, c])).sum())
+    correct = sum(int((pinned(eqs, SILOS) == truth[:, c]).sum()) for c, eqs in enumerate(equations))
     return correct / truth.size
 
 

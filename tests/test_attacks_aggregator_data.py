@@ -205,8 +205,9 @@ def test_classes_the_tail_guard_zeroed_are_withheld_and_not_a_leak(guarded):
     """Guards the other direction: the same holdings under the guard release only classes of 2+ silos."""
     features = released_class_features(read_aggregator_data(guarded).rounds[1].state)
     assert sorted(features) == [0, 1, 2]
-    (finding,) = audit_aggregator_data(guarded, thresholds=THRESHOLDS)
-    assert finding.attack == "analytic"
+    finding, census = audit_aggregator_data(guarded, thresholds=THRESHOLDS)
+    assert (finding.attack, census.attack) == ("analytic", "protocol: presence intersection")
+    assert not census.leaked  # the one census the store keeps pins only what its own counts say
     assert not finding.leaked
     assert finding.metrics["classes_released"] == 3
     assert finding.metrics["holders_at_least"] == 2
@@ -291,6 +292,35 @@ def test_the_database_is_only_read(world, tmp_path):
     finally:
         store.close()
     assert hashlib.sha256(path.read_bytes()).hexdigest() != before  # the store's own write, not the audit's
+
+
+def census_store(folder: Path, world: World, censuses: dict[str, tuple[tuple[str, ...], list[int]]]) -> Path:
+    """A FedAvg store after one round that keeps `censuses` (phase -> silos, holders of each class)."""
+    build_store(folder, world, GlobalState(1, world.initial.model))
+    store = Store(folder / DATABASE, audit_key=AUDIT_KEY)
+    for phase, (silos, counts) in censuses.items():
+        store.save_census(phase, tail_guard.Census.of(silos, counts))
+    store.close()
+    return folder
+
+
+def test_censuses_over_different_silos_give_presence_away_and_the_store_audit_says_so(world, tmp_path):
+    """Guards the presence intersection on what a store keeps (issue 36): a census of each phase over
+    different sets of silos (silo-2 left out of the second) pins silo-2's every class, which neither census
+    alone does; censuses over one set (what the release gate lets silos release) pin nothing more."""
+    first = (("silo-0", "silo-1", "silo-2"), [3, 2, 1, 0])
+    split = census_store(
+        tmp_path / "split", world, {"train": first, "close": (("silo-0", "silo-1"), [2, 1, 1, 0])}
+    )
+    (finding,) = audit_aggregator_data(split, thresholds=THRESHOLDS)
+    assert finding.attack == "protocol: presence intersection"
+    assert finding.leaked and finding.audited
+    # classes 1 and 2 of all three silos were open; the two sums pin silo-2's bits (1 and 0) and nothing else
+    assert finding.metrics["bits_beyond_census"] == pytest.approx(2 / 12)
+    same = census_store(tmp_path / "same", world, {"train": first, "close": first})
+    (finding,) = audit_aggregator_data(same, thresholds=THRESHOLDS)
+    assert not finding.leaked
+    assert finding.metrics["bits_beyond_census"] == 0
 
 
 def test_a_folder_without_an_aggregator_database_is_a_clear_error(tmp_path):
@@ -400,7 +430,8 @@ def test_sealed_and_blanked_states_are_named_as_why_nothing_was_audited(world, t
         "no per-class head gradients in the state of round 3 it keeps in the clear (RedGrape's prototypes "
         "are the only released statistic a state keeps); the state of round 2: sealed by the silos (ckks); "
         "the state of round 1: blanked by [retention]; it holds no MFSC disclosures (the presence attack's "
-        "input); the released sums and the silos' contributions are never stored"
+        "input); it holds no census (the presence intersection's input); the released sums and the silos' "
+        "contributions are never stored"
     )
     assert "no consortium.toml beside the data folder" in subject.header
     assert "3 rounds committed" in subject.header
