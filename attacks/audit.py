@@ -9,6 +9,7 @@ under the tail guard) leaves the attacker its prior.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -67,6 +68,7 @@ VIEWS: dict[str, tuple[tuple[str, str], ...]] = {
 # a masked total whose bytes a chi-square test tells from uniform below this p-value carries information: the
 # aggregator reads it as the sum; above it, what it holds is independent of the inputs, and it keeps its prior
 UNIFORM_P = 1e-6
+EPSILON = "empirical ε"  # the attack name of the ε audit's findings
 
 
 @dataclass(frozen=True)
@@ -544,6 +546,30 @@ class Audit:
 
         return protocol_findings(self.config.seed)
 
+    def epsilon(self) -> list[Finding]:
+        """(h) an empirical lower bound on the ε of a silo's DP-SGD, one training run with canaries at each ε
+        of `[epsilon]` (`attacks.epsilon`) on the silos' records together, then the same run with the noise
+        off: a run whose bound passes what its ledger charged fails the audit, and so does a control that
+        does not reach its ceiling (an audit that cannot see a leak proves nothing)."""
+        from attacks.epsilon import epsilon_grid
+        from fedlt.dp import DPSettings
+        from fedlt.methods import TrainConfig
+
+        settings = self.config.epsilon
+        members = joined(self.scenario.federation.silos)
+        self.progress(f"empirical ε: {len(settings.epsilons) + 1} runs with {settings.canaries} canaries")
+        runs = epsilon_grid(
+            self.model,
+            torch.from_numpy(members.x),
+            torch.from_numpy(members.y),
+            epsilons=settings.epsilons,
+            delta=DPSettings().delta,
+            canaries=settings.canaries,
+            seed=self.config.seed,
+            train=TrainConfig(local_epochs=settings.epochs, batch_size=settings.batch_size, lr=settings.lr),
+        )
+        return [_epsilon_finding(run) for run in runs]
+
     def _presence_finding(self, mode: str, report: dict, *, audited: bool) -> Finding:
         best = max(report, key=lambda d: _nan_low(report[d]["within_class_auc"]))
         within = report[best]["within_class_auc"]
@@ -557,6 +583,38 @@ class Audit:
         leaked = _nan_low(within) > self.config.thresholds.presence_auc
         target = f"which silo holds which class (best detector: {best})"
         return Finding("presence", mode, "aggregator", target, metrics, leaked, audited)
+
+
+def _epsilon_finding(run) -> Finding:
+    """A finding of one audited DP-SGD run (`attacks.epsilon.EpsilonAudit`): a leak where its bound passes
+    the charged ε, or, for the control, where the bound falls short of its ceiling."""
+    metrics = {
+        "epsilon_lower_bound": run.lower_bound,
+        "epsilon_charged": math.inf if run.control else run.charged,
+        "epsilon_planned": run.target,
+        "ceiling": run.ceiling,
+        "guesses": float(run.guesses),
+        "correct": float(run.correct),
+        "canaries": float(run.canaries),
+        "noise_multiplier": run.noise_multiplier,
+        "sample_rate": run.sample_rate,
+        "steps": float(run.steps),
+        "control": float(run.control),
+    }
+    if run.control:
+        mode, leaked = "control: noise off", not run.at_ceiling
+        note = (
+            "every guess right: the bound is at its ceiling, the most this many canaries show at this δ"
+            if run.at_ceiling
+            else "the bound falls short of its ceiling with no noise at all: the audit lost its power"
+        )
+    else:
+        mode, leaked = f"dp ε={run.target:g}", run.violated
+        note = "" if run.lower_bound < run.ceiling else "the bound is at its ceiling"
+        if run.charged >= run.ceiling:
+            note = "cannot fail: the charged ε is above the most this audit can show at this δ"
+    target = f"{run.canaries} gradient canaries, {run.steps} steps at q = {run.sample_rate:.3g}"
+    return Finding(EPSILON, mode, "a silo's DP-SGD", target, metrics, leaked, True, note=note)
 
 
 def _note(said: str, *, withheld: bool) -> str:
@@ -637,5 +695,6 @@ ONCE: dict[str, Callable[[Audit], list[Finding]]] = {
     "presence": Audit.presence,
     "membership": Audit.membership,
     "protocol": Audit.protocol,
+    "epsilon": Audit.epsilon,
 }
 DECODED = ("analytic", "moments", "decoder")  # attacks whose images the decoder's ceiling puts in context

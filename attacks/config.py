@@ -17,7 +17,7 @@ from fedlt.config import parse_section, read_toml, setting
 from fedlt.data.federation import DataConfig
 from fedlt.errors import ConfigError
 
-ATTACKS = ("analytic", "moments", "decoder", "gradinv", "presence", "membership", "protocol")
+ATTACKS = ("analytic", "moments", "decoder", "gradinv", "presence", "membership", "protocol", "epsilon")
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,17 @@ class Mode:
 
 
 @dataclass(frozen=True)
+class EpsilonSettings:
+    """The one-run ε audit of a silo's DP-SGD (`attacks.epsilon`): a training run per ε, then the control."""
+
+    epsilons: tuple[float, ...] = setting((1.0, 4.0, 8.0), doc="the ε each audited run is planned for")
+    canaries: int = setting(100_000, ge=1, doc="gradient canaries, each put in with probability 1/2")
+    epochs: int = setting(3, ge=1, doc="local epochs of the audited run")
+    batch_size: int = setting(64, ge=1)
+    lr: float = setting(0.05, gt=0.0)
+
+
+@dataclass(frozen=True)
 class Thresholds:
     ssim_over_random: float = setting(
         0.2, doc="median SSIM above the better of the random and prior baselines"
@@ -61,6 +72,7 @@ class AuditConfig:
     attacks: tuple[str, ...] = ATTACKS
     modes: tuple[Mode, ...] = ()
     thresholds: Thresholds = field(default_factory=Thresholds)
+    epsilon: EpsilonSettings = field(default_factory=EpsilonSettings)
 
 
 def load_audit_config(path: str | Path) -> AuditConfig:
@@ -81,6 +93,8 @@ def load_audit_config(path: str | Path) -> AuditConfig:
     names = [m.name for m in parsed]
     if len(set(names)) != len(names):
         problems.append(f"mode: names must differ, got {names}")
+    if not config.epsilon.epsilons or any(e <= 0 for e in config.epsilon.epsilons):
+        problems.append(f"epsilon.epsilons: one or more ε above 0, got {list(config.epsilon.epsilons)}")
     if not isinstance(attacks, list) or not all(a in ATTACKS for a in attacks):
         problems.append(f"attacks: a list drawn from {', '.join(ATTACKS)}, got {attacks!r}")
         attacks = list(ATTACKS)
@@ -93,6 +107,7 @@ def load_audit_config(path: str | Path) -> AuditConfig:
         attacks=tuple(attacks),
         modes=tuple(parsed),
         thresholds=config.thresholds,
+        epsilon=config.epsilon,
     )
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from attacks.audit import Finding
 from attacks.config import AuditConfig
+from attacks.summary import render_summary
 from fedlt.atomic import atomic_write_text
 
 HEADLINE = {  # the score each attack's row shows, and how to read it
@@ -120,7 +121,9 @@ def render_markdown(
     ]
     if not findings:
         return "\n".join(lines) + "\n"  # no tables of nothing
+    lines += ["", *render_summary(config, findings)]
     lines += [
+        "## Every image and feature attack",
         "",
         "Image scores are medians over the attacked records (SSIM, PSNR in dB) beside two baselines: random "
         "images, and the attacker's prior (its own data's class prototype, decoded). *withheld*: the mode "

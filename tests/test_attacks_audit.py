@@ -259,3 +259,25 @@ def test_membership_is_measured_on_the_model_of_each_dp_budget(audit):
         assert 0.0 <= finding.metrics["tpr_at_0.1%_fpr"] <= 1.0
     private = [f for f in findings if f.mode == "final model, dp ε=1"]
     assert all(abs(f.metrics["auc"] - 0.5) < 0.15 for f in private), [f.metrics["auc"] for f in private]
+
+
+def test_the_epsilon_audit_gives_a_bound_within_each_charge_and_a_control_at_its_ceiling(audit):
+    """Guards attack (h) in the grid: a finding per ε of `[epsilon]`, each bound at or under the ε the
+    silo's ledger charged (the silos' real DP-SGD), and the no-noise control at its ceiling (the audit can
+    see); `tests/test_attacks_epsilon.py` shows a run that adds less noise than it books fails."""
+    findings = audit.epsilon()
+    modes = [f.mode for f in findings]
+    assert modes == [*(f"dp ε={e:g}" for e in audit.config.epsilon.epsilons), "control: noise off"]
+    *runs, control = findings
+    for run in runs:
+        assert (
+            run.metrics["epsilon_lower_bound"]
+            <= run.metrics["epsilon_charged"]
+            <= run.metrics["epsilon_planned"]
+        )
+        assert not run.leaked
+        assert run.audited
+    assert control.metrics["correct"] == control.metrics["guesses"] > 0
+    assert control.metrics["epsilon_lower_bound"] == pytest.approx(control.metrics["ceiling"])
+    assert not control.leaked
+    assert control.audited

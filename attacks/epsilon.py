@@ -1,0 +1,402 @@
+"""An empirical lower bound on the ε of a silo's DP-SGD, from one training run with canaries.
+
+Method: Steinke, Nasr and Jagielski, "Privacy Auditing with One (1) Training Run" (NeurIPS 2023), white-box
+setting with gradient (Dirac) canaries. The model gets a block of m extra coordinates that no record's loss
+reaches; canary j stands for a record whose clipped gradient is always C·e_j. Each canary is put in the data
+with probability 1/2 (the audit's seeded RNG). The silo's own `SiloPrivacy` then runs `train_private` as local
+training does: its CSPRNG Poisson-samples the real records and the canaries together (one `bernoulli` draw
+of n + m), its noise stream adds σ·C noise to every coordinate, canaries' included, and σ comes from its
+accountant, which charges the steps to its ledger. A sampled canary's gradient is added after clipping and
+noise (`before_step`): the same sum as if it were a record, since sums commute. The silo's CSPRNG is keyed
+from the audit's seed (`SecureRandom.seeded`, as benchmarks do), so a report can be reproduced.
+
+What it exercises: the sampler, the noise and its scale, the division by the expected batch size and the σ
+the accountant picks. What it does not: the per-record clipping of real records (tests/test_dp_clipping.py
+and tests/test_dp_sgd.py cover it), nor noise on released statistics.
+
+Score of canary j: its coordinate's descent −θ_T[j] (it starts at 0). The auditor guesses "included" for the
+k highest scores and abstains on the rest. With r = k guesses of which v are right, the paper's main theorem
+for (ε, δ)-DP says P[v or more right] ≤ f(v) + 2mδ·max_{i=1..m} (f(v − i) − f(v)) / i, where
+f(v) = P[Binomial(r, e^ε / (1 + e^ε)) ≥ v]; the lower bound is the largest ε that this rejects at confidence
+1 − β, with β split (Bonferroni) over the few k tried. Unlike the paper, no "excluded" guesses for the
+lowest scores: a canary that is in but never sampled scores like one left out, so without noise those
+guesses go wrong and the control could not reach the bound's ceiling.
+
+The ceiling: with every guess right the bound still stops near ln(β·r / (m·δ)) whatever m is, because the δ
+term stays near mδ·e^ε / r (i near r·e^-ε). With 4 values of k at 95% and δ = 1e-5 it is 5.8–6.0 for m
+from 2·10^4 to 10^6: a lower bound can never reach the grid's ε = 8 at that δ, so the ε = 8 row cannot
+fail. The audit reports the ceiling beside each bound.
+
+The no-noise control is the same run with the noise stream giving zeros while the ledger still books σ: it is
+not private at all, and its bound reaching its ceiling shows the audit has the power to see a leak.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from scipy.special import expit
+from scipy.stats import binom
+from torch import nn
+
+from fedlt.dp import DPSettings
+from fedlt.methods import TrainConfig
+from fedlt.methods.dpsgd import train_private
+from fedlt.methods.local import PrivateRound, cross_entropy
+from privacy.dp.accountant import epsilon as rdp_epsilon
+from privacy.dp.accountant import sgd_rdp
+from privacy.dp.ledger import Budget, PrivacyLedger
+from privacy.dp.noise import SecureRandom
+from privacy.dp.silo_privacy import SiloPrivacy
+
+CONFIDENCE = 0.95
+# how many of the highest scores are guessed in, as fractions of the canaries: 0.45 stays below the share
+# of canaries that are in and sampled at least once (1 − e^-epochs of the half that is in: 0.475 at 3 epochs)
+GUESS_FRACTIONS = (0.45, 0.1, 0.03, 0.01)
+_SEARCH_STEPS = 40  # halvings of the bracket [b, 2b] that doubling from ε = 1 finds
+
+
+# --- the one-run bound ------------------------------------------------------------------------------------
+
+
+def p_value(*, guesses: int, correct: int, canaries: int, epsilon: float, delta: float) -> float:
+    """The main theorem's bound on P[at least `correct` of `guesses` right] for an (ε, δ)-DP mechanism over
+    `canaries` randomised inputs."""
+    _check_counts(guesses, correct, canaries)
+    if correct == 0:
+        return 1.0
+    q = float(expit(epsilon))  # e^ε / (1 + e^ε): the accuracy of ε-DP randomised response
+    tail = float(binom.sf(correct - 1, guesses, q))  # f(v)
+    return min(1.0, tail + 2 * canaries * delta * _alpha(guesses, correct, q))
+
+
+def _alpha(guesses: int, correct: int, q: float) -> float:
+    """max over i >= 1 of (f(v − i) − f(v)) / i = P[v − i <= Binomial(r, q) < v] / i, summed exactly over
+    the binomial's mass (its mean ± 40 standard deviations) and bounded above beyond it by adding the mass
+    left below (under 1e-300): summing those terms one by one took seconds a bound on 10^6 guesses. For
+    i > v the term is (1 − f(v)) / i, under its value at i = v."""
+    spread = 40 * math.sqrt(guesses * q * (1 - q)) + 1
+    low = min(max(0, math.floor(guesses * q - spread)), correct - 1)
+    below = binom.pmf(np.arange(correct - 1, low - 1, -1), guesses, q)  # P[Bin = v − i], i = 1..v − low
+    partial = np.cumsum(below)
+    inside = float(np.max(partial / np.arange(1, len(partial) + 1)))
+    left = float(binom.cdf(low - 1, guesses, q)) if low > 0 else 0.0
+    return max(inside, (float(partial[-1]) + left) / (len(partial) + 1)) if left > 0 else inside
+
+
+def lower_bound(*, guesses: int, correct: int, canaries: int, delta: float, beta: float) -> float:
+    """The largest ε (found by bisection) whose (ε, δ)-DP the outcome rejects at level `beta`; 0 if none.
+
+    Any ε with p_value < beta is rejected, and so is every smaller ε (a mechanism that is (ε', δ)-DP is
+    (ε, δ)-DP for ε > ε'), so the bound is sound even where the p-value is not monotone in ε."""
+    if not 0 < beta < 1:
+        raise ValueError(f"β is in (0, 1), got {beta}")
+
+    def rejected(eps: float) -> bool:
+        return p_value(guesses=guesses, correct=correct, canaries=canaries, epsilon=eps, delta=delta) < beta
+
+    if not rejected(0.0):
+        return 0.0
+    low, high = 0.0, 1.0
+    while rejected(high):
+        low, high = high, 2 * high
+    for _ in range(_SEARCH_STEPS):
+        mid = (low + high) / 2
+        low, high = (mid, high) if rejected(mid) else (low, mid)
+    return low
+
+
+def _check_counts(guesses: int, correct: int, canaries: int) -> None:
+    if not 0 <= correct <= guesses <= canaries:
+        raise ValueError(f"need 0 <= correct <= guesses <= canaries, got {correct}, {guesses}, {canaries}")
+
+
+def guess_counts(canaries: int) -> list[int]:
+    """How many of the highest scores are guessed in, one audit each: `GUESS_FRACTIONS` of `canaries`."""
+    return sorted({max(1, round(fraction * canaries)) for fraction in GUESS_FRACTIONS}, reverse=True)
+
+
+@dataclass(frozen=True)
+class Guesses:
+    """The best of the guess counts tried: how many guesses, how many right, and the ε it rejects."""
+
+    guesses: int
+    correct: int
+    lower_bound: float
+    ceiling: float  # the best bound of any guess count had every guess been right
+
+
+def best_guesses(scores: np.ndarray, inserted: np.ndarray, *, delta: float, confidence: float) -> Guesses:
+    """Guess "in" for the highest `scores` against the truth `inserted`, at every count of `guess_counts`
+    with β split evenly over them (Bonferroni); the count with the highest bound."""
+    canaries = len(scores)
+    counts = guess_counts(canaries)
+    beta = (1 - confidence) / len(counts)
+    order = np.argsort(-scores, kind="stable")
+    found = []
+    for k in counts:
+        right = int(inserted[order[:k]].sum())
+        bound = lower_bound(guesses=k, correct=right, canaries=canaries, delta=delta, beta=beta)
+        perfect = lower_bound(guesses=k, correct=k, canaries=canaries, delta=delta, beta=beta)
+        found.append(Guesses(k, right, bound, perfect))
+    best = max(found, key=lambda g: g.lower_bound)
+    return Guesses(best.guesses, best.correct, best.lower_bound, max(g.ceiling for g in found))
+
+
+# --- the run ----------------------------------------------------------------------------------------------
+
+
+class WithCanaries(nn.Module):
+    """`model` and a block of canary coordinates, starting at 0, that its forward pass never reads: the
+    weight of a linear layer that never runs (DP-SGD's clipping hooks every layer with parameters, and a
+    layer it knows; one that never runs gets noise only)."""
+
+    def __init__(self, model: nn.Module, canaries: int) -> None:
+        super().__init__()
+        self.model = model
+        self.block = nn.Linear(canaries, 1, bias=False)
+        nn.init.zeros_(self.block.weight)
+
+    @property
+    def canaries(self) -> nn.Parameter:
+        return self.block.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+class CanaryRound:
+    """A `PrivateRound` that lets the silo's own sampler draw the canaries' batches: each `bernoulli(n, p)`
+    draws n + m from the real one, gives back the records' n and keeps the canaries' m; `add_canaries`
+    (the `before_step` hook) then adds C·e_j / (p·n) for every canary inserted and sampled this step."""
+
+    def __init__(self, private: PrivateRound, parameter: nn.Parameter, inserted: np.ndarray) -> None:
+        self._private = private
+        self._parameter = parameter
+        self._inserted = torch.from_numpy(inserted).view_as(parameter)
+        self._sampled: torch.Tensor | None = None
+        self._expected_batch = 0.0
+        self.admitted: tuple[float, float, int] | None = None  # (sample rate, σ, steps)
+
+    @property
+    def max_grad_norm(self) -> float:
+        return self._private.max_grad_norm
+
+    def admit_sgd(self, *, sample_rate: float, steps: int) -> float:
+        sigma = self._private.admit_sgd(sample_rate=sample_rate, steps=steps)
+        self.admitted = (sample_rate, sigma, steps)
+        return sigma
+
+    def reported_counts(self, counts: np.ndarray) -> np.ndarray:
+        return self._private.reported_counts(counts)
+
+    def noise_stream(self) -> Callable[[int, float], torch.Tensor]:
+        return self._private.noise_stream()
+
+    def bernoulli(self, count: int, p: float) -> np.ndarray:
+        mask = self._private.bernoulli(count + self._inserted.numel(), p)
+        self._sampled = torch.from_numpy(mask[count:]).view_as(self._inserted)
+        self._expected_batch = p * count
+        return mask[:count]
+
+    def add_canaries(self) -> None:
+        if self._sampled is None:
+            raise RuntimeError("a DP-SGD step ran before its batch was sampled")
+        grad = self._parameter.grad
+        assert grad is not None  # privatise gives every trainable parameter its noise
+        hits = (self._sampled & self._inserted).to(grad.dtype).to(grad.device)
+        grad.add_(hits, alpha=self.max_grad_norm / self._expected_batch)
+        self._sampled = None
+
+
+class NoiseOff:
+    """The control: the silo's `PrivateRound` with its noise stream giving zeros (σ still booked)."""
+
+    def __init__(self, private: PrivateRound) -> None:
+        self._private = private
+
+    def __getattr__(self, name: str):
+        return getattr(self._private, name)
+
+    def noise_stream(self) -> Callable[[int, float], torch.Tensor]:
+        return lambda count, _std: torch.zeros(count)
+
+
+@dataclass(frozen=True)
+class EpsilonAudit:
+    """One audited DP-SGD run. `target`: the plan's ε (None where the caller gave only a `PrivateRound`);
+    `charged`: the ε the accountant charged for these DP-SGD steps alone (≤ target: the plan also books its
+    counts); `lower_bound`: what the canaries prove at `confidence`; `ceiling`: the most this many canaries
+    can prove. `control`: the noise was off, so the bound should reach the ceiling."""
+
+    target: float | None
+    delta: float
+    charged: float
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+    canaries: int
+    inserted: int
+    guesses: int
+    correct: int
+    lower_bound: float
+    ceiling: float
+    confidence: float
+    control: bool
+    seconds: float
+
+    @property
+    def violated(self) -> bool:
+        """The run leaks more than its ledger says: its lower bound passes the charged ε (the audit's failure;
+        not a test of the control, whose ceiling may lie under what it books)."""
+        return self.lower_bound > self.charged
+
+    @property
+    def at_ceiling(self) -> bool:
+        """Every guess of the best count was right: the most this audit can show (the control's pass)."""
+        return self.correct == self.guesses and self.lower_bound >= self.ceiling
+
+    def describe(self) -> str:
+        what = "no-noise control" if self.control else "DP-SGD"
+        if self.target is not None:
+            what += f" at ε = {self.target:g}"
+        return (
+            f"{what}: ε ≥ {self.lower_bound:.2f} at {self.confidence:.0%} (ceiling {self.ceiling:.2f}) "
+            f"against {self.charged:.2f} charged for {self.steps} DP-SGD steps "
+            f"(σ = {self.noise_multiplier:.3g}, q = {self.sample_rate:.3g}, δ = {self.delta:g}); "
+            f"{self.correct} of {self.guesses} guesses "
+            f"right over {self.canaries} canaries"
+        )
+
+
+def audit_private(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    private: PrivateRound,
+    *,
+    delta: float,
+    canaries: int,
+    seed: int,
+    train: TrainConfig,
+    target: float | None = None,
+    control: bool = False,
+    confidence: float = CONFIDENCE,
+) -> EpsilonAudit:
+    """Train a copy of `model` on (x, y) with `private`'s DP-SGD and `canaries` canaries, and bound its ε."""
+    if canaries < 1:
+        raise ValueError(f"an audit needs at least one canary, got {canaries}")
+    started = time.perf_counter()
+    inserted = np.random.default_rng(seed).random(canaries) < 0.5
+    audited = WithCanaries(copy.deepcopy(model), canaries)
+    round_ = CanaryRound(private, audited.canaries, inserted)
+    train_private(audited, x, y, train, round_, loss=cross_entropy, before_step=round_.add_canaries)
+    assert round_.admitted is not None  # train_private admits its steps before taking any
+    rate, sigma, steps = round_.admitted
+    charged = rdp_epsilon(sgd_rdp(sample_rate=rate, noise_multiplier=sigma, steps=steps), delta)
+    scores = -audited.canaries.detach().cpu().double().flatten().numpy()
+    best = best_guesses(scores, inserted, delta=delta, confidence=confidence)
+    return EpsilonAudit(
+        target=target,
+        delta=delta,
+        charged=charged,
+        noise_multiplier=sigma,
+        sample_rate=rate,
+        steps=steps,
+        canaries=canaries,
+        inserted=int(inserted.sum()),
+        guesses=best.guesses,
+        correct=best.correct,
+        lower_bound=best.lower_bound,
+        ceiling=best.ceiling,
+        confidence=confidence,
+        control=control,
+        seconds=time.perf_counter() - started,
+    )
+
+
+@dataclass(frozen=True)
+class _OneRound:
+    """The plan a `SiloPrivacy` budgets for: one round of local training and no released statistics."""
+
+    rounds: int = 1
+
+    def statistics_plan(self) -> tuple[tuple, int]:
+        return (), 0
+
+
+def silo_round(settings: DPSettings, seed: int) -> SiloPrivacy:
+    """The silo's real privacy side under `settings`, its CSPRNG seeded so that the audit is reproducible."""
+    ledger = PrivacyLedger(Budget(settings.epsilon, settings.delta))
+    return SiloPrivacy(
+        settings, method=_OneRound(), ledger=ledger, rng=SecureRandom.seeded(f"epsilon-audit-{seed}")
+    )
+
+
+def epsilon_audit(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    epsilon: float,
+    delta: float,
+    canaries: int,
+    seed: int,
+    train: TrainConfig,
+    control: bool = False,
+    max_grad_norm: float = 1.0,
+) -> EpsilonAudit:
+    """Audit the silo's DP-SGD at target `epsilon` (σ picked by its accountant for one round of `train` on
+    (x, y)); with `control`, the same run with the noise off."""
+    settings = DPSettings(enabled=True, epsilon=epsilon, delta=delta, max_grad_norm=max_grad_norm)
+    private: PrivateRound = silo_round(settings, seed)
+    if control:
+        private = NoiseOff(private)
+    return audit_private(
+        model,
+        x,
+        y,
+        private,
+        delta=delta,
+        canaries=canaries,
+        seed=seed,
+        train=train,
+        target=epsilon,
+        control=control,
+    )
+
+
+def epsilon_grid(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    epsilons: Sequence[float],
+    delta: float,
+    canaries: int,
+    seed: int,
+    train: TrainConfig,
+) -> list[EpsilonAudit]:
+    """One audit per ε of the grid, then the no-noise control at the largest."""
+    runs = [
+        epsilon_audit(model, x, y, epsilon=e, delta=delta, canaries=canaries, seed=seed, train=train)
+        for e in epsilons
+    ]
+    control = epsilon_audit(
+        model,
+        x,
+        y,
+        epsilon=max(epsilons),
+        delta=delta,
+        canaries=canaries,
+        seed=seed,
+        train=train,
+        control=True,
+    )
+    return [*runs, control]
