@@ -369,11 +369,9 @@ class Audit:
         from fedlt.methods.state import float_keys, unflatten
 
         uploads = self.uploads("fedavg", mode.epsilon)  # what a silo releases without DP in every mode
-        silos = self.scenario.federation.silos
-        smallest = int(np.argmin([len(s) for s in silos]))
-        public, seed = self.scenario.public, self.config.seed
-        originals = silos[smallest].x
-        own = public.x[np.random.default_rng(seed).choice(len(public), GRADINV_COUNT, replace=False)]
+        smallest, public, seed = self._smallest_silo(), self.scenario.public, self.config.seed
+        originals = self.scenario.federation.silos[smallest].x
+        own = self._own_digits(GRADINV_COUNT)
         unrelated = image_report(*best_match(originals, own), seed=seed)
         target = f"silo-{smallest}: {len(originals)} records, {GRADINV_COUNT} sought"
         whole = Planted(-1, (smallest,), (np.arange(len(originals)),))  # a silo's records, of no one class
@@ -399,7 +397,54 @@ class Audit:
             )
         return findings
 
+    def _smallest_silo(self) -> int:
+        return int(np.argmin([len(s) for s in self.scenario.federation.silos]))
+
+    def _own_digits(self, count: int) -> np.ndarray:
+        """`count` of the attacker's own images, drawn by the seed: the prior of gradient inversion."""
+        public = self.scenario.public
+        return public.x[np.random.default_rng(self.config.seed).choice(len(public), count, replace=False)]
+
     # --- attacks on what does not depend on the sum layer ----------------------------------------
+
+    def gradinv_reference(self) -> list[Finding]:
+        """(d)'s calibration: the same inversion on the plaintext gradient of a one-record batch, for
+        `GRADINV_COUNT` records of distinct classes of the smallest silo, each on its own (the papers' case:
+        Geiping et al. and DLG recover such a record near exactly). What it reaches is what the attack is
+        worth; the realistic views (a silo's multi-step delta, the averaged delta) are scored beside it.
+        Baselines as the attack's: random images and the attacker's own digits, matched."""
+        from attacks.gradinv import calibration_records, invert_delta, record_gradient
+
+        silo = self.scenario.federation.silos[self._smallest_silo()]
+        seed, shape = self.config.seed, self.scenario.public.input_shape
+        picked = calibration_records(silo.y, min(GRADINV_COUNT, len(np.unique(silo.y))), seed=seed)
+        originals = silo.x[picked]
+        images = np.concatenate(
+            [
+                invert_delta(
+                    self.model,
+                    record_gradient(self.model, silo.x[i], int(silo.y[i])),
+                    count=1,
+                    image_shape=shape,
+                    seed=seed,
+                )
+                for i in picked
+            ]
+        )
+        unrelated = image_report(*best_match(originals, self._own_digits(len(picked))), seed=seed)
+        metrics = image_metrics(image_report(originals, images, seed=seed), unrelated)
+        return [
+            Finding(
+                "gradinv: one record's gradient",
+                "reference: one record's gradient",
+                "nobody: the calibration (no layer releases one record's gradient)",
+                f"silo-{self._smallest_silo()}: {len(picked)} records of distinct classes, one at a time",
+                metrics,
+                self.beats_baselines(metrics),
+                False,
+                {"original": originals, "recovered": images},
+            )
+        ]
 
     def decoder_reference(self) -> list[Finding]:
         """The decoder on the planted records' true features: what a perfectly recovered feature is worth
@@ -698,3 +743,8 @@ ONCE: dict[str, Callable[[Audit], list[Finding]]] = {
     "epsilon": Audit.epsilon,
 }
 DECODED = ("analytic", "moments", "decoder")  # attacks whose images the decoder's ceiling puts in context
+# each calibration row (a reference, not a release), run once where the grid runs any of its attacks
+REFERENCES: tuple[tuple[tuple[str, ...], Callable[[Audit], list[Finding]]], ...] = (
+    (DECODED, Audit.decoder_reference),
+    (("gradinv",), Audit.gradinv_reference),
+)

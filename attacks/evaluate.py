@@ -73,7 +73,7 @@ def audit_deployment(
 def run(config, out: Path) -> int:
     from tqdm import tqdm
 
-    from attacks.audit import DECODED, ONCE, PER_MODE, Audit, check_views
+    from attacks.audit import ONCE, PER_MODE, REFERENCES, Audit, check_views
     from attacks.report import EXIT_CODES, console_summary, verdict, verdict_line, write_report
     from attacks.scenario import build_scenario
 
@@ -84,11 +84,11 @@ def run(config, out: Path) -> int:
     steps = [(attack, mode) for mode in config.modes for attack in config.attacks if attack in PER_MODE]
     once = [attack for attack in config.attacks if attack in ONCE]
     findings = []
-    reference = bool(set(DECODED) & set(config.attacks))
-    with tqdm(total=len(steps) + len(once) + reference, unit="attack", file=sys.stdout) as bar:
-        if reference:
-            bar.set_description("decoder ceiling")
-            findings += audit.decoder_reference()
+    references = [run for attacks, run in REFERENCES if set(attacks) & set(config.attacks)]
+    with tqdm(total=len(steps) + len(once) + len(references), unit="attack", file=sys.stdout) as bar:
+        for reference in references:
+            bar.set_description("calibration")
+            findings += reference(audit)
             bar.update()
         for attack in once:
             bar.set_description(attack)

@@ -281,3 +281,15 @@ def test_the_epsilon_audit_gives_a_bound_within_each_charge_and_a_control_at_its
     assert control.metrics["epsilon_lower_bound"] == pytest.approx(control.metrics["ceiling"])
     assert not control.leaked
     assert control.audited
+
+
+@pytest.mark.slow  # about 20 s alone, 80 s on a busy machine: four inversions of 300 double-backward steps
+def test_gradient_inversion_is_calibrated_on_one_records_gradient(audit):
+    """Guards (d)'s calibration row: the attack that meets a silo's multi-step delta recovers records from
+    their own one-record gradients (the papers' case), well above its baselines, as a reference no mode
+    releases; `tests/test_attacks_gradinv.py` holds the attack to near-exact images."""
+    (reference,) = audit.gradinv_reference()
+    assert reference.mode.startswith("reference")
+    assert not reference.audited
+    assert len(reference.images["original"]) == 4
+    assert reference.metrics["ssim"] > reference.metrics["ssim_prior"] + 0.2
