@@ -45,6 +45,7 @@ from attacks.audit import Finding
 from attacks.census_bits import MAX_SILOS, pinned_beyond_each
 from attacks.config import Thresholds
 from attacks.decoder import FeatureDecoder, decode, train_decoder
+from attacks.feature_inversion import invert_features
 from attacks.presence import presence_report, presence_scores
 from attacks.report import Subject
 from fedlt.data.arrays import LabeledData
@@ -442,8 +443,11 @@ def _gradient_finding(stored: StoredRound, models: _Models, mode: str) -> Findin
         if decoder is None:
             decoded = f"; no images: {models.why_not(stored.round)}"
         else:
-            images = {"recovered": decode(decoder, torch.stack([features[c] for c in released]))}
-            decoded = f"; images decoded in class order with the encoder of round {stored.round - 1}"
+            z = torch.stack([features[c] for c in released]).float()
+            model = models.received(stored.round)
+            drawn = invert_features(model, z, public=models.public, init=decode(decoder, z))
+            images = {"recovered": drawn}
+            decoded = f"; images drawn in class order through the encoder of round {stored.round - 1}"
     return Finding(
         "analytic",
         mode,

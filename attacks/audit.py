@@ -18,7 +18,8 @@ import torch
 
 from attacks import analytic, moments
 from attacks.config import Mode
-from attacks.decoder import FeatureDecoder, decode, prior, train_decoder
+from attacks.decoder import FeatureDecoder, decode, train_decoder
+from attacks.feature_inversion import invert_features
 from attacks.scenario import (
     Planted,
     Refused,
@@ -148,6 +149,7 @@ class Audit:
         self._released: dict[tuple[int, str], Release | None] = {}
         self._refusals: dict[tuple[int, str], str] = {}
         self._decoder: FeatureDecoder | None = None
+        self._priors: dict[int, np.ndarray] = {}
 
     # --- shared pieces ---------------------------------------------------------------------------
 
@@ -179,6 +181,21 @@ class Audit:
             self.image_finding(attack, mode, View(name, None, planted, note), None)
             for name, _ in VIEWS[mode.privacy]
         ]
+
+    def draw(self, features: torch.Tensor) -> np.ndarray:
+        """What the attacker draws from features: an image whose feature through the encoder it holds matches
+        (`attacks.feature_inversion`), searched from the decoder's image of them (its public data's prior)."""
+        z = features.float()
+        return invert_features(self.model, z, public=self.scenario.public, init=decode(self.decoder, z))
+
+    def prior(self, label: int) -> np.ndarray:
+        """The attacker's guess of a class's record without any release: what it draws from its own data's
+        mean feature of the class."""
+        if label not in self._priors:
+            public = self.scenario.public
+            members = torch.from_numpy(public.x[public.y == label])
+            self._priors[label] = self.draw(extract_features(self.model, members).mean(dim=0, keepdim=True))
+        return self._priors[label]
 
     @property
     def decoder(self) -> FeatureDecoder:
@@ -212,7 +229,10 @@ class Audit:
         found = []
         for name, reads in VIEWS[mode.privacy]:
             if reads == UPLOADS and len(planted.silos) == 1:
-                found.append(View(name, uploads.contributions[planted.silos[0]].values, planted))
+                upload = uploads.contributions[
+                    planted.silos[0]
+                ]  # as a sum of one, which the server step takes
+                found.append(View(name, SumLayer.seal(upload.schema, upload.flat(), 1), planted))
             elif reads in (UPLOADS, SUMS):
                 found.append(View(name, release.sums, planted))
             elif reads == MASKED:
@@ -231,7 +251,7 @@ class Audit:
         """Scores decoded images against the view's planted records, with the random and prior baselines."""
         planted = view.planted
         originals = self.records(planted).numpy()
-        guess = prior(self.decoder, self.model, self.scenario.public, planted.label)
+        guess = self.prior(planted.label)
         withheld = recovered is None
         found = _fit(np.repeat(guess, len(originals), axis=0) if withheld else recovered, len(originals))
         if len(found) > len(originals):  # synthetic draws: each scored against the record(s), none picked
@@ -279,7 +299,7 @@ class Audit:
                     view.values["grad"].reshape(classes, classes, -1)[planted.label]
                 )
             error = analytic.relative_error(feature, self.features(view.planted, uploads)[0])
-            recovered = None if feature is None else decode(self.decoder, feature[None])
+            recovered = None if feature is None else self.draw(feature[None])
             findings.append(self.image_finding("analytic", mode, view, recovered, feature_error=error))
         return findings
 
@@ -304,7 +324,7 @@ class Audit:
                 values["feature_sum"][label], values["outer_sum"][label], float(values["count"][label])
             )
         error = moments.matched_error(found, self.features(view.planted, uploads))
-        recovered = None if found is None else decode(self.decoder, found)
+        recovered = None if found is None else self.draw(found)
         finding = self.image_finding("moments", mode, view, recovered, feature_error=error)
         if (
             found is None
@@ -342,7 +362,7 @@ class Audit:
         classes = len(self.scenario.public.classes)
         synthetic = state.extra["features"].reshape(classes, -1, state.extra["features"].shape[-1])
         held = float(sums["present"][label]) > 0  # else the features never met its gradient
-        return decode(self.decoder, synthetic[label][:16]) if held else None
+        return self.draw(synthetic[label][:16]) if held else None
 
     def _regenerated(self, ccvr: Uploads, sums: Sums, label: int) -> np.ndarray | None:
         pooled = ccvr.method.pooled(sums)
@@ -351,14 +371,14 @@ class Audit:
         counts = torch.zeros(len(self.scenario.public.classes), dtype=torch.long)
         counts[label] = 16
         features, _ = pooled.sample_counts(counts, torch.Generator().manual_seed(self.config.seed))
-        return decode(self.decoder, features)
+        return self.draw(features)
 
     def _safs(self, sfd: Uploads, sums: Sums, label: int) -> np.ndarray | None:
         if float(sums["count"][label].round()) <= 0:
             return None
         ctx = ServerContext(sfd.state.round + 1, self.config.seed)
         features, _ = sfd.method.synthetic_features(sums, ctx, classes=[label])
-        return decode(self.decoder, features[:16])
+        return self.draw(features[:16])
 
     def gradinv(self, mode: Mode) -> list[Finding]:
         """(d) on FedAvg's model delta of the smallest silo (plaintext) or on the averaged delta (sums):
@@ -446,15 +466,15 @@ class Audit:
             )
         ]
 
-    def decoder_reference(self) -> list[Finding]:
-        """The decoder on the planted records' true features: what a perfectly recovered feature is worth
-        (a reference, not a release)."""
+    def feature_reference(self) -> list[Finding]:
+        """The calibration of (a)-(c): the attacker's drawing from the planted records' true features, what
+        a perfectly recovered feature is worth (a reference, not a release)."""
         reference = Mode(name="reference: true features", audited=False)
         findings = []
         for planted in self.scenario.planted:
-            real = decode(self.decoder, self.features(planted))
-            view = View("nobody: the decoder's ceiling", None, planted)
-            findings.append(self.image_finding("decoder: true feature", reference, view, real))
+            real = self.draw(self.features(planted))
+            view = View("nobody: the calibration (no layer releases a record's feature)", None, planted)
+            findings.append(self.image_finding("feature inversion: true feature", reference, view, real))
         return findings
 
     def presence(self) -> list[Finding]:
@@ -742,9 +762,9 @@ ONCE: dict[str, Callable[[Audit], list[Finding]]] = {
     "protocol": Audit.protocol,
     "epsilon": Audit.epsilon,
 }
-DECODED = ("analytic", "moments", "decoder")  # attacks whose images the decoder's ceiling puts in context
+DRAWN = ("analytic", "moments", "decoder")  # attacks that draw images from features, calibrated by true ones
 # each calibration row (a reference, not a release), run once where the grid runs any of its attacks
 REFERENCES: tuple[tuple[tuple[str, ...], Callable[[Audit], list[Finding]]], ...] = (
-    (DECODED, Audit.decoder_reference),
+    (DRAWN, Audit.feature_reference),
     (("gradinv",), Audit.gradinv_reference),
 )

@@ -314,7 +314,8 @@ def test_censuses_over_different_silos_give_presence_away_and_the_store_audit_sa
     )
     (finding,) = audit_aggregator_data(split, thresholds=THRESHOLDS)
     assert finding.attack == "protocol: presence intersection"
-    assert finding.leaked and finding.audited
+    assert finding.leaked
+    assert finding.audited
     # classes 1 and 2 of all three silos were open; the two sums pin silo-2's bits (1 and 0) and nothing else
     assert finding.metrics["bits_beyond_census"] == pytest.approx(2 / 12)
     same = census_store(tmp_path / "same", world, {"train": first, "close": first})

@@ -41,14 +41,17 @@ def audit() -> Audit:
 def test_a_one_record_class_gives_its_feature_in_plaintext_and_in_a_sum_it_alone_holds(audit):
     """Guards the attack's power (the audit must fail where the design leaks): CReFF's per-class gradient of
     a one-record class gives that record's feature to relative error < 1e-6 in plaintext, and through a
-    secure sum without the tail guard (only fixed-point rounding in the way); its decoded image is as good as
-    the decoder makes the record's true feature (on 28×28 MNIST, docs/AUDIT.md, well above both baselines;
-    on 8×8 digits a random image scores about as high)."""
+    secure sum without the tail guard (only fixed-point rounding in the way); the image drawn from it is as
+    good as the one drawn from the record's true feature (the calibration row): on 28×28 MNIST well above
+    both baselines (docs/AUDIT.md); on 8×8 digits the prior, drawn from the class's mean feature, is as
+    close, so there the feature's error alone is the leak."""
     (plain,) = audit.analytic(PLAIN)
     assert plain.metrics["feature_error"] < 1e-6
     assert plain.leaked
-    ceiling = audit.decoder_reference()[0]  # the decoder on the record's true feature
-    assert plain.metrics["ssim"] == pytest.approx(ceiling.metrics["ssim"], abs=1e-3)
+    ceiling = audit.feature_reference()[0]  # the drawing from the record's true feature
+    assert plain.metrics["ssim"] == pytest.approx(
+        ceiling.metrics["ssim"], abs=0.05
+    )  # a search: 1e-7 moves it
     (summed,) = audit.analytic(OPEN_SUM)
     assert summed.metrics["feature_error"] < 1e-3
     assert summed.leaked
@@ -293,3 +296,13 @@ def test_gradient_inversion_is_calibrated_on_one_records_gradient(audit):
     assert not reference.audited
     assert len(reference.images["original"]) == 4
     assert reference.metrics["ssim"] > reference.metrics["ssim_prior"] + 0.2
+
+
+def test_the_synthetic_feature_attacks_run_on_a_plaintext_upload(audit):
+    """Guards (c) in plaintext: the aggregator holds the one holder's upload, which the server steps take as
+    a sum of one (passed as a bare dict, CReFF's step refused it with a TypeError and stopped the audit)."""
+    findings = audit.decoder_attack(PLAIN)
+    assert len(findings) == 3
+    regenerated = _finding(findings, "regenerated")
+    assert not regenerated.note.startswith("withheld")
+    assert regenerated.leaked
