@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from attacks.audit import Finding
+from attacks.audit import EPSILON, Finding
 from attacks.config import AuditConfig
-from attacks.summary import render_summary
+from attacks.summary import REFERENCE, render_summary
 from fedlt.atomic import atomic_write_text
 
 HEADLINE = {  # the score each attack's row shows, and how to read it
@@ -28,6 +28,7 @@ HEADLINE = {  # the score each attack's row shows, and how to read it
     "moments": ("feature_error", "relative error of the recovered features"),
     "presence": ("best_detector_within_class_auc", "ROC-AUC of telling a silo's classes, within a class"),
     "membership": ("tpr_at_0.1%_fpr", "TPR at 0.1% FPR"),
+    EPSILON: ("epsilon_lower_bound", "ε lower bound at 95%"),
     "protocol": ("recovered", "what the attack recovered (1: all)"),
     "protocol: presence intersection": ("bits_beyond_census", "presence bits beyond the census counts"),
 }
@@ -122,18 +123,22 @@ def render_markdown(
     if not findings:
         return "\n".join(lines) + "\n"  # no tables of nothing
     lines += ["", *render_summary(config, findings)]
+    if any("ssim" in f.metrics for f in findings):
+        lines += [
+            "## Every image and feature attack",
+            "",
+            "Image scores are medians over the attacked records (SSIM, PSNR in dB) beside two baselines: "
+            "random images, and the attacker's prior (what it draws from its own data's mean feature of the "
+            "class; for gradient inversion, as many of its own images). *withheld*: the mode released "
+            "nothing for the target, so the attacker is left with its prior.",
+            "",
+            "SSIM of what the attacker drew (its gain over the better baseline), and the recovered feature's "
+            "relative error; **bold**: a leak.",
+            "",
+            render_matrix(findings),
+            "",
+        ]
     lines += [
-        "## Every image and feature attack",
-        "",
-        "Image scores are medians over the attacked records (SSIM, PSNR in dB) beside two baselines: random "
-        "images, and the attacker's prior (its own data's class prototype, decoded). *withheld*: the mode "
-        "released nothing for the target, so the attacker is left with its prior.",
-        "",
-        "SSIM of what the attacker drew (its gain over the better baseline), and the recovered feature's "
-        "relative error; **bold**: a leak.",
-        "",
-        render_matrix(findings),
-        "",
         "## Every finding",
         "",
         "| attack | mode | party | target | SSIM (random / prior) | PSNR | score | leak |",
@@ -144,6 +149,8 @@ def render_markdown(
         ssim = f"{m['ssim']:.3f} ({m['ssim_random']:.3f} / {m['ssim_prior']:.3f})" if "ssim" in m else "—"
         psnr = f"{m['psnr']:.1f}" if "psnr" in m else "—"
         leak = ("**LEAK**" if f.audited else "leak (not audited)") if f.leaked else "no"
+        if f.mode.startswith(REFERENCE):
+            leak = "calibration"
         note = f" — {f.note}" if f.note else ""
         lines.append(
             f"| {f.attack} | {f.mode} | {f.party} | {f.target}{note} | {ssim} | {psnr} | {_headline(f)} | "
@@ -165,7 +172,7 @@ def _nothing(subject: Subject | None) -> str:
 def render_matrix(findings: list[Finding]) -> str:
     """Attacks × modes of the image and feature attacks: the median SSIM over the better baseline's (or the
     recovered feature's error), with the leaks in bold; the attacks run once are listed under it."""
-    per_mode = [f for f in findings if "ssim" in f.metrics and not f.mode.startswith("reference")]
+    per_mode = [f for f in findings if "ssim" in f.metrics and not f.mode.startswith(REFERENCE)]
     columns = _columns(per_mode)
     rows = list(dict.fromkeys((f.attack, f.target.split(":")[0]) for f in per_mode))
     header = "| attack | target | " + " | ".join(columns.values()) + " |"
