@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import textwrap
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -128,8 +129,8 @@ def render_markdown(
             "## Every image and feature attack",
             "",
             "Image scores are medians over the attacked records (SSIM, PSNR in dB) beside two baselines: "
-            "random images, and the attacker's prior (what it draws from its own data's mean feature of the "
-            "class; for gradient inversion, as many of its own images). *withheld*: the mode released "
+            "random images, and the attacker's prior (its own data's class prototype, decoded; for gradient "
+            "inversion, as many of its own images). *withheld*: the mode released "
             "nothing for the target, so the attacker is left with its prior.",
             "",
             "SSIM of what the attacker drew (its gain over the better baseline), and the recovered feature's "
@@ -281,8 +282,8 @@ def _show(ax, image: np.ndarray, title: str) -> None:
     ax.imshow(picture.squeeze(-1) if picture.shape[-1] == 1 else picture, cmap="gray", vmin=0, vmax=1)
     ax.set_xticks([])
     ax.set_yticks([])
-    if title:
-        ax.set_title(title, fontsize=7)
+    if title:  # a mode and party can be long: wrapped, so that neighbouring columns' titles stay apart
+        ax.set_title(textwrap.fill(title, 22), fontsize=6)
 
 
 def _as_json(f: Finding) -> dict:

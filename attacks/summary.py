@@ -53,6 +53,18 @@ def _image_table(config: AuditConfig, findings: list[Finding]) -> list[str]:
         "|---|---|---|---|---|---|---|",
         *rows,
         "",
+        *(
+            [
+                "Calibration rows (median SSIM): "
+                + "; ".join(
+                    f"{f.attack}, {f.target.split(':')[0]}: {f.metrics['ssim']:.2f}" for f in references
+                )
+                + ".",
+                "",
+            ]
+            if references
+            else []
+        ),
     ]
 
 

@@ -33,6 +33,10 @@ def test_each_mode_names_its_strongest_attack_with_that_attacks_calibration_and_
     # under the guard both attacks are at or below the prior: the stronger gain is analytic's 0.00
     assert guard.startswith("| secagg + tail guard | analytic — aggregator | 0.20 (+0.00) | 0.85 |")
     assert guard.endswith("| no |")
+    assert (
+        "Calibration rows (median SSIM): gradinv: one record's gradient, 4 records: 0.93; "
+        "feature inversion: true feature, class 9: 0.85." in text
+    )
 
 
 def test_the_empirical_epsilon_table_flags_a_bound_above_the_charge_and_a_control_without_power():
