@@ -13,7 +13,6 @@ import dataclasses
 import hashlib
 import json
 import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -145,14 +144,7 @@ def build_store(
     return folder
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """One torch thread: the machine's other cores stay free, and the decoder trains several times faster
-    than with threads competing for busy cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import nn
 
 from attacks.epsilon import (
     CanaryRound,
@@ -30,27 +29,14 @@ from fedlt.dp import DPSettings
 from fedlt.methods import TrainConfig
 from fedlt.methods.dpsgd import train_private
 from fedlt.methods.local import PrivateRound, cross_entropy
+from tests.test_dp_sgd import _tiny
 
 DELTA = 1e-5
 CANARIES = 20_000
 TRAIN = TrainConfig(local_epochs=3, batch_size=20, lr=0.1)  # 200 records: q = 0.1, 30 steps
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-def _tiny(seed: int = 0) -> nn.Module:
-    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-    return model
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _data(n: int = 200, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,13 +22,7 @@ SPEC = ModelSpec("cnn-small", SHAPE, 10)
 FAST = FeatureInversionSettings(iterations=5)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Module-scoped so that it also covers the module-scoped fixtures (2 CPU cores, shared)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -27,13 +27,7 @@ SHAPE = (1, 8, 8)
 SPEC = ModelSpec("cnn-small", SHAPE, 10)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Module-scoped so that it also covers the module-scoped attack fixtures (2 CPU cores, shared)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

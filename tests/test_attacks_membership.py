@@ -12,8 +12,6 @@ fitted by memorising the record, the leak LiRA is built to find: over 6 seeds, L
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -37,13 +35,7 @@ OVERFIT = TrainConfig(local_epochs=100, batch_size=32, lr=0.05, momentum=0.9)  #
 TPR1, TPR01 = "tpr_at_1%_fpr", "tpr_at_0.1%_fpr"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """One thread: deterministic results, and the machine's other core stays free."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
