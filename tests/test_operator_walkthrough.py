@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from fedlt.data.files import load_dataset
@@ -84,6 +85,7 @@ def wait_for_text(log: Path, text: str, aggregator: subprocess.Popen, timeout: f
         time.sleep(0.1)
 
 
+@pytest.mark.slow  # 54 s (10 rounds of 5 epochs, as the guide says), run by `make test-all`
 def test_the_first_study_of_the_operator_guide_runs_as_written(tmp_path, monkeypatch):
     study = tmp_path / "study"
     study.mkdir()
