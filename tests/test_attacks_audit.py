@@ -16,6 +16,8 @@ from fedlt.data.federation import DataConfig
 from fedlt.errors import ConfigError
 from privacy.blind import halves as blind_halves
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 DIGITS = DataConfig(dataset="digits", imbalance=10, alpha=0.5, silos=4, test_per_class=30)
 PLAIN = Mode(name="plaintext", privacy="plaintext", audited=False)
 OPEN_SUM = Mode(name="secagg, guard off", privacy="secagg", k_min=0, min_records=1)
@@ -286,7 +288,6 @@ def test_the_epsilon_audit_gives_a_bound_within_each_charge_and_a_control_at_its
     assert control.audited
 
 
-@pytest.mark.slow  # about 20 s alone, 80 s on a busy machine: four inversions of 300 double-backward steps
 def test_gradient_inversion_is_calibrated_on_one_records_gradient(audit):
     """Guards (d)'s calibration row: the attack that meets a silo's multi-step delta recovers records from
     their own one-record gradients (the papers' case), well above its baselines, as a reference no mode
