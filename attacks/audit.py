@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,6 +39,9 @@ from fedlt.aggregation import tail_guard
 from fedlt.aggregation.sums import SumLayer, Sums
 from fedlt.methods import GlobalState, ServerContext
 from fedlt.methods.heads import extract_features
+
+if TYPE_CHECKING:
+    from attacks.epsilon import EpsilonAudit
 
 
 @dataclass
@@ -228,9 +232,8 @@ class Audit:
         found = []
         for name, reads in VIEWS[mode.privacy]:
             if reads == UPLOADS and len(planted.silos) == 1:
-                upload = uploads.contributions[
-                    planted.silos[0]
-                ]  # as a sum of one, which the server step takes
+                # its one holder's upload, as a sum of one: what the server steps take
+                upload = uploads.contributions[planted.silos[0]]
                 found.append(View(name, SumLayer.seal(upload.schema, upload.flat(), 1), planted))
             elif reads in (UPLOADS, SUMS):
                 found.append(View(name, release.sums, planted))
@@ -649,7 +652,7 @@ class Audit:
         return Finding("presence", mode, "aggregator", target, metrics, leaked, audited)
 
 
-def _epsilon_finding(run) -> Finding:
+def _epsilon_finding(run: EpsilonAudit) -> Finding:
     """A finding of one audited DP-SGD run (`attacks.epsilon.EpsilonAudit`): a leak where its bound passes
     the charged ε, or, for the control, where the bound falls short of its ceiling."""
     metrics = {

@@ -6,9 +6,10 @@
     python -m attacks.evaluate --aggregator-data runs/consortium-demo/fedavg/aggregator-data \
         --public-data mnist5k
 
-Exit codes: 0 the audit passed, 1 a leak crossed a threshold in an audited mode, 2 a usage or configuration
-error (with the message, never a traceback), 3 nothing audited: no attack applies to what the store holds
-(or the grid's attacks and modes gave no finding), which is no pass.
+Exit codes: 0 the audit passed, 1 a leak crossed a threshold in an audited mode (an empirical ε above what
+the ledger charged included), 2 a usage or configuration error (with the message, never a traceback), 3
+nothing audited: no attack applies to what the store holds (or the grid's attacks and modes gave no
+finding), which is no pass.
 """
 
 from __future__ import annotations
