@@ -27,6 +27,7 @@ neither), it says why, and the audit's verdict is NOTHING AUDITED, never PASSED.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import sqlite3
@@ -526,14 +527,16 @@ def _census_finding(censuses: Mapping[str, tuple[tuple[str, ...], list[int]]], m
         f"which of {len(silos)} silos holds which of {classes} classes, from the "
         f"{_count(len(censuses), 'census')} the store keeps ({', '.join(censuses)})"
     )
-    sets = {members for members, _ in censuses.values()}
+    sets = sorted({members for members, _ in censuses.values()})
     metrics = {"censuses": float(len(censuses)), "silo_sets": float(len(sets))}
     if len(silos) > MAX_SILOS:
-        leaked = (
-            len(sets) > 1
-        )  # not enumerable: censuses over different sets are flagged, as they may pin bits
+        # not enumerable: two censuses over sets that share silos without being equal may pin bits, and are
+        # flagged; equal or disjoint sets add nothing to each other's counts
+        leaked = any(a != b and set(a) & set(b) for a, b in itertools.combinations(sets, 2))
         note = f"{len(silos)} silos, more than the {MAX_SILOS} an exhaustive reading enumerates" + (
-            "; the censuses cover different sets of silos" if leaked else "; one set of silos: nothing beyond"
+            "; censuses over overlapping but different sets of silos"
+            if leaked
+            else "; every two censuses over the same or disjoint sets of silos: nothing beyond"
         )
         return Finding(
             "protocol: presence intersection", mode, PARTY, target, metrics, leaked, True, note=note

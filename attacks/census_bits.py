@@ -11,6 +11,7 @@ changing participant sets (`attacks.protocol`) and on the censuses a deployment'
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -44,14 +45,24 @@ def pinned(sums: Sums, silos: int) -> np.ndarray:
     return found
 
 
+MAX_SUBSETS = 8  # sums of a class read in every combination up to this many; beyond, one and two at a time
+
+
 def pinned_beyond_each(per_class: Sequence[Sums], silos: int) -> tuple[int, int]:
-    """(bits pinned by all the sums together, bits pinned by some single sum alone), over every class: what
-    the sums give beyond what any one of them gives by its own counts."""
+    """(bits pinned by some combination of the sums, bits pinned by some single sum alone), over every class:
+    what the sums give beyond what any one of them gives by its own counts. Combinations, not only all of
+    them at once: sums taken at different times need not agree (a silo's holdings change), and sums that
+    contradict each other pin nothing together while a consistent pair of them may pin a silo's bit."""
     together = alone = 0
     for sums in per_class:
-        together += int((pinned(sums, silos) != UNKNOWN).sum())
         single = np.zeros(silos, dtype=bool)
         for one in sums:
             single |= pinned([one], silos) != UNKNOWN
+        combined = single.copy()
+        sizes = range(2, len(sums) + 1) if len(sums) <= MAX_SUBSETS else (2,)
+        for size in sizes:
+            for group in itertools.combinations(sums, size):
+                combined |= pinned(group, silos) != UNKNOWN
+        together += int(combined.sum())
         alone += int(single.sum())
     return together, alone

@@ -93,8 +93,7 @@ def load_audit_config(path: str | Path) -> AuditConfig:
     names = [m.name for m in parsed]
     if len(set(names)) != len(names):
         problems.append(f"mode: names must differ, got {names}")
-    if not config.epsilon.epsilons or any(e <= 0 for e in config.epsilon.epsilons):
-        problems.append(f"epsilon.epsilons: one or more ε above 0, got {list(config.epsilon.epsilons)}")
+    problems += _epsilon_problems(config.epsilon)
     if not isinstance(attacks, list) or not all(a in ATTACKS for a in attacks):
         problems.append(f"attacks: a list drawn from {', '.join(ATTACKS)}, got {attacks!r}")
         attacks = list(ATTACKS)
@@ -109,6 +108,25 @@ def load_audit_config(path: str | Path) -> AuditConfig:
         thresholds=config.thresholds,
         epsilon=config.epsilon,
     )
+
+
+def _epsilon_problems(settings: EpsilonSettings) -> list[str]:
+    """ε settings the audit could not use: no ε, or too few canaries to show even the smallest (a run that
+    cannot fail, beside a control that cannot reach a ceiling worth the name)."""
+    from attacks.epsilon import ceiling
+    from fedlt.dp import DPSettings
+
+    if not settings.epsilons or any(e <= 0 for e in settings.epsilons):
+        return [f"epsilon.epsilons: one or more ε above 0, got {list(settings.epsilons)}"]
+    delta = DPSettings().delta
+    most = ceiling(settings.canaries, delta=delta)
+    if most < min(settings.epsilons):
+        return [
+            f"epsilon.canaries: {settings.canaries} canaries can show at most ε = {most:.2f} at "
+            f"δ = {delta:g}, below the smallest ε audited ({min(settings.epsilons):g}); 100000 show up "
+            f"to {ceiling(100_000, delta=delta):.1f}"
+        ]
+    return []
 
 
 def _mode_problems(mode: Mode, where: str) -> list[str]:

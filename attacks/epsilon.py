@@ -6,9 +6,10 @@ reaches; canary j stands for a record whose clipped gradient is always C·e_j. E
 with probability 1/2 (the audit's seeded RNG). The silo's own `SiloPrivacy` then runs `train_private` as local
 training does: its CSPRNG Poisson-samples the real records and the canaries together (one `bernoulli` draw
 of n + m), its noise stream adds σ·C noise to every coordinate, canaries' included, and σ comes from its
-accountant, which charges the steps to its ledger. A sampled canary's gradient is added after clipping and
-noise (`before_step`): the same sum as if it were a record, since sums commute. The silo's CSPRNG is keyed
-from the audit's seed (`SecureRandom.seeded`, as benchmarks do), so a report can be reproduced.
+accountant, which charges the steps to its ledger. A sampled canary's gradient C·e_j joins the records'
+clipped sum before the noise (`train_private`'s `after_clipping`), so it takes a record's path through the
+noise and the division by the expected batch. The silo's CSPRNG is keyed from the audit's seed
+(`SecureRandom.seeded`, as benchmarks do), so a report can be reproduced.
 
 What it exercises: the sampler, the noise and its scale, the division by the expected batch size and the σ
 the accountant picks. What it does not: the per-record clipping of real records (tests/test_dp_clipping.py
@@ -56,9 +57,10 @@ from privacy.dp.noise import SecureRandom
 from privacy.dp.silo_privacy import SiloPrivacy
 
 CONFIDENCE = 0.95
-# how many of the highest scores are guessed in, as fractions of the canaries: 0.45 stays below the share
-# of canaries that are in and sampled at least once (1 − e^-epochs of the half that is in: 0.475 at 3 epochs)
-GUESS_FRACTIONS = (0.45, 0.1, 0.03, 0.01)
+# how many of the highest scores are guessed in, as fractions of the canaries expected to be in and sampled
+# at least once (`reachable`): the first stays below it, so that with the noise off every guess can be right
+GUESS_FRACTIONS = (0.95, 0.2, 0.06, 0.02)
+THREE_EPOCHS = 0.475  # what `reachable` gives three epochs, for a ceiling known before any run
 _SEARCH_STEPS = 40  # halvings of the bracket [b, 2b] that doubling from ε = 1 finds
 
 
@@ -117,9 +119,25 @@ def _check_counts(guesses: int, correct: int, canaries: int) -> None:
         raise ValueError(f"need 0 <= correct <= guesses <= canaries, got {correct}, {guesses}, {canaries}")
 
 
-def guess_counts(canaries: int) -> list[int]:
-    """How many of the highest scores are guessed in, one audit each: `GUESS_FRACTIONS` of `canaries`."""
-    return sorted({max(1, round(fraction * canaries)) for fraction in GUESS_FRACTIONS}, reverse=True)
+def reachable(sample_rate: float, steps: int) -> float:
+    """The share of canaries expected in and sampled at least once: half are in, each sampled at a step with
+    probability q. From the run's public parameters only, never from which canaries went in."""
+    return 0.5 * (1.0 - (1.0 - sample_rate) ** steps)
+
+
+def guess_counts(canaries: int, share: float = THREE_EPOCHS) -> list[int]:
+    """How many of the highest scores are guessed in, one audit each: `GUESS_FRACTIONS` of the `share` of
+    `canaries` that can move (`reachable`)."""
+    return sorted({max(1, round(f * share * canaries)) for f in GUESS_FRACTIONS}, reverse=True)
+
+
+def ceiling(
+    canaries: int, *, delta: float, confidence: float = CONFIDENCE, share: float = THREE_EPOCHS
+) -> float:
+    """The most an audit of `canaries` can show: its bound had every guess been right."""
+    counts = guess_counts(canaries, share)
+    beta = (1 - confidence) / len(counts)
+    return max(lower_bound(guesses=k, correct=k, canaries=canaries, delta=delta, beta=beta) for k in counts)
 
 
 @dataclass(frozen=True)
@@ -132,11 +150,13 @@ class Guesses:
     ceiling: float  # the best bound of any guess count had every guess been right
 
 
-def best_guesses(scores: np.ndarray, inserted: np.ndarray, *, delta: float, confidence: float) -> Guesses:
+def best_guesses(
+    scores: np.ndarray, inserted: np.ndarray, *, delta: float, confidence: float, share: float = THREE_EPOCHS
+) -> Guesses:
     """Guess "in" for the highest `scores` against the truth `inserted`, at every count of `guess_counts`
     with β split evenly over them (Bonferroni); the count with the highest bound."""
     canaries = len(scores)
-    counts = guess_counts(canaries)
+    counts = guess_counts(canaries, share)
     beta = (1 - confidence) / len(counts)
     order = np.argsort(-scores, kind="stable")
     found = []
@@ -174,14 +194,16 @@ class WithCanaries(nn.Module):
 class CanaryRound:
     """A `PrivateRound` that lets the silo's own sampler draw the canaries' batches: each `bernoulli(n, p)`
     draws n + m from the real one, gives back the records' n and keeps the canaries' m; `add_canaries`
-    (the `before_step` hook) then adds C·e_j / (p·n) for every canary inserted and sampled this step."""
+    (DP-SGD's `after_clipping` hook) then adds C·e_j to the clipped sum for every canary inserted and
+    sampled this step, before the noise and the division by the expected batch, as a record's clipped
+    gradient goes (a canary added after them took its own path: a DP-SGD that noised only gradients no
+    record reaches, or divided by another rate than it booked, passed)."""
 
     def __init__(self, private: PrivateRound, parameter: nn.Parameter, inserted: np.ndarray) -> None:
         self._private = private
         self._parameter = parameter
         self._inserted = torch.from_numpy(inserted).view_as(parameter)
         self._sampled: torch.Tensor | None = None
-        self._expected_batch = 0.0
         self.admitted: tuple[float, float, int] | None = None  # (sample rate, σ, steps)
 
     @property
@@ -202,16 +224,15 @@ class CanaryRound:
     def bernoulli(self, count: int, p: float) -> np.ndarray:
         mask = self._private.bernoulli(count + self._inserted.numel(), p)
         self._sampled = torch.from_numpy(mask[count:]).view_as(self._inserted)
-        self._expected_batch = p * count
         return mask[:count]
 
     def add_canaries(self) -> None:
         if self._sampled is None:
             raise RuntimeError("a DP-SGD step ran before its batch was sampled")
-        grad = self._parameter.grad
-        assert grad is not None  # privatise gives every trainable parameter its noise
-        hits = (self._sampled & self._inserted).to(grad.dtype).to(grad.device)
-        grad.add_(hits, alpha=self.max_grad_norm / self._expected_batch)
+        parameter = self._parameter
+        hits = (self._sampled & self._inserted).to(parameter.dtype).to(parameter.device)
+        clipped = hits * self.max_grad_norm  # each sampled canary's gradient, C·e_j, at its clipping norm
+        parameter.grad = clipped if parameter.grad is None else parameter.grad.add_(clipped)
         self._sampled = None
 
 
@@ -296,12 +317,13 @@ def audit_private(
     inserted = np.random.default_rng(seed).random(canaries) < 0.5
     audited = WithCanaries(copy.deepcopy(model), canaries)
     round_ = CanaryRound(private, audited.canaries, inserted)
-    train_private(audited, x, y, train, round_, loss=cross_entropy, before_step=round_.add_canaries)
+    train_private(audited, x, y, train, round_, loss=cross_entropy, after_clipping=round_.add_canaries)
     assert round_.admitted is not None  # train_private admits its steps before taking any
     rate, sigma, steps = round_.admitted
     charged = rdp_epsilon(sgd_rdp(sample_rate=rate, noise_multiplier=sigma, steps=steps), delta)
     scores = -audited.canaries.detach().cpu().double().flatten().numpy()
-    best = best_guesses(scores, inserted, delta=delta, confidence=confidence)
+    share = reachable(rate, steps)
+    best = best_guesses(scores, inserted, delta=delta, confidence=confidence, share=share)
     return EpsilonAudit(
         target=target,
         delta=delta,

@@ -30,13 +30,14 @@ def _image_table(config: AuditConfig, findings: list[Finding]) -> list[str]:
         attacked = [f for f in images if f.mode == mode.name]
         if not attacked:
             continue
-        strongest = max(attacked, key=gain)
+        strongest = max(attacked, key=lambda f: (f.leaked, gain(f)))  # a leak by feature error shows too
         calibration = _calibration(strongest, references)
         m = strongest.metrics
         calibrated = "—" if calibration is None else f"{calibration.metrics['ssim']:.2f}"
         verdict = ("**LEAK**" if mode.audited else "leak (shown for contrast)") if strongest.leaked else "no"
+        withheld = " (withheld: prior)" if strongest.note.startswith(("withheld", "refused")) else ""
         rows.append(
-            f"| {mode.name}{'' if mode.audited else ' (contrast)'} | {strongest.attack} — "
+            f"| {mode.name}{'' if mode.audited else ' (contrast)'} | {strongest.attack}{withheld} — "
             f"{strongest.party} | {m['ssim']:.2f} ({gain(strongest):+.2f}) | "
             f"{calibrated} | {m['ssim_prior']:.2f} | "
             f"{m['ssim_random']:.2f} | {verdict} |"
@@ -125,8 +126,13 @@ def _once_lines(findings: list[Finding]) -> list[str]:
         contrast = [f for f in group if not f.audited]
         leaks = [f for f in audited if f.leaked]
         said = f"**{len(leaks)} leak(s)**" if leaks else "no leak"
+        said = (
+            f"{said} in {len(audited)} audited finding(s)"
+            if audited
+            else "no audited finding (contrast only)"
+        )
         lines.append(
-            f"- **{family}**: {said} in {len(audited)} audited finding(s); the contrast designs leak in "
-            f"{sum(f.leaked for f in contrast)} of {len(contrast)}."
+            f"- **{family}**: {said}; the contrast designs leak in {sum(f.leaked for f in contrast)} of "
+            f"{len(contrast)}."
         )
     return [*lines, ""] if lines else []

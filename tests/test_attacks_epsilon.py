@@ -138,7 +138,7 @@ def test_canaries_are_drawn_by_the_silos_sampler_and_move_by_one_clipped_record_
     model = WithCanaries(_tiny(), 1000)
     round_ = CanaryRound(counting, model.canaries, inserted)
     config = TrainConfig(local_epochs=1, batch_size=200, lr=0.1)  # rate 1: one step, every canary sampled
-    train_private(model, x, y, config, round_, loss=cross_entropy, before_step=round_.add_canaries)
+    train_private(model, x, y, config, round_, loss=cross_entropy, after_clipping=round_.add_canaries)
     assert counting.draws == [(200 + 1000, 1.0)]
     expected = -0.1 * 2.0 / 200 * torch.from_numpy(inserted).float()
     torch.testing.assert_close(model.canaries.detach().flatten(), expected)

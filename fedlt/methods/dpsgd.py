@@ -15,8 +15,10 @@ step's gradients are computed. An epoch is ⌈n / batch_size⌉ steps, as in Opa
 batch is still a step (noise only), as the accounting counts it. A trainable parameter the loss does not
 reach gets noise only.
 
-A gradient edit (`before_step`: FedProx's proximal term) runs after clipping and noise, on the privatised
-gradient: it reads no record, so it is post-processing and costs nothing; an edit that read records would
+`after_clipping` runs between the clipped sum and the noise, where each record's gradient has entered: the
+privacy audit's canaries (`attacks.epsilon`) enter there, so that they take the records' own path through the
+noise and the division. A gradient edit (`before_step`: FedProx's proximal term) runs after clipping and
+noise, on the privatised gradient: it reads no record, so it is post-processing and costs nothing; an edit that read records would
 escape the accounting, which is why RedGrape drops its local balanced-set gradient under DP.
 
 On a GPU the batches and the noise move to the model; both are still drawn on the CPU, from the CSPRNG.
@@ -73,6 +75,7 @@ def train_private(
     loss: Loss,
     before_step: GradHook | None = None,
     after_step: GradHook | None = None,
+    after_clipping: GradHook | None = None,
 ) -> None:
     n = len(y)
     rate = min(config.batch_size / n, 1.0)
@@ -95,6 +98,8 @@ def train_private(
             if len(idx):  # an empty batch is a step too: no gradient, only noise
                 clipping.start()
                 clipping.backward(loss(model, x[idx].to(device), y[idx].to(device)))
+            if after_clipping is not None:
+                after_clipping()
             privatise(params, noise.take().to(device), rate * n)
             if before_step is not None:
                 before_step()
