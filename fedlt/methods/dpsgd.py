@@ -18,8 +18,9 @@ reach gets noise only.
 `after_clipping` runs between the clipped sum and the noise, where each record's gradient has entered: the
 privacy audit's canaries (`attacks.epsilon`) enter there, so that they take the records' own path through the
 noise and the division. A gradient edit (`before_step`: FedProx's proximal term) runs after clipping and
-noise, on the privatised gradient: it reads no record, so it is post-processing and costs nothing; an edit that read records would
-escape the accounting, which is why RedGrape drops its local balanced-set gradient under DP.
+noise, on the privatised gradient: it reads no record, so it is post-processing and costs nothing; an edit
+that read records would escape the accounting, which is why RedGrape drops its local balanced-set gradient
+under DP.
 
 On a GPU the batches and the noise move to the model; both are still drawn on the CPU, from the CSPRNG.
 """
