@@ -48,7 +48,12 @@ class EpsilonSettings:
     """The one-run ε audit of a silo's DP-SGD (`attacks.epsilon`): a training run per ε, then the control."""
 
     epsilons: tuple[float, ...] = setting((1.0, 4.0, 8.0), doc="the ε each audited run is planned for")
-    canaries: int = setting(100_000, ge=1, doc="gradient canaries, each put in with probability 1/2")
+    canaries: int = setting(
+        100_000,
+        ge=20_000,
+        doc="gradient canaries, each put in with probability 1/2; fewer leave the control's best guess count "
+        "within chance of the canaries it can see (at one epoch, 20,000 keep it 4.8 standard deviations off)",
+    )
     epochs: int = setting(3, ge=1, doc="local epochs of the audited run")
     batch_size: int = setting(64, ge=1)
     lr: float = setting(0.05, gt=0.0)
