@@ -151,6 +151,14 @@ def choose_encoding(field: Field, silos: int) -> FieldEncoding:
     )
 
 
+def _rounding_key(values: np.ndarray) -> bytes:
+    """SHA-256 of the label and the vector's bytes, read in place (a copy of a 10 MB vector, and another to
+    prepend the label, cost more than the hash)."""
+    digest = hashlib.sha256(ROUNDING_KEY)
+    digest.update(memoryview(values))
+    return digest.digest()
+
+
 class FixedPointCodec:
     def __init__(self, schema: Schema, *, max_silos: int) -> None:
         if max_silos < 1:
@@ -175,7 +183,7 @@ class FixedPointCodec:
     def encode(self, vector: torch.Tensor, rng: SecureRandom | None = None) -> np.ndarray:
         """A flat float vector in schema order as a ring vector (values beyond their bounds are clipped).
         `rng` draws the stochastic rounding's uniforms, if any field needs them."""
-        values = np.asarray(vector.detach().cpu().numpy(), dtype=np.float64)
+        values = np.ascontiguousarray(vector.detach().cpu().numpy(), dtype=np.float64)
         if values.shape != (self.schema.size,):
             raise ValueError(f"vector of shape {values.shape}, the schema needs {(self.schema.size,)}")
         if not np.isfinite(values).all():
@@ -184,13 +192,17 @@ class FixedPointCodec:
         parts = [p.view(np.int64 if p.dtype.itemsize == 8 else np.int32) for p in self.ring.parts(out)]
         for e, where, part, offset in self._places:
             scaled = np.clip(values[where], -e.field.bound, e.field.bound)
-            scaled *= 2.0**e.frac_bits
             if e.stochastic:  # floor(v + u), u uniform in [0, 1): rounds up with probability frac(v)
-                rng = rng or SecureRandom(hashlib.sha256(ROUNDING_KEY + values.tobytes()).digest())
+                rng = rng or SecureRandom(_rounding_key(values))
                 bits = rng.words((len(scaled) + 1) // 2).view(np.uint32)[: len(scaled)]  # 32 random bits each
-                scaled += bits * 2.0**-32
+                # v·2^f + bits·2^-32 computed as (v·2^(f+32) + bits)·2^-32: scaling by powers of two is
+                # exact, so the sum rounds to the same double, without a temporary array of the uniforms
+                scaled *= 2.0 ** (e.frac_bits + 32)
+                scaled += bits
+                scaled *= 2.0**-32
                 np.floor(scaled, out=scaled)
             else:
+                scaled *= 2.0**e.frac_bits
                 np.rint(scaled, out=scaled)
             parts[part][offset : offset + e.field.size] = scaled
         return out

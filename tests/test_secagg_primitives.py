@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import secrets
 
@@ -16,6 +17,7 @@ from privacy.dp.noise import SecureRandom
 from privacy.ring import (
     BLOCK_BYTES,
     MASK_KEYSTREAM,
+    ROUNDING_KEY,
     FixedPointCodec,
     OverflowRisk,
     Ring,
@@ -201,6 +203,34 @@ def test_stochastic_rounding_is_the_same_wherever_the_same_vector_is_encoded():
     other[-1] = 1.0  # another count: another key, so other roundings of the same deltas
     assert not np.array_equal(first[:4000], codec.encode(other)[:4000])
     assert not np.array_equal(first, codec.encode(vector, SecureRandom.seeded("caller")))
+
+
+@given(
+    values=st.lists(
+        st.one_of(
+            st.floats(-20.0, 20.0), st.floats(-1e-300, 1e-300), st.sampled_from([0.0, -10.0, 10.0, 5e-324])
+        ),
+        min_size=9,
+        max_size=9,
+    ),
+    key=st.binary(min_size=32, max_size=32),
+)
+@settings(max_examples=60, deadline=None)
+def test_stochastic_rounding_is_floor_of_the_value_plus_a_32_bit_uniform(values, key):
+    """Known answer of the rounding, which the codec computes in place (scaled by 2^32 around the sum): each
+    coordinate is floor(clip(v)·2^f + w·2^-32) for the stream's next 32-bit word w, to the bit, subnormal and
+    clipped values included; the key is SHA-256 of the label and the vector's bytes."""
+    schema = Schema((Field("delta", (8,), 10.0, frac_bits=24), Field("n", (), 1e5, frac_bits=0)))
+    codec = FixedPointCodec(schema, max_silos=40)  # the delta at 22 fractional bits, stochastic
+    assert (codec.encodings[0].frac_bits, codec.encodings[0].stochastic) == (22, True)
+    vector = torch.tensor(values, dtype=torch.float64)
+    words = SecureRandom(key).words(4).view(np.uint32)[:8]
+    expected = np.floor(np.clip(vector[:8].numpy(), -10.0, 10.0) * 2.0**22 + words * 2.0**-32)
+    encoded = codec.encode(vector, SecureRandom(key))
+    narrow = codec.ring.parts(encoded)[1].view(np.int32)
+    assert np.array_equal(narrow[:8], expected.astype(np.int32))
+    digest = hashlib.sha256(ROUNDING_KEY + vector.numpy().tobytes()).digest()
+    assert np.array_equal(codec.encode(vector), codec.encode(vector, SecureRandom(digest)))
 
 
 def test_codec_refuses_a_round_that_could_overflow():
