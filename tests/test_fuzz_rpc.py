@@ -36,9 +36,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from aggregator import server
+from aggregator.catalog import CATALOG
 from aggregator.config import load_consortium_config
 from aggregator.service import CertificateGate, OperatorServicer
-from aggregator.store import DATABASE, Store
+from aggregator.store import DATABASE
 from aggregator.studies import Studies, StudyRouter
 from fedlt.v1 import consortium_pb2 as pb
 from fedlt.v1 import consortium_pb2_grpc, operator_pb2, operator_pb2_grpc, round_pb2
@@ -670,12 +671,14 @@ def _gated(gate: grpc.ServerInterceptor, servicer: object, add: Callable) -> dic
 class InProcess:
     handlers: dict[str, grpc.RpcMethodHandler]
     pems: dict[str, bytes]  # each caller's certificate
-    store: Store
+    watched: tuple[sqlite3.Connection, ...]  # the default study's store and the study catalog, read only
     known: Known
 
-    def changes(self) -> int:
-        """Rows the default study's store connection has written, ever (the fuzzed calls name no study)."""
-        return self.store._db.total_changes
+    def changes(self) -> tuple[int, ...]:
+        """Each watched file's SQLite data_version, which moves with every commit another connection makes
+        to it: whatever wrote, and also after an accepted request paused or cancelled the default study
+        (which closes its store's own connection; reading that connection's count then failed)."""
+        return tuple(db.execute("PRAGMA data_version").fetchone()[0] for db in self.watched)
 
 
 @pytest.fixture(scope="module")
@@ -728,8 +731,9 @@ def in_process(tmp_path_factory) -> Iterator[InProcess]:
             stream = handlers["Join"].unary_stream(pb.JoinRequest(), context)
             threading.Thread(target=read_all, args=(stream, directives), daemon=True).start()
         known = _known(directives.get(timeout=120))
-        studies = built["StudyRouter"].studies
-        yield InProcess(handlers, pems, studies.runs[studies.catalog.default()].store, known)
+        files = (consortium.data_dir / DATABASE, consortium.data_dir / CATALOG)
+        watched = tuple(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True) for path in files)
+        yield InProcess(handlers, pems, watched, known)
     finally:
         for context in sessions.values():
             context.end()
