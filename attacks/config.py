@@ -118,7 +118,7 @@ def load_audit_config(path: str | Path) -> AuditConfig:
 def _epsilon_problems(settings: EpsilonSettings) -> list[str]:
     """ε settings the audit could not use: no ε, or too few canaries to show even the smallest (a run that
     cannot fail, beside a control that cannot reach a ceiling worth the name)."""
-    from attacks.epsilon import ceiling
+    from attacks.one_run import ceiling
     from fedlt.dp import DPSettings
 
     if not settings.epsilons or any(e <= 0 for e in settings.epsilons):

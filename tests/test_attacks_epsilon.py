@@ -18,13 +18,11 @@ from attacks.epsilon import (
     NoiseOff,
     WithCanaries,
     audit_private,
-    best_guesses,
     epsilon_audit,
     epsilon_grid,
-    lower_bound,
-    p_value,
     silo_round,
 )
+from attacks.one_run import best_guesses, lower_bound, p_value
 from fedlt.dp import DPSettings
 from fedlt.methods import TrainConfig
 from fedlt.methods.dpsgd import train_private

@@ -40,7 +40,7 @@ from silo.releases import ReleaseLedger
 from silo.work import Work
 from tests.consortium_harness import AUDIT_KEY, PLAN, write_kit
 from tests.test_release_gate import shard
-from tests.test_review_studies import Disclosures
+from tests.test_review_studies import Disclosures, disclosing_round
 from tests.test_silo_refusals import check
 
 CLASSES, DIM = 6, 32
@@ -383,20 +383,6 @@ def states_and_data():
     return method.init_state(seed=1), method.init_state(seed=2), shard(0)
 
 
-def asking(state, prepared, *, mask: str = "gaussian", min_samples: int = 5) -> SimpleNamespace:
-    """An admitted round that asks for the silo's masked class means and no training."""
-    return SimpleNamespace(
-        spec=SimpleNamespace(round_id="r1.a1.x", round=1),
-        plan=SimpleNamespace(selection=SimpleNamespace(min_samples=min_samples, mask=mask)),
-        method=PLAN.build_method(),
-        state=state,
-        prepared=prepared,
-        data=prepared.data,
-        discloses=True,
-        trains=False,
-    )
-
-
 def agent_work(state_dir, *, policy_minimum: int = 1) -> Work:
     policy = PolicySection(disclosures=("mfsc",), disclosure_min_samples=policy_minimum)
     ledger = ReleaseLedger(state_dir)
@@ -411,8 +397,8 @@ def dropped_after_another(tmp_path, states_and_data, monkeypatch) -> Disclosures
     monkeypatch.setattr(releases, "KEPT_DISCLOSURES", 1)
     state, other, prepared = states_and_data
     sent = Disclosures()
-    agent_work(tmp_path).train(sent, asking(state, prepared))
-    agent_work(tmp_path).train(sent, asking(other, prepared))
+    agent_work(tmp_path).train(sent, disclosing_round(state, prepared))
+    agent_work(tmp_path).train(sent, disclosing_round(other, prepared))
     assert ReleaseLedger(tmp_path).disclosure(f"{state.content_digest()}/{prepared.data_digest}") is None
     return sent
 
@@ -427,11 +413,11 @@ def test_a_state_whose_disclosure_was_dropped_is_disclosed_again_as_the_same_byt
     tells no held class from a mask. The plan's settings alone would have given other bytes."""
     state, _, prepared = states_and_data
     sent = dropped_after_another(tmp_path, states_and_data, monkeypatch)
-    agent_work(tmp_path).train(sent, asking(state, prepared, **later))
+    agent_work(tmp_path).train(sent, disclosing_round(state, prepared, **later))
     first, _, again = sent.sent
     assert np.array_equal(first, again)
     fresh = Disclosures()
-    agent_work(tmp_path / "fresh").train(fresh, asking(state, prepared, **later))
+    agent_work(tmp_path / "fresh").train(fresh, disclosing_round(state, prepared, **later))
     assert not np.array_equal(first, fresh.sent[0])
 
 
@@ -442,7 +428,7 @@ def test_a_disclosure_made_again_as_other_bytes_is_not_sent(tmp_path, states_and
     sent = dropped_after_another(tmp_path, states_and_data, monkeypatch)
     made = work.class_mean_disclosure
     monkeypatch.setattr(work, "class_mean_disclosure", lambda *a, **k: made(*a, **k) * (1 + 1e-12))
-    agent_work(tmp_path).train(sent, asking(state, prepared))
+    agent_work(tmp_path).train(sent, disclosing_round(state, prepared))
     assert len(sent.sent) == 2
 
 
@@ -455,7 +441,7 @@ def test_a_disclosure_made_under_a_lower_minimum_than_the_policy_now_asks_is_not
     state, other, prepared = states_and_data
     monkeypatch.setattr(releases, "KEPT_DISCLOSURES", 1 if dropped else releases.KEPT_DISCLOSURES)
     sent = Disclosures()
-    agent_work(tmp_path).train(sent, asking(state, prepared))
-    agent_work(tmp_path).train(sent, asking(other, prepared))
-    agent_work(tmp_path, policy_minimum=10).train(sent, asking(state, prepared))
+    agent_work(tmp_path).train(sent, disclosing_round(state, prepared))
+    agent_work(tmp_path).train(sent, disclosing_round(other, prepared))
+    agent_work(tmp_path, policy_minimum=10).train(sent, disclosing_round(state, prepared))
     assert len(sent.sent) == 2

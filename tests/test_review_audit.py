@@ -18,7 +18,8 @@ import fedlt.methods.dpsgd as dpsgd
 from attacks.aggregator_data import _census_finding
 from attacks.audit import Finding
 from attacks.config import AuditConfig, Mode, load_audit_config
-from attacks.epsilon import CanaryRound, WithCanaries, epsilon_audit, p_value, silo_round
+from attacks.epsilon import CanaryRound, WithCanaries, epsilon_audit, silo_round
+from attacks.one_run import p_value
 from attacks.summary import render_summary
 from fedlt.dp import DPSettings
 from fedlt.errors import ConfigError

@@ -230,11 +230,11 @@ def study_agent_work(shared: Path) -> Work:
     )
 
 
-def disclosing_round(state, prepared, *, mask: str) -> SimpleNamespace:
+def disclosing_round(state, prepared, *, mask: str = "gaussian", min_samples: int = 5) -> SimpleNamespace:
     """An admitted round that asks for the silo's masked class means and no training."""
     return SimpleNamespace(
         spec=SimpleNamespace(round_id="r1.a1.x", round=1),
-        plan=SimpleNamespace(selection=SimpleNamespace(min_samples=5, mask=mask)),
+        plan=SimpleNamespace(selection=SimpleNamespace(min_samples=min_samples, mask=mask)),
         method=PLAN.build_method(),
         state=state,
         prepared=prepared,
