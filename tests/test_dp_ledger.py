@@ -410,3 +410,19 @@ def test_a_later_run_calibrates_to_what_earlier_runs_left():
     assert {e["run"] for e in second.ledger.entries} == {"plan-a", "plan-b"}
     restarted = run("plan-b", second.ledger, 3)
     assert restarted.noise_multiplier(sample_rate=rate, steps=steps) == sigma_b
+
+
+def test_an_in_memory_ledger_pickles_and_one_on_disk_does_not(tmp_path):
+    """A simulated silo's ledger moves with its work (the Ray backend); a file's ledger must be opened where
+    it lies, or two processes would each think they hold the silo's spending."""
+    import pickle
+
+    memory = PrivacyLedger(Budget(8.0, 1e-5))
+    memory.charge("gaussian", SMALL, what="counts")
+    moved = pickle.loads(pickle.dumps(memory))
+    assert moved.entries == memory.entries
+    assert moved.spent() == memory.spent()
+    moved.charge("gaussian", SMALL, what="more")  # its lock came back with it
+    assert moved.spent() > memory.spent()
+    with pytest.raises(TypeError, match="stays with its file"):
+        pickle.dumps(PrivacyLedger(Budget(8.0, 1e-5), tmp_path / "ledger.json"))

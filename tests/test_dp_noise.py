@@ -70,3 +70,16 @@ def test_each_draw_is_fresh_and_not_overwritten_by_the_next():
 def test_other_dtypes_are_refused():
     with pytest.raises(ValueError, match="float32 or float64"):
         SecureRandom.seeded(0).gaussian((4,), 1.0, torch.float16)
+
+
+@pytest.mark.parametrize("drawn", [0, 1, 5, 130])
+def test_a_pickled_stream_goes_on_where_it_was(drawn):
+    """The simulator's Ray backend moves a silo's stream to another process: a copy must draw exactly what the
+    original would have drawn next, from any position (5 words end mid-block)."""
+    import pickle
+
+    original = SecureRandom(KEY)
+    original.words(drawn)
+    copy = pickle.loads(pickle.dumps(original))
+    np.testing.assert_array_equal(copy.words(7), SecureRandom(KEY).words(drawn + 7)[drawn:])
+    np.testing.assert_array_equal(original.words(7), SecureRandom(KEY).words(drawn + 7)[drawn:])

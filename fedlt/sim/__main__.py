@@ -45,6 +45,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         help="differential privacy: each silo's (ε, δ = [dp] delta) budget; turns [dp] on",
     )
+    p.add_argument("--backend", help="where each silo's work runs: serial (this process) or ray")
+    p.add_argument("--address", help='ray: the cluster to join ("auto": the one `ray start` runs here)')
+    p.add_argument("--threads", type=int, help="torch threads for each silo's work (0: backend's default)")
+    p.add_argument("--workers", type=int, help="ray, local cluster: silos trained at once (0: one per core)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -70,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             "per_round",
             "selection",
             "epsilon",
+            "backend",
+            "address",
+            "threads",
+            "workers",
         )
     }
     try:

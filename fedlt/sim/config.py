@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fedlt.aggregation import layer_names
-from fedlt.config import as_toml, parse_section, read_toml, setting
+from fedlt.config import as_table, parse_section, read_toml, render_toml, setting
 from fedlt.data.federation import DataConfig
 from fedlt.dp import DPSettings
 from fedlt.errors import ConfigError
@@ -18,6 +18,7 @@ from fedlt.metrics import ShotThresholds
 from fedlt.models import ENTRY_FORM, MODELS, ModelOptions
 from fedlt.plan import ModelSection
 from fedlt.selection import SelectionConfig
+from fedlt.sim.backend import BackendConfig
 
 
 @dataclass(frozen=True)
@@ -49,10 +50,13 @@ class SimConfig:
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     metrics: ShotThresholds = field(default_factory=ShotThresholds)
     dp: DPSettings = field(default_factory=DPSettings)
+    sim: BackendConfig = field(default_factory=BackendConfig)
 
     def fingerprint(self) -> str:
-        """Identifies the run a checkpoint belongs to; `rounds` is left out so a run can be extended."""
-        return hashlib.sha256(as_toml(replace(self, rounds=1)).encode()).hexdigest()
+        """Identifies the run a checkpoint belongs to; `rounds` is left out so a run can be extended, and
+        `[sim]` so that it can resume on another backend."""
+        table = {k: v for k, v in as_table(replace(self, rounds=1)).items() if k != "sim"}
+        return hashlib.sha256(render_toml(table).encode()).hexdigest()
 
 
 # flag name -> (section, key) in the TOML tree
@@ -71,6 +75,10 @@ FLAG_KEYS: dict[str, tuple[str, ...]] = {
     "per_round": ("selection", "per_round"),
     "selection": ("selection", "strategy"),
     "epsilon": ("dp", "epsilon"),
+    "backend": ("sim", "backend"),
+    "address": ("sim", "address"),
+    "threads": ("sim", "threads"),
+    "workers": ("sim", "workers"),
 }
 # flags that also switch a section on
 FLAG_ENABLES: dict[str, tuple[str, ...]] = {"epsilon": ("dp", "enabled")}

@@ -17,24 +17,28 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from fedlt.aggregation import make_layer
+from fedlt.aggregation import Contribution, make_layer
 from fedlt.atomic import atomic_write, atomic_write_text
 from fedlt.config import as_table, as_toml
+from fedlt.data.arrays import LabeledData
 from fedlt.data.federation import Federation, build_federation
 from fedlt.device import resolve_device
 from fedlt.dp import silo_privacy
 from fedlt.errors import FedltError
 from fedlt.methods import GlobalState, Method, ModelSpec, ServerContext, SiloContext, method_class
+from fedlt.methods.local import PrivateRound
 from fedlt.models import default_model
 from fedlt.recorder import RunRecorder, round_line
 from fedlt.selection import (
     SelectionBook,
+    SelectionConfig,
     choose_participants,
     class_mean_disclosure,
     estimate_coverage,
     mask_stream,
     simulated_mask_secret,
 )
+from fedlt.sim.backend import open_backend
 from fedlt.sim.config import SimConfig
 from fedlt.telemetry import TENSORBOARD, open_telemetry
 from fedlt.telemetry.to_mlflow import target_from_environment
@@ -106,67 +110,80 @@ def run_simulation(
     atomic_write_text(out / "config.toml", as_toml(config))
     silos = {f"silo-{k}": silo for k, silo in enumerate(federation.silos)}
     private = _silo_privacy(config, method, silos, ledgers)
-    while method.remaining_rounds(state) > 0:
-        r, total = state.round + 1, state.round + method.remaining_rounds(state)
-        started = time.perf_counter()
-        trains = method.trains(state)
-        picked = (
-            choose_participants(config.selection, list(silos), r, config.seed, book)
-            if trains
-            else list(silos)
-        )
-        if trains and config.selection.discloses:  # every silo, so that all means share one encoder
-            for silo_id, silo in silos.items():
-                stream = mask_stream(simulated_mask_secret(config.seed, silo_id), state.content_digest())
-                book.disclosures[silo_id] = class_mean_disclosure(
-                    method,
-                    state,
-                    silo,
-                    config.selection.mask,
-                    stream,
-                    min_samples=config.selection.min_samples,
-                )
-        training_started = time.perf_counter()
-        contributions = [
-            method.local_round(
-                state, silos[silo_id], SiloContext(r, silo_id, config.seed, private.get(silo_id))
+    with open_backend(config.sim, silos) as backend:
+        while method.remaining_rounds(state) > 0:
+            r, total = state.round + 1, state.round + method.remaining_rounds(state)
+            started = time.perf_counter()
+            trains = method.trains(state)
+            picked = (
+                choose_participants(config.selection, list(silos), r, config.seed, book)
+                if trains
+                else list(silos)
             )
-            for silo_id in picked
-        ]
-        training = time.perf_counter() - training_started
-        if trains:
-            book.record(r, picked)
-        sums = layer.aggregate(
-            method.schema(state),
-            contributions,
-            silos=picked,
-            noise=private,
-            trained_from=state.content_digest(),
-            records={u: np.bincount(silos[u].y, minlength=silos[u].num_classes) for u in picked},
-        )
-        state = method.server_step(state, sums, ServerContext(r, config.seed))
-        entry = recorder.evaluate(
-            r,
-            method.eval_model(state),
-            clipped_values=sum(c.clipped for c in contributions),
-            state_digest=state.digest(),
-        )
-        entry["seconds"] = round(time.perf_counter() - started, 3)
-        entry["train_seconds"] = round(training, 3)  # the silos' local rounds, one after another
-        if config.selection.per_round:
-            entry["participants"] = picked
-        if config.selection.discloses:
-            entry["coverage_error"] = _coverage_error(book, silos, config.selection.separation)
-        if private:
-            entry["epsilon_spent"] = max(p.ledger.spent() for p in private.values())
-        recorder.append(entry)
-        ledgers = {silo_id: p.ledger.entries for silo_id, p in private.items()}
-        _save_checkpoint(out, config, state, recorder.rounds, book, layer.saved(), ledgers)
-        echo(round_line(entry, total))
-        if on_round is not None:
-            on_round(r, total, entry)
+            if trains and config.selection.discloses:  # every silo, so that all means share one encoder
+                work = [(u, (simulated_mask_secret(config.seed, u), config.selection)) for u in silos]
+                book.disclosures.update(zip(silos, backend.map(_disclose, method, state, work), strict=True))
+            training_started = time.perf_counter()
+            work = [(u, SiloContext(r, u, config.seed, private.get(u))) for u in picked]
+            contributions = []
+            for silo_id, (contribution, silo_private) in zip(
+                picked, backend.map(_train, method, state, work), strict=True
+            ):
+                contributions.append(contribution)
+                if silo_private is not None:  # its ledger and noise stream moved on where it trained
+                    private[silo_id] = silo_private
+            training = time.perf_counter() - training_started
+            if trains:
+                book.record(r, picked)
+            sums = layer.aggregate(
+                method.schema(state),
+                contributions,
+                silos=picked,
+                noise=private,
+                trained_from=state.content_digest(),
+                records={u: np.bincount(silos[u].y, minlength=silos[u].num_classes) for u in picked},
+            )
+            state = method.server_step(state, sums, ServerContext(r, config.seed))
+            entry = recorder.evaluate(
+                r,
+                method.eval_model(state),
+                clipped_values=sum(c.clipped for c in contributions),
+                state_digest=state.digest(),
+            )
+            entry["seconds"] = round(time.perf_counter() - started, 3)
+            entry["train_seconds"] = round(training, 3)  # the silos' local rounds
+            if config.selection.per_round:
+                entry["participants"] = picked
+            if config.selection.discloses:
+                entry["coverage_error"] = _coverage_error(book, silos, config.selection.separation)
+            if private:
+                entry["epsilon_spent"] = max(p.ledger.spent() for p in private.values())
+            recorder.append(entry)
+            ledgers = {silo_id: p.ledger.entries for silo_id, p in private.items()}
+            _save_checkpoint(out, config, state, recorder.rounds, book, layer.saved(), ledgers)
+            echo(round_line(entry, total))
+            if on_round is not None:
+                on_round(r, total, entry)
     table = recorder.finish()
     return RunResult({**recorder.header, "rounds": recorder.rounds}, table, state)
+
+
+def _train(
+    method: Method, state: GlobalState, silo: LabeledData, ctx: SiloContext
+) -> tuple[Contribution, PrivateRound | None]:
+    """A silo's local round, with its DP side as the round left it (a copy, where the silo ran elsewhere)."""
+    return method.local_round(state, silo, ctx), ctx.private
+
+
+def _disclose(
+    method: Method, state: GlobalState, silo: LabeledData, arg: tuple[bytes, SelectionConfig]
+) -> torch.Tensor:
+    """MFSC's masked class means of one silo, under its (simulated) mask secret."""
+    secret, selection = arg
+    stream = mask_stream(secret, state.content_digest())
+    return class_mean_disclosure(
+        method, state, silo, selection.mask, stream, min_samples=selection.min_samples
+    )
 
 
 def make_method(

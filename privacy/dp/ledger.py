@@ -82,6 +82,18 @@ class PrivacyLedger:
         if path is not None and path.exists():
             self.restore(_read(path))
 
+    def __getstate__(self) -> dict:
+        """An in-memory ledger pickles (a simulated silo's, which moves with its work); one on disk stays
+        where its file is."""
+        if self.path is not None:
+            raise TypeError(f"the ledger in {self.path} stays with its file: open it where it lies")
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._total = np.array(self._total)  # writable: Ray hands arrays over read-only
+        self._lock = threading.Lock()
+
     def restore(self, entries: list[dict]) -> None:
         """Replace the in-memory entries with saved ones (a simulator resuming from its checkpoint)."""
         with self._lock:

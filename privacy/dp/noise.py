@@ -30,14 +30,28 @@ _SMALL_MEAN = 10.0  # below it a Poisson draw counts uniforms (Knuth); above it 
 
 
 class SecureRandom:
-    """One AES-256-CTR keystream read as 64-bit words; not thread-safe (one per silo and purpose)."""
+    """One AES-256-CTR keystream read as 64-bit words; not thread-safe (one per silo and purpose).
 
-    def __init__(self, key: bytes | None = None) -> None:
+    It pickles as its key and position, so that a simulated silo's stream can move with its work to another
+    process and on from where it was (the simulator's Ray backend); the key travels with it."""
+
+    def __init__(self, key: bytes | None = None, *, position: int = 0) -> None:
         key = os.urandom(32) if key is None else key
         if len(key) != 32:
             raise ValueError("a SecureRandom key has 32 bytes")
-        self._stream = Cipher(algorithms.AES(key), modes.CTR(_COUNTER)).encryptor()
+        block, skip = divmod(position, 16)
+        counter = ((int.from_bytes(_COUNTER, "big") + block) % 2**128).to_bytes(16, "big")
+        self._key, self._position = key, position
+        self._stream = Cipher(algorithms.AES(key), modes.CTR(counter)).encryptor()
+        self._stream.update(bytes(skip))
         self._buffers: dict[str, np.ndarray] = {}
+
+    def __reduce__(self) -> tuple:
+        return SecureRandom._at, (self._key, self._position)
+
+    @classmethod
+    def _at(cls, key: bytes, position: int) -> SecureRandom:
+        return cls(key, position=position)
 
     @classmethod
     def seeded(cls, seed: int | str) -> SecureRandom:
@@ -59,6 +73,7 @@ class SecureRandom:
         for start in range(0, 8 * count, _CHUNK):
             size = min(_CHUNK, 8 * count - start)
             self._stream.update_into(_ZEROS[:size], view[start : start + size + _SLACK])
+            self._position += size
         return out[:count]
 
     def _scratch(self, name: str, count: int, dtype: np.dtype | str) -> np.ndarray:

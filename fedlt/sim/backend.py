@@ -1,0 +1,171 @@
+"""Where the simulator runs each silo's local work: in this process, one silo after another (`serial`), or
+as Ray tasks on a Ray cluster (`ray`), many at once.
+
+A job is a module-level function of (method, global state, the silo's data, the silo's job) and returns what
+the silo would send. The privacy layer's sums and the server step stay in the driver whichever backend runs
+the jobs, and every job's randomness comes from (seed, round, silo), so both backends give the same bits for
+the same seed and the same torch thread count (torch's reductions are ordered by its threads, so `threads`
+decides the bits too). On Ray each silo's data is put in the object store once per run, the state and the
+method once per round; a task whose worker or node dies is run again by Ray (`max_retries`), from the same
+inputs, so it returns the same result; a task that raises stops the round, and the run resumes from its last
+checkpoint as after a crash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from fedlt.config import setting
+from fedlt.data.arrays import LabeledData
+from fedlt.errors import FedltError
+from fedlt.methods import GlobalState, Method
+
+# what a job does with one silo: (method, state, the silo's data, the job's own argument) -> the result
+Job = Callable[[Method, GlobalState, LabeledData, Any], Any]
+CONNECT_SECONDS = 10
+RETRIES = 3  # a task whose worker or node dies is run again this often before the round fails
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """`[sim]`: where each silo's local work runs. It never changes a run's identity (its fingerprint): a run
+    may resume on another backend, bit for bit at the same `threads`."""
+
+    backend: str = setting("serial", choices=("serial", "ray"), doc="serial: one process; ray: a Ray cluster")
+    address: str = setting(
+        "", doc='ray: the cluster to join ("auto": the one `ray start` runs here); empty: start a local one'
+    )
+    threads: int = setting(
+        0, ge=0, le=256, doc="torch threads for each silo's work; 0: torch's default (serial), 1 (ray)"
+    )
+    workers: int = setting(
+        0, ge=0, le=4096, doc="ray, local cluster: silos at once; 0: one per core / threads"
+    )
+
+    def threads_per_silo(self) -> int:
+        return self.threads or (1 if self.backend == "ray" else torch.get_num_threads())
+
+
+class BackendUnavailable(FedltError):
+    """The configured backend cannot run here (Ray not installed, or its cluster not reachable)."""
+
+
+class Backend(Protocol):
+    def map(self, job: Job, method: Method, state: GlobalState, work: Sequence[tuple[str, Any]]) -> list[Any]:
+        """`job` for each (silo id, argument) of `work`, results in the same order."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class SerialBackend:
+    """Every silo in this process, one after another: the reference the other backends must match."""
+
+    def __init__(self, silos: Mapping[str, LabeledData], threads: int) -> None:
+        self.silos, self.threads = silos, threads
+
+    def map(self, job: Job, method: Method, state: GlobalState, work: Sequence[tuple[str, Any]]) -> list[Any]:
+        with torch_threads(self.threads):
+            return [job(method, state, self.silos[silo_id], arg) for silo_id, arg in work]
+
+    def close(self) -> None:
+        pass
+
+
+class RayBackend:
+    """One Ray task per silo and job, `threads` CPUs each; the data travels to the object store once."""
+
+    def __init__(self, silos: Mapping[str, LabeledData], config: BackendConfig) -> None:
+        ray = _import_ray()
+        self._ray = ray
+        self._started = not ray.is_initialized()
+        if self._started:
+            _connect(ray, config)
+        self.threads = config.threads_per_silo()
+        self._silos = {silo_id: ray.put(silo) for silo_id, silo in silos.items()}
+        self._task = ray.remote(_run_job).options(num_cpus=self.threads, max_retries=RETRIES)
+
+    def map(self, job: Job, method: Method, state: GlobalState, work: Sequence[tuple[str, Any]]) -> list[Any]:
+        shared = self._ray.put((job, method, state, self.threads))
+        return self._ray.get([self._task.remote(shared, self._silos[silo_id], arg) for silo_id, arg in work])
+
+    def close(self) -> None:
+        if self._started:
+            self._ray.shutdown()
+
+
+@contextmanager
+def open_backend(config: BackendConfig, silos: Mapping[str, LabeledData]) -> Iterator[Backend]:
+    """The configured backend for these silos, closed (a local Ray cluster stopped) when the run ends."""
+    ray = config.backend == "ray"
+    backend = RayBackend(silos, config) if ray else SerialBackend(silos, config.threads_per_silo())
+    try:
+        yield backend
+    finally:
+        backend.close()
+
+
+def _run_job(shared: tuple[Job, Method, GlobalState, int], silo: LabeledData, arg: Any) -> Any:
+    """A Ray task's body. Ray hands numpy arrays over read-only, from shared memory; a silo's job may write
+    to its arrays as in a silo process, so it gets its own copy (the data's bytes, once a round)."""
+    job, method, state, threads = shared
+    silo = dataclasses.replace(silo, x=silo.x.copy(), y=silo.y.copy())
+    with torch_threads(threads):
+        return job(method, state, silo, arg)
+
+
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op threads set for a block, and put back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise BackendUnavailable(
+            "sim.backend = 'ray' needs Ray, which is not installed: pip install 'fedlt[ray]' "
+            "(or run with the serial backend)"
+        ) from None
+    return ray
+
+
+def _connect(ray: Any, config: BackendConfig) -> None:
+    """Join the configured cluster, or start a local one with `workers` silos' worth of CPUs."""
+    quiet = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+    try:
+        if config.address:
+            _check_reachable(config.address)
+            ray.init(address=config.address, **quiet)
+        else:
+            cpus = (config.workers or max(1, (os.cpu_count() or 1) // config.threads_per_silo())) * (
+                config.threads_per_silo()
+            )
+            ray.init(num_cpus=cpus, **quiet)
+    except ConnectionError as exc:
+        raise BackendUnavailable(f"no Ray cluster at {config.address!r}: {exc}") from None
+
+
+def _check_reachable(address: str) -> None:
+    """A head node's `host:port` answers, or a clear error now: Ray itself keeps trying for minutes."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "://" in address:
+        return  # "auto", or a ray:// client address: Ray's own errors say what is wrong
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS).close()
+    except OSError as exc:
+        raise BackendUnavailable(f"no Ray head node answers at {address}: {exc}") from None
