@@ -3,7 +3,7 @@
     python benchmarks/accuracy.py [--imbalance 10 50 100] [--seeds 0 1 2]
         [--methods fedavg fedprox ccvr creff redgrape sfd dflfs dflfs:strategy=wc] [--rounds 30]
         [--workers 2] [--runs benchmarks/runs/accuracy] [--write docs/BENCHMARKS.md] [--section NAME]
-        [--set section.key=value ...] [--privacy plaintext|secagg|ckks]
+        [--set section.key=value ...] [--privacy plaintext|secagg|ckks] [--ray [ADDRESS]]
 
 A method is a name, or a name with settings of its `[method]` table (TOML values): `sfd:aligner=false`,
 `sfd:local_loss="ce"`, `dflfs:strategy="wc"` — the ablations and variants. A dotted setting belongs to
@@ -18,7 +18,8 @@ seeds. Runs are kept in --runs (in a folder named after --set, if given) and res
 so an interrupted benchmark loses at most the round in flight. Workers run one torch thread each, so results
 do not depend on --workers. The plot goes to docs/img/ with --write (the docs' table), otherwise beside the
 runs, so trying other seeds leaves the docs' picture alone. `--privacy secagg` sums every run securely (the
-compact ring's rounding, issue 17).
+compact ring's rounding, issue 17). `--ray [ADDRESS]` sends each run to a Ray cluster as a task of one CPU
+(docs/ray.md): every node needs fedlt installed, and --runs on a shared file system for a grid to resume.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch
 from matplotlib.figure import Figure
 
 from fedlt.methods import METHODS
+from fedlt.sim.backend import RETRIES, BackendConfig, BackendUnavailable, join_cluster
 from fedlt.sim.config import load_sim_config
 from fedlt.sim.run import RunFolderError, run_simulation
 
@@ -57,6 +59,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--section", default="accuracy-table", help="marker name of the section --write replaces")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help='one Ray task per run: on the cluster at ADDRESS ("auto": the one `ray start` runs here), or '
+        "without ADDRESS on a local one of --workers CPUs (pip install 'fedlt[ray]')",
+    )
     p.add_argument("--runs", type=Path, default=ROOT / "benchmarks" / "runs" / "accuracy")
     p.add_argument("--write", type=Path, help="Markdown file whose accuracy table section to replace")
     p.add_argument("--set", nargs="*", default=[], help="settings for every run, as section.key=value")
@@ -129,12 +139,13 @@ def main(argv: list[str] | None = None) -> int:
         results = run_in_pool(
             calls,
             args.workers,
-            lambda r: (
+            ray=args.ray,
+            line=lambda r: (
                 f"{r['method']:>9} IF {r['imbalance']:>5g} seed {r['seed']}: overall {r['accuracy']:.1%}, "
                 f"few {pct(r['few'])} ({r['seconds']:.0f} s)"
             ),
         )
-    except RunFolderError as exc:
+    except (RunFolderError, BackendUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     minutes = (time.perf_counter() - started) / 60
@@ -150,8 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_in_pool(calls: list[tuple[Callable, tuple]], workers: int, line: Callable[[dict], str]) -> list[dict]:
-    """Each (function, arguments) in a worker process; prints `line(result)` as each run finishes."""
+def run_in_pool(
+    calls: list[tuple[Callable, tuple]], workers: int, line: Callable[[dict], str], ray: str | None = None
+) -> list[dict]:
+    """Each (function, arguments) in a worker process, or as a Ray task on the cluster at `ray` ("": a local
+    one of `workers` CPUs); prints `line(result)` as each run finishes."""
+    if ray is not None:
+        return run_on_ray(calls, BackendConfig(backend="ray", address=ray, threads=1, workers=workers), line)
     results = []
     with ProcessPoolExecutor(max_workers=workers) as pool:
         futures = [pool.submit(function, *arguments) for function, arguments in calls]
@@ -162,6 +178,26 @@ def run_in_pool(calls: list[tuple[Callable, tuple]], workers: int, line: Callabl
         except BaseException:  # a failed run stops the benchmark now, not after every other run
             pool.shutdown(wait=False, cancel_futures=True)
             raise
+    return results
+
+
+def run_on_ray(
+    calls: list[tuple[Callable, tuple]], cluster: BackendConfig, line: Callable[[dict], str]
+) -> list[dict]:
+    """One Ray task of one CPU per run, so a grid fills every core of every node; a task whose node dies
+    runs again elsewhere (it resumes from its run folder's checkpoint if that folder is shared)."""
+    ray, started = join_cluster(cluster)
+    task = ray.remote(num_cpus=1, max_retries=RETRIES)
+    pending = [task(function).remote(*arguments) for function, arguments in calls]
+    results = []
+    try:
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            results.append(ray.get(done[0]))
+            print(f"[{len(results)}/{len(calls)}] {line(results[-1])}", flush=True)
+    finally:
+        if started:
+            ray.shutdown()
     return results
 
 
@@ -184,6 +220,7 @@ def render(results: list[dict], args: argparse.Namespace, minutes: float) -> str
         + f" --rounds {args.rounds} --workers {args.workers}"
         + (f" --set {shlex.join(args.set)}" if args.set else "")
         + (f" --privacy {args.privacy}" if args.privacy != "plaintext" else "")
+        + ("" if args.ray is None else " --ray" + (f" {args.ray}" if args.ray else ""))
     )
     lines = [
         f"<!-- {args.section}:start -->",

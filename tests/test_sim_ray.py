@@ -5,6 +5,7 @@ multi-node cluster, with a node removed mid-round, is in the slow tests at the e
 import json
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -21,6 +22,7 @@ from fedlt.sim.run import CHECKPOINT, run_simulation
 
 ray = pytest.importorskip("ray")
 
+ROOT = Path(__file__).resolve().parents[1]
 FAST = {"dataset": "digits", "silos": 4, "rounds": 2, "imbalance": 10.0, "alpha": 0.5, "threads": 1}
 MFSC = {"per_round": 2, "selection": "mfsc"}  # a disclosure from every silo, then training by 2 of them
 
@@ -174,3 +176,39 @@ def _remove_when_busy(cluster, node, removed: threading.Event) -> None:
             removed.set()
             return
         time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_an_accuracy_grid_runs_as_tasks_on_a_cluster(tmp_path):
+    """`benchmarks/accuracy.py --ray ADDRESS`: one task per run on a two-node cluster, every run's result
+    back in the driver's table."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for _ in range(2):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    grid = ["--imbalance", "10", "--seeds", "0", "1", "--methods", "fedavg", "--rounds", "1"]
+    try:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "benchmarks/accuracy.py",
+                *grid,
+                "--ray",
+                cluster.address,
+                "--runs",
+                str(tmp_path),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    finally:
+        cluster.shutdown()
+    assert done.returncode == 0, done.stderr
+    assert "[2/2]" in done.stdout
+    results = json.loads((tmp_path / "accuracy-table.json").read_text())
+    assert sorted(r["seed"] for r in results) == [0, 1]
+    assert all(r["rounds"] == 1 for r in results)

@@ -84,11 +84,8 @@ class RayBackend:
     """One Ray task per silo and job, `threads` CPUs each; the data travels to the object store once."""
 
     def __init__(self, silos: Mapping[str, LabeledData], config: BackendConfig) -> None:
-        ray = _import_ray()
+        ray, self._started = join_cluster(config)
         self._ray = ray
-        self._started = not ray.is_initialized()
-        if self._started:
-            _connect(ray, config)
         self.threads = config.threads_per_silo()
         self._silos = {silo_id: ray.put(silo) for silo_id, silo in silos.items()}
         self._task = ray.remote(_run_job).options(num_cpus=self.threads, max_retries=RETRIES)
@@ -131,6 +128,16 @@ def torch_threads(threads: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def join_cluster(config: BackendConfig) -> tuple[Any, bool]:
+    """The `ray` module, connected as `config` says unless this process already is, and whether it was
+    connected here (and should be shut down by the caller)."""
+    ray = _import_ray()
+    if ray.is_initialized():
+        return ray, False
+    _connect(ray, config)
+    return ray, True
 
 
 def _import_ray() -> Any:
