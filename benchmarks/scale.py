@@ -2,7 +2,7 @@
 
     python benchmarks/scale.py backends [--repeats 3] [--rounds 5] [--threads 1]
     python benchmarks/scale.py study [--silos 100] [--per-round 8] [--rounds 30] [--privacy secagg]
-        [--backends serial ray]
+        [--method dflfs] [--selection mfsc] [--backends serial ray]
 
 `backends`: the 10-silo demo (configs/demo.toml: FedAvg, LT MNIST-5k, IF 100, α 0.5, 2 local epochs), each
 silo's work at `--threads` torch threads, run serially, on a local Ray cluster of one worker and of two, in
@@ -11,9 +11,11 @@ round time is the median of its rounds after the first (the first also starts Ra
 torch); each repeat compares the Ray runs with the serial run of the same repeat, and the report gives the
 median of those ratios. Every run must end with the serial run's state digest, or the benchmark stops.
 
-`study`: DFL-FS's setting, many small silos of which a few train each round (100 silos × 8 a round, LT
-MNIST-5k, IF 100, α 0.5, at least one image per silo), under secure aggregation, to completion on each
-backend of `--backends`; reports the median round time of each and checks that both end with the same bits.
+`study`: DFL-FS's setting, many small silos of which a few train each round (100 silos × 8 a round picked
+by MFSC, LT MNIST-5k, IF 100, α 0.5, at least one image per silo, DFL-FS with its closing round in which
+every silo sends its feature statistics), under secure aggregation, to completion on each backend of
+`--backends`; reports the median round time of each, the closing round's, and checks that both end with the
+same bits.
 """
 
 from __future__ import annotations
@@ -38,13 +40,13 @@ BACKENDS = {"serial": {"backend": "serial"}, "ray×1": {"backend": "ray", "worke
 BACKENDS["ray×2"] = {"backend": "ray", "workers": 2}
 
 
-def run(config: SimConfig) -> tuple[float, str, float]:
-    """The median round time after the first, the final state's digest, and the whole run's seconds."""
+def run(config: SimConfig) -> tuple[list[float], str, float]:
+    """Each round's seconds, the final state's digest, and the whole run's seconds."""
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
         result = run_simulation(config, Path(out), echo=lambda _: None)
-    rounds = [r["seconds"] for r in result.metrics["rounds"][1:]]
-    return statistics.median(rounds), result.state.digest(), time.perf_counter() - started
+    rounds = [r["seconds"] for r in result.metrics["rounds"]]
+    return rounds, result.state.digest(), time.perf_counter() - started
 
 
 def backends(args: argparse.Namespace) -> None:
@@ -54,7 +56,8 @@ def backends(args: argparse.Namespace) -> None:
     for repeat in range(args.repeats):
         digests = set()
         for name, setting in BACKENDS.items():
-            seconds, digest, _ = run(load_sim_config(str(CONFIG), {**flags, **setting}))
+            rounds, digest, _ = run(load_sim_config(str(CONFIG), {**flags, **setting}))
+            seconds = statistics.median(rounds[1:])  # the first also starts Ray's workers
             times[name].append(seconds)
             digests.add(digest)
             print(f"repeat {repeat + 1}: {name:>6} {seconds:.2f} s a round", flush=True)
@@ -76,18 +79,23 @@ def study(args: argparse.Namespace) -> None:
         "rounds": args.rounds,
         "privacy": args.privacy,
         "threads": args.threads,
+        "method": args.method,
+        "selection": args.selection,
     }
     digests, lines = set(), []
     for name in args.backends:
         config = load_sim_config(
             str(CONFIG), {**flags, "backend": name}, tables={"data": {"min_silo_size": 1}}
         )
-        seconds, digest, whole = run(config)
+        rounds, digest, whole = run(config)
         digests.add(digest)
-        lines.append(f"| {name} | {config.rounds} | {seconds:.2f} s | {whole / 60:.1f} min |")
+        seconds = statistics.median(rounds[1 : config.rounds])  # training rounds after the first
+        lines.append(
+            f"| {name} | {len(rounds)} | {seconds:.2f} s | {rounds[-1]:.1f} s | {whole / 60:.1f} min |"
+        )
         print(f"{name}: {seconds:.2f} s a round, {whole:.0f} s in all", flush=True)
-    print(f"\n{machine()}; {args.silos} silos × {args.per_round} a round, {args.privacy}")
-    print("| backend | rounds | round time (median) | whole run |\n|---|---|---|---|")
+    print(f"\n{machine()}; {args.silos} silos × {args.per_round} a round, {args.method}, {args.privacy}")
+    print("| backend | rounds | training round (median) | last round | whole run |\n|---|---|---|---|---|")
     print("\n".join(lines))
     if len(digests) != 1:
         sys.exit(f"the backends ended with different states: {digests}")
@@ -116,6 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--per-round", type=int, default=8)
     s.add_argument("--rounds", type=int, default=30)
     s.add_argument("--privacy", default="secagg")
+    s.add_argument("--method", default="dflfs")
+    s.add_argument("--selection", default="mfsc", help="how each round's silos are picked: random or mfsc")
     s.add_argument("--threads", type=int, default=1)
     s.add_argument("--backends", nargs="+", default=["serial", "ray"], choices=("serial", "ray"))
     args = p.parse_args(argv)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fedlt.errors import ConfigError
 from fedlt.methods import GlobalState
 from fedlt.sim.__main__ import main
 from fedlt.sim.backend import BackendConfig, BackendUnavailable, RayBackend
@@ -58,6 +59,11 @@ def test_an_unreachable_head_node_is_a_clear_error(tmp_path):
 def test_the_backend_is_not_part_of_a_runs_identity():
     assert _config(backend="ray", workers=3).fingerprint() == _config(threads=0).fingerprint()
     assert _config(seed=1).fingerprint() != _config().fingerprint()
+
+
+def test_ray_with_a_gpu_named_for_training_is_refused_at_load():
+    with pytest.raises(ConfigError, match="Ray's tasks train on their nodes' CPUs"):
+        _config(backend="ray", device="cuda")
 
 
 @pytest.fixture(scope="module")

@@ -117,6 +117,11 @@ def load_sim_config(
     config = parse_section(SimConfig, tree, "", problems)
     problems += config.model.problems() + config.selection.problems()
     problems += config.dp.problems(discloses=config.selection.discloses)
+    if config.sim.backend == "ray" and config.train.device not in ("cpu", "auto"):
+        problems.append(
+            f"train.device: {config.train.device!r} with sim.backend = 'ray': Ray's tasks train on their "
+            "nodes' CPUs (a task sees no GPU unless it asks for one); use cpu or auto"
+        )
     if config.selection.per_round > config.data.silos:
         problems.append(
             f"selection.per_round: {config.selection.per_round} silos a round, "
