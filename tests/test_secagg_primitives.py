@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 import secrets
+import struct
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -16,6 +19,8 @@ from fedlt.aggregation import Field, Schema
 from privacy.dp.noise import SecureRandom
 from privacy.ring import (
     BLOCK_BYTES,
+    ENCODE_BLOCK,
+    KEY_ROW,
     MASK_KEYSTREAM,
     ROUNDING_KEY,
     FixedPointCodec,
@@ -25,6 +30,7 @@ from privacy.ring import (
     choose_encoding,
     keystream_bytes,
     mask,
+    rounding_key,
 )
 from privacy.secagg import shamir
 
@@ -216,21 +222,154 @@ def test_stochastic_rounding_is_the_same_wherever_the_same_vector_is_encoded():
     key=st.binary(min_size=32, max_size=32),
 )
 @settings(max_examples=60, deadline=None)
-def test_stochastic_rounding_is_floor_of_the_value_plus_a_32_bit_uniform(values, key):
-    """Known answer of the rounding, which the codec computes in place (scaled by 2^32 around the sum): each
-    coordinate is floor(clip(v)·2^f + w·2^-32) for the stream's next 32-bit word w, to the bit, subnormal and
-    clipped values included; the key is SHA-256 of the label and the vector's bytes."""
+def test_stochastic_rounding_is_floor_of_the_value_plus_a_16_bit_uniform(values, key):
+    """Known answer of the rounding, which the codec computes in place in blocks: each coordinate is
+    ⌊clip(v)·2^f + w·2^-16⌋ for the stream's next 16-bit word w, with float64's one rounding of
+    clip(v)·2^(f+16) + w (Python's floats as the oracle), subnormal and clipped values included; and against
+    exact rationals it is the floor of the exact sum, or one more where that sum lies within 2^-22 below an
+    integer, as the module docstring says."""
     schema = Schema((Field("delta", (8,), 10.0, frac_bits=24), Field("n", (), 1e5, frac_bits=0)))
     codec = FixedPointCodec(schema, max_silos=40)  # the delta at 22 fractional bits, stochastic
     assert (codec.encodings[0].frac_bits, codec.encodings[0].stochastic) == (22, True)
-    vector = torch.tensor(values, dtype=torch.float64)
-    words = SecureRandom(key).words(4).view(np.uint32)[:8]
-    expected = np.floor(np.clip(vector[:8].numpy(), -10.0, 10.0) * 2.0**22 + words * 2.0**-32)
-    encoded = codec.encode(vector, SecureRandom(key))
-    narrow = codec.ring.parts(encoded)[1].view(np.int32)
-    assert np.array_equal(narrow[:8], expected.astype(np.int32))
-    digest = hashlib.sha256(ROUNDING_KEY + vector.numpy().tobytes()).digest()
-    assert np.array_equal(codec.encode(vector), codec.encode(vector, SecureRandom(digest)))
+    words = SecureRandom(key).words(2).view("<u2")  # 8 values: two 64-bit words, four 16-bit words each
+    encoded = codec.ring.parts(codec.encode(torch.tensor(values, dtype=torch.float64), SecureRandom(key)))[1]
+    clipped = [min(max(x, -10.0), 10.0) for x in values[:8]]
+    for x, w, got in zip(clipped, words.tolist(), encoded.view(np.int32)[:8].tolist(), strict=True):
+        assert got == math.floor((x * 2.0**38 + w) * 2.0**-16)
+        exact = Fraction(x) * 2**22 + Fraction(w, 2**16)
+        assert got == math.floor(exact) or (
+            got == math.floor(exact) + 1 and got - exact <= Fraction(1, 2**22)
+        )
+
+
+def _key_by_definition(values: list[float]) -> bytes:
+    """The module docstring's rounding key, computed with Python integers."""
+    words = [int.from_bytes(struct.pack("<d", x), "little") for x in values]
+    rows = [words[i : i + KEY_ROW] for i in range(0, len(words) // KEY_ROW * KEY_ROW + 1, KEY_ROW)]
+    columns = [sum(row[c] for row in rows if c < len(row)) % 2**64 for c in range(KEY_ROW)]
+    summary = columns + [sum(row) % 2**64 for row in rows]
+    data = (
+        ROUNDING_KEY + len(words).to_bytes(8, "little") + b"".join(x.to_bytes(8, "little") for x in summary)
+    )
+    return hashlib.sha256(data).digest()
+
+
+@pytest.mark.parametrize("size", [9, 2 * KEY_ROW, 2 * KEY_ROW + 5])
+def test_rounding_key_is_sha256_of_the_label_length_and_column_and_row_sums(size):
+    """Known answer of the key from its definition, recomputed with Python integers (a float64 word is
+    about 2^62, so the sums wrap), for a vector shorter than a row, a whole number of rows and a short last
+    row; the codec rounds with the stream this key gives."""
+    values = np.append(np.random.default_rng(size).standard_normal(size - 1) * 1e-3, 3.0)
+    key = _key_by_definition(values.tolist())
+    assert rounding_key(values) == key
+    schema = Schema((Field("delta", (size - 1,), 10.0, frac_bits=24), Field("n", (), 1e5, frac_bits=0)))
+    codec = FixedPointCodec(schema, max_silos=40)  # the delta in 32-bit words at 22 bits: stochastic
+    vector = torch.from_numpy(values)
+    assert np.array_equal(codec.encode(vector), codec.encode(vector, SecureRandom(key)))
+
+
+NEARBY = [0, 1, 2, KEY_ROW, KEY_ROW + 1, 2 * KEY_ROW, 2 * KEY_ROW + 2]  # same row, same column, diagonal
+
+
+@given(
+    base=st.integers(0, 3 * KEY_ROW + 6),
+    changes=st.lists(st.tuples(st.sampled_from(NEARBY), st.floats()), min_size=1, max_size=3),
+)
+@settings(max_examples=150, deadline=None)
+def test_rounding_key_changes_when_one_two_or_three_entries_change(base, changes):
+    """Changing up to three entries, bunched in one row, one column or across both (the vector's short last
+    row included), always changes the key; so does swapping two entries of one row or of one column."""
+    values = np.random.default_rng(0).standard_normal(3 * KEY_ROW + 7)
+    changed = values.copy()
+    for offset, value in changes:
+        changed[(base + offset) % len(values)] = value
+    if changed.tobytes() != values.tobytes():
+        assert rounding_key(changed) != rounding_key(values)
+    for other in ((base + 1) % len(values), (base + KEY_ROW) % len(values)):
+        swapped = values.copy()
+        swapped[[base, other]] = swapped[[other, base]]
+        assert rounding_key(swapped) != rounding_key(values)
+
+
+def test_rounding_key_can_repeat_only_for_four_changes_cancelling_in_rows_and_columns():
+    """The limit the module docstring states, and that it is the limit: four changed entries at the corners
+    of a rectangle, +d and −d on each row and each column, keep every sum; moving one corner does not."""
+    values = np.random.default_rng(1).standard_normal(3 * KEY_ROW)
+    words = values.view(np.uint64).copy()
+    words[[7, 900 + 2 * KEY_ROW]] += np.uint64(12345)  # wrapping mod 2^64, as the sums do
+    words[[900, 7 + 2 * KEY_ROW]] -= np.uint64(12345)
+    assert rounding_key(words.view(np.float64)) == rounding_key(values)
+    words[[900, 901]] = words[[901, 900]]  # now one of the corners sits in another column
+    assert rounding_key(words.view(np.float64)) != rounding_key(values)
+
+
+class _EveryWord:
+    """A stand-in stream (a deterministic fake) whose 16-bit words run through 0 … 2^16 − 1 in order, so a
+    field of 2^16 equal values is rounded with every uniform exactly once."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def words(self, count: int) -> np.ndarray:
+        uniforms = (np.arange(4 * count) + self._next) % 2**16
+        self._next += 4 * count
+        return uniforms.astype("<u2").view("<u8")
+
+
+EXACT_BIAS_SCHEMA = Schema((Field("delta", (2**16,), 10.0, frac_bits=24), Field("n", (), 1e5, frac_bits=0)))
+
+
+@given(units=st.one_of(st.floats(-4e7, 4e7), st.integers(-(2**25), 2**25).map(lambda k: k - 2**-23)))
+@settings(max_examples=60, deadline=None)
+def test_stochastic_rounding_bias_over_every_uniform_is_within_the_stated_bound(units):
+    """The exact expectation: with each 16-bit uniform once, the mean encoding of a value s (in units of
+    2^-22) lies in (s − 2^-16, s + 2^-22], and a value on the grid of units is encoded exactly every time.
+    Fewer random bits (or rounding to nearest) would miss this bound; values just below an integer
+    (k − 2^-23) sit near its lower end."""
+    codec = FixedPointCodec(EXACT_BIAS_SCHEMA, max_silos=40)
+    assert (codec.encodings[0].frac_bits, codec.encodings[0].stochastic) == (22, True)
+    assert ENCODE_BLOCK % 4 == 0  # so blocks read the fake stream's words in order too
+    value = units * 2.0**-22
+    vector = torch.cat(
+        [torch.full((2**16,), value, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)]
+    )
+    encoded = codec.ring.parts(codec.encode(vector, _EveryWord()))[1].view(np.int32)[: 2**16].astype(np.int64)
+    s = Fraction(value) * 2**22
+    mean = Fraction(int(encoded.sum()), 2**16)
+    assert -Fraction(1, 2**16) < mean - s <= Fraction(1, 2**22)
+    assert set(encoded.tolist()) <= {math.floor(s), math.floor(s) + 1}
+    if s.denominator == 1:
+        assert set(encoded.tolist()) == {s}
+
+
+def test_stochastic_rounding_rounds_up_as_often_as_the_fraction_in_keyed_vectors():
+    """Statistics of the real keyed streams: 200,000 values of each fraction φ of a unit in each of 10
+    vectors (each its own key), at integer parts spread over ±1000 units. The share rounded up is φ within
+    four standard errors (plus the 2^-16 the docstring allows), and the mean rounding error is 0 within four
+    standard errors: a bias of 2^-8, rounding to nearest or one uniform for many values would fail."""
+    fractions = np.array([2.0**-10, 0.125, 0.3, 0.5, 0.7, 1 - 2.0**-12])
+    per = 20_000  # of each fraction in each vector
+    schema = Schema(
+        (Field("delta", (len(fractions) * per,), 10.0, frac_bits=24), Field("n", (), 1e5, frac_bits=0))
+    )
+    codec = FixedPointCodec(schema, max_silos=40)
+    assert (codec.encodings[0].frac_bits, codec.encodings[0].stochastic) == (22, True)
+    rng = np.random.default_rng(37)
+    ups, errors = [], []
+    for vector_index in range(10):
+        whole = rng.integers(-1000, 1000, size=(len(fractions), per)).astype(np.float64)
+        units = whole + fractions[:, None]
+        vector = torch.from_numpy(np.append(units.ravel() * 2.0**-22, float(vector_index)))
+        encoded = codec.ring.parts(codec.encode(vector))[1].view(np.int32)[: units.size].reshape(units.shape)
+        ups.append(encoded - whole)
+        errors.append(encoded - units)
+    up = np.concatenate(ups, axis=1)
+    assert set(np.unique(up).tolist()) <= {0, 1}
+    samples = up.shape[1]
+    for phi, share in zip(fractions, up.mean(axis=1), strict=True):
+        assert abs(share - phi) < 4 * math.sqrt(phi * (1 - phi) / samples) + 2.0**-16, phi
+    error = np.concatenate(errors, axis=1)
+    assert abs(error.mean()) < 4 * error.std() / math.sqrt(error.size) + 2.0**-16
 
 
 def test_codec_refuses_a_round_that_could_overflow():
