@@ -1,7 +1,7 @@
 """Secure aggregation's costs at ResNet-8 size: masking, unmasking, bytes on the wire, and a whole round.
 
-    python benchmarks/secagg.py session [--silos 3 10 30] [--repeats 5] [--model resnet8]
-        [--graphs full secagg+] [--flower .flwr/bin/python] [--layers secagg [blind]]
+    python benchmarks/secagg.py session [--silos 3 10 30] [--repeats 5 | R1 R2 ...] [--model resnet8]
+        [--graphs full secagg+] [--full-up-to 30] [--flower .flwr/bin/python] [--layers secagg [blind]]
     python benchmarks/secagg.py rounds [--silos 3 10] [--rounds 6] [--pairs 2] [--model resnet8]
         [--layers plaintext secagg [ckks] [blind]] [--budget-minutes 15] [--keep DIR]
 
@@ -20,9 +20,14 @@ For each n and repeat it measures:
   arithmetic; ChaCha20's bare keystream on the same seeds too, in the same loop (the choice of cipher);
   also `apply_masks` alone (the n masks, no protocol) and the codec's encode and decode.
 - with `--flower PYTHON` (an interpreter of an environment of its own with flwr installed:
-  `python3 -m venv .flwr && .flwr/bin/pip install flwr==1.42.0`), Flower SecAgg+'s masked-input stage for
-  one of n clients on the same model's parameter arrays (benchmarks/flower_secaggplus.py, Flower's own
-  client code), right after ours in each repeat; the ratio is Flower's stage over our encode + masking.
+  `python3 -m venv .flwr && .flwr/bin/pip install flwr==1.42.0`), Flower SecAgg+ on the same model's
+  parameter arrays, right after ours in each repeat (benchmarks/flower_secaggplus.py: Flower's own server
+  workflow and client code, every client in one process): a client's masked-input stage (median over
+  clients; the ratio is it over our encode + masking) and the server's unmask stage in the same dropout
+  cases as ours (the ratio is it over our aggregator's). Flower's `num_shares` is our holders per seed
+  (n for the full graph, k + 1 for SecAgg+'s: its neighbourhoods are a shuffled ring of num_shares nodes
+  centred on each, itself included), its threshold ours where its workflow takes it (t < num_shares; at
+  n = 3, t = 3 of 3, it runs with 2).
 - unmasking: the aggregator's `close_unmask` with no dropout, with one silo gone after its masked input (its
   self mask is rebuilt from shares, like everyone's) and with one gone before it (its mask key is rebuilt and
   its pairwise mask with every survivor removed). A silo can be lost only if n − 1 silos still reach the
@@ -46,6 +51,11 @@ With `--graphs full secagg+` it does all of this for the complete graph and for 
 complete one), and adds the masking time summed over all n silos: the consortium's pairwise work, O(n²) for
 the complete graph and O(n log n) for SecAgg+. A SecAgg+ silo has k + 1 masks, not n, so its `bare` and
 `apply_masks` expand k + 1 seeds; a seed's k + 1 holders, not n, decide which dropouts the sum survives.
+The complete graph is skipped beyond `--full-up-to` silos (30: its n² masks, with every silo in this one
+process, would take the run's time), and so said in the output. `--repeats` takes one count per n, for
+fewer repeats where a session is long. Each graph measured at three n or more gets its costs fitted against
+n (`fit_growth`: a + b · log n, n, n log n or n², least squares, and the log-log slope): a silo's masking,
+all silos' masking, the aggregator's unmasking in each case and the bytes per silo.
 
 `rounds` runs a real consortium (aggregator + n silo processes over mutual TLS on 127.0.0.1, one torch
 thread per silo, the demo's recipe and training plan: FedAvg, LT MNIST-5k, IF 100, α 0.5) with each privacy
@@ -81,7 +91,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -193,6 +203,7 @@ def recipe_for(model: str) -> DataConfig:
 
 
 GRAPHS = ("full", "secagg+")
+FULL_UP_TO = 30  # silos: beyond, `session` skips the complete graph unless asked (--full-up-to)
 
 
 def secagg_plus_degree(n: int) -> int:
@@ -458,15 +469,32 @@ def check_sum(
             raise RuntimeError(f"the unmasked sum of {f.name} is off by {error:g}, beyond the codec's bound")
 
 
-def flower_masking(flower: str, n: int, shapes: list[list[int]]) -> float:
-    """Seconds of Flower SecAgg+'s masked-input stage for one of n clients, run by `flower` (a Python with
-    flwr installed) in benchmarks/flower_secaggplus.py; its start-up is not timed."""
+def flower_run(flower: Flower, n: int, holders: int, t: int, cases: list[str]) -> dict:
+    """Flower SecAgg+ for n clients with `holders` = num_shares (n: every client), run by `flower.python` (a
+    Python with flwr installed) in benchmarks/flower_secaggplus.py, one repeat: the seconds of a client's
+    masked-input stage (median over clients) and of the server's unmask stage in each of `cases`; its
+    start-up is not timed. Flower's threshold is ours, t, where its workflow takes it (t < num_shares);
+    else num_shares − 1 (t = 3 of 3 at n = 3)."""
     script = Path(__file__).with_name("flower_secaggplus.py")
-    command = [flower, str(script), "--silos", str(n), "--shapes", json.dumps(shapes)]
+    command = [
+        flower.python,
+        str(script),
+        *("--silos", str(n), "--shares", str(holders), "--threshold", str(flower_threshold(holders, t))),
+        *("--shapes", json.dumps(flower.shapes), "--cases", *cases),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode:
         raise SystemExit(f"{' '.join(command[:2])} failed:\n{done.stderr.strip()}")
-    return json.loads(done.stdout)["seconds"][0]
+    out = json.loads(done.stdout)
+    return {
+        "masked_input_s": out["masked_input_s"][0],
+        "unmask_s": {c: v[0] for c, v in out["unmask_s"].items()},
+    }
+
+
+def flower_threshold(holders: int, t: int) -> int:
+    """Ours where Flower's workflow takes it: it refuses a reconstruction_threshold of num_shares or more."""
+    return min(t, holders - 1)
 
 
 def flower_version(flower: str) -> str:
@@ -516,17 +544,17 @@ def session_costs(
     """Items 1–3 for n silos: medians over `repeats` fresh sessions (new keys and seeds every time).
 
     `neighbours` 0 is the consortium default, the complete graph; otherwise SecAgg+'s degree. The threshold
-    is the default: more than two thirds of a seed's holders. With `flower`, each repeat also times Flower
-    SecAgg+'s masked-input stage for the same n and model, right after ours. Each layer of `others` (whose
-    sum is secagg's session, `SESSION_LAYERS`) runs the same sessions in each repeat, in alternating order
-    with secagg, and is reported under "layers" against secagg.
+    is the default: more than two thirds of a seed's holders. With `flower`, each repeat also runs Flower
+    SecAgg+ for the same n, model, holders per secret and dropout cases, right after ours (`flower_run`).
+    Each layer of `others` (whose sum is secagg's session, `SESSION_LAYERS`) runs the same sessions in each
+    repeat, in alternating order with secagg, and is reported under "layers" against secagg.
     """
     participants = tuple(sorted(f"silo-{k}" for k in range(n)))
     settings = SecAggSettings(neighbours=neighbours)
     codec = FixedPointCodec(schema, max_silos=n)
     ring = codec.ring
     flats = {u: contribution(schema, seed=k) for k, u in enumerate(participants)}
-    inputs = {u: codec.encode(v) for u, v in flats.items()}
+    encoded = codec.encode(flats[participants[0]])  # one silo's ring vector, for the timings without protocol
     shape = settings.session("r0", "contribution", participants, ring, b"")
     t, holders = shape.t, shape.holder_count
     # losing a silo leaves its neighbours holders - 1 holders of each other's seeds
@@ -544,10 +572,10 @@ def session_costs(
         seeds = [secrets.token_bytes(keystreams.SEED_BYTES) for _ in range(holders)]
         for keystream in keystreams.KEYSTREAMS:
             bare[keystream].append(bare_keystream(seeds, ring.nbytes, keystream))
-        apply_only.append(masks_only(seeds, ring, inputs[participants[0]]))
+        apply_only.append(masks_only(seeds, ring, encoded))
         encode.append(timed(lambda: codec.encode(flats[participants[0]]))[1])
         if "blind" in others:
-            output_mask.append(output_mask_only(ring, inputs[participants[0]], participants[0]))
+            output_mask.append(output_mask_only(ring, encoded, participants[0]))
         for layer in layers[:: 1 if repeat % 2 == 0 else -1]:
             layer_settings = layer_record(layer).settings(neighbours=neighbours)
             for scenario in scenarios:
@@ -558,8 +586,8 @@ def session_costs(
                 samples[layer].add(scenario, run_session(spec, members, flats, dropped=dropped, layer=layer))
         ratios.append(samples["secagg"].masking[-1] / bare[keystreams.MASK_KEYSTREAM][-1])
         if flower is not None:
-            flowers.append(flower_masking(flower.python, n, flower.shapes))
-        decode.append(timed(lambda: codec.decode(inputs[participants[0]]))[1])
+            flowers.append(flower_run(flower, n, holders, t, scenarios))
+        decode.append(timed(lambda: codec.decode(encoded))[1])
 
     base = samples["secagg"]
     sizes = base.sizes
@@ -598,16 +626,7 @@ def session_costs(
         },
         "codec_encode_s_median": median(encode),
         "codec_decode_s_median": median(decode),
-        "flower": None
-        if flower is None
-        else {
-            "masked_input_stage_s_median": median(flowers),
-            "samples": [round(f, 4) for f in flowers],
-            "ratio_flower_over_ours": round(
-                statistics.median(f / o for f, o in zip(flowers, ours, strict=True)), 2
-            ),
-            "ours": "encode + masked_input (the codec, the envelopes, key agreement, every mask)",
-        },
+        "flower": None if flower is None else against_flower(flowers, ours, base.unmask, holders, t),
         "unmask_s_median": {s: median(base.unmask[s]) if s in base.unmask else None for s in DROPOUTS},
         "unmask_note": ""
         if len(scenarios) == len(DROPOUTS)
@@ -633,6 +652,32 @@ def session_costs(
             | ({"output_mask_only_s_median": median(output_mask)} if layer == "blind" else {})
             for layer in others
         },
+    }
+
+
+def against_flower(
+    runs: list[dict], ours: list[float], unmask: Mapping[str, list[float]], holders: int, t: int
+) -> dict:
+    """Flower's repeats (`flower_run`) against ours in the same loop: each ratio is Flower's time over ours
+    per repeat, then the median."""
+
+    def ratio(theirs: Iterable[float], mine: Iterable[float]) -> float:
+        return round(statistics.median(f / o for f, o in zip(theirs, mine, strict=True)), 2)
+
+    cases = list(runs[0]["unmask_s"])
+    return {
+        "num_shares": holders,
+        "threshold": flower_threshold(holders, t),
+        "masked_input_stage_s_median": median(r["masked_input_s"] for r in runs),
+        "samples": [round(r["masked_input_s"], 4) for r in runs],
+        "ratio_flower_over_ours": ratio((r["masked_input_s"] for r in runs), ours),
+        "ours": "encode + masked_input (the codec, the envelopes, key agreement, every mask)",
+        "unmask_s_median": {c: median(r["unmask_s"][c] for r in runs) for c in cases},
+        "ratio_unmask_flower_over_ours": {
+            c: ratio((r["unmask_s"][c] for r in runs), unmask[c]) for c in cases
+        },
+        "unmask": "Flower's unmask_stage, its clients' answers excluded, against the aggregator half's close "
+        "of our unmask stage (close_unmask and the codec's decode)",
     }
 
 
@@ -720,35 +765,45 @@ def model_shapes(model: str) -> list[list[int]]:
 
 def session(
     silos: list[int],
-    repeats: int,
+    repeats: list[int],
     model: str,
     graphs: tuple[str, ...] = ("full",),
     flower: str = "",
     layers: tuple[str, ...] = ("secagg",),
+    full_up_to: int = FULL_UP_TO,
 ) -> dict:
     """Every n with each graph of `graphs`, the graphs in turn for each n (a drift of the machine then shows
-    in both graphs' numbers at that n rather than between them). SecAgg+ is skipped where its degree gives
-    the complete graph (n = 3): that row would repeat the full graph's. With `flower` (a Python with flwr),
-    Flower's masked-input stage is timed beside the full graph's. `layers` starts with secagg, the others'
-    baseline; blind's entries also carry what its silos send per round besides the sum."""
+    in both graphs' numbers at that n rather than between them), `repeats[i]` repeats at `silos[i]` (one
+    value: at every n). SecAgg+ is skipped where its degree gives the complete graph (n = 3): that row would
+    repeat the full graph's; the full graph beyond `full_up_to` silos, whose n² pairwise work would take the
+    run's time (both said under "skipped"). With `flower` (a Python with flwr), Flower SecAgg+ runs beside
+    each row with as many holders per secret. `layers` starts with secagg, the others' baseline; blind's
+    entries also carry what its silos send per round besides the sum. Each graph measured at three n or more
+    gets its growth fitted (`growth`)."""
+    per_n = repeats_per_n(silos, repeats)
     schema = contribution_schema(model)
     against = Flower(flower, model_shapes(model)) if flower else None
+    rows = [(n, graph) for n in silos for graph in graphs]
+    skipped = [
+        {"silos": n, "graph": graph, "reason": reason}
+        for n, graph in rows
+        if (reason := skip_reason(n, graph, full_up_to))
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         members = Members.issue(Path(tmp), max(silos))
         results = [
             {"graph": graph}
             | session_costs(
                 n,
-                repeats,
+                per_n[n],
                 schema,
                 members,
                 neighbours=neighbours_for(graph, n),
-                flower=against if graph == "full" else None,
+                flower=against,
                 others=layers[1:],
             )
-            for n in silos
-            for graph in graphs
-            if graph == "full" or neighbours_for(graph, n)
+            for n, graph in rows
+            if not skip_reason(n, graph, full_up_to)
         ]
     for r in results:
         if "blind" in r["layers"]:
@@ -761,7 +816,90 @@ def session(
         "layers": list(layers),
         "flwr": flower_version(flower) if flower else None,
         "by_silos": results,
+        "skipped": skipped,
+        "growth": {graph: growth([r for r in results if r["graph"] == graph]) for graph in graphs},
     }
+
+
+LAWS: dict[str, Callable[[float], float]] = {
+    "log n": math.log,
+    "n": float,
+    "n log n": lambda n: n * math.log(n),
+    "n^2": lambda n: n * n,
+}
+
+
+def fit_growth(ns: Sequence[int], ys: Sequence[float]) -> dict:
+    """Least squares of y = a + b · law(n) for each law of LAWS (a: what does not grow with n, such as a
+    silo's self mask), each with its relative RMS residual; the best law, the one of smallest residual
+    among those that grow (b > 0); and the log-log slope, the exponent e of the least-squares y = c · n^e.
+
+    >>> fit = fit_growth([10, 30, 100, 300], [2 + 3 * n * math.log(n) for n in (10, 30, 100, 300)])
+    >>> fit["best"], round(fit["laws"]["n log n"]["b"], 9), round(fit["laws"]["n log n"]["rms_relative"], 9)
+    ('n log n', 3.0, 0.0)
+    >>> round(fit_growth([10, 100, 1000], [5 * n**2 for n in (10, 100, 1000)])["loglog_slope"], 9)
+    2.0
+    """
+    n, y = np.asarray(ns, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+    laws = {}
+    for name, law in LAWS.items():
+        design = np.column_stack([np.ones_like(n), [law(v) for v in n]])
+        (a, b), *_ = np.linalg.lstsq(design, y, rcond=None)
+        rms = float(np.sqrt(np.mean(((design @ [a, b] - y) / y) ** 2)))
+        laws[name] = {"a": float(a), "b": float(b), "rms_relative": rms}
+    growing = {name: fit for name, fit in laws.items() if fit["b"] > 0}
+    slope = float(np.polyfit(np.log(n), np.log(y), 1)[0])
+    return {
+        "silos": [int(v) for v in ns],
+        "values": [float(v) for v in ys],
+        "laws": laws,
+        "best": min(growing, key=lambda name: growing[name]["rms_relative"]) if growing else None,
+        "loglog_slope": slope,
+    }
+
+
+def growth(rows: list[dict]) -> dict:
+    """One graph's costs against n (`fit_growth`), each measured at three n or more: a silo's masking, all
+    silos' masking, the aggregator's unmasking in each dropout case, and the bytes per silo (all of them, and
+    the protocol's alone: without the masked vector)."""
+    rows = sorted(rows, key=lambda r: r["silos"])
+    series: dict[str, list[tuple[int, float]]] = {}
+
+    def add(name: str, n: int, value: float | None) -> None:
+        if value is not None:
+            series.setdefault(name, []).append((n, value))
+
+    for r in rows:
+        n, b = r["silos"], r["bytes_per_silo"]
+        add("masking_s", n, r["masking_s_median"])
+        add("masking_all_silos_s", n, r["masking_all_silos_s_median"])
+        for case, seconds in r["unmask_s_median"].items():
+            add(f"unmask_s_{case}", n, seconds)
+        add("bytes_up", n, b["up_total"])
+        add("bytes_down", n, b["down_total"])
+        add("protocol_bytes", n, b["up_total"] + b["down_total"] - b["up"]["Submit (masked)"])
+    return {
+        name: fit_growth(*zip(*points, strict=True)) for name, points in series.items() if len(points) >= 3
+    }
+
+
+def repeats_per_n(silos: list[int], repeats: list[int]) -> dict[int, int]:
+    """`--repeats`: one count for every n, or one per n of `silos`."""
+    if len(repeats) not in (1, len(silos)):
+        raise ValueError(f"give one repeat count, or one per n ({len(silos)}), not {len(repeats)}")
+    return dict(zip(silos, repeats * len(silos) if len(repeats) == 1 else repeats, strict=True))
+
+
+def skip_reason(n: int, graph: str, full_up_to: int) -> str:
+    """Why this row is not run, or "" if it is."""
+    if graph == "full" and n > full_up_to:
+        return (
+            f"the complete graph beyond {full_up_to} silos: every silo masks with n − 1 peers, n² masks in "
+            "all, too slow for one process on this machine"
+        )
+    if graph != "full" and not neighbours_for(graph, n):
+        return "SecAgg+'s degree reaches n − 1 here: the complete graph, the full row"
+    return ""
 
 
 def session_table(result: dict) -> str:
@@ -770,7 +908,11 @@ def session_table(result: dict) -> str:
     rows = [
         f"{'n':>3} {'t':>3} {'mask s':>7} {'bare s':>7} {'ratio':>6} {'chacha s':>8} {'encode s':>8} "
         f"{'unmask s none/after/before':>27} {'up B':>9} {'down B':>8} {'f32 B':>9} {'up/f32':>7}"
-        + (f" {'flower s':>8} {'x':>5}" if flower else "")
+        + (
+            f" {'flower s':>8} {'x':>5} {'fl m':>4} {'fl t':>4} {'flower unmask s':>17} {'x unmask':>14}"
+            if flower
+            else ""
+        )
         + (f" {'graph':>7} {'k':>3} {'all silos mask s':>16}" if graphs else "")
     ]
     for r in result["by_silos"]:
@@ -778,12 +920,7 @@ def session_table(result: dict) -> str:
         b = r["bytes_per_silo"]
         k = r["neighbours"] or r["silos"] - 1
         against = r["flower"] or {}
-        versus = (
-            f" {against.get('masked_input_stage_s_median', '-'):>8}"
-            f" {against.get('ratio_flower_over_ours', '-'):>5}"
-            if flower
-            else ""
-        )
+        versus = flower_cells(against) if flower else ""
         graph = f" {r['graph']:>7} {k:>3} {r['masking_all_silos_s_median']:>16.3f}" if graphs else ""
         rows.append(
             f"{r['silos']:>3} {r['threshold']:>3} {r['masking_s_median']:>7.3f} "
@@ -792,7 +929,36 @@ def session_table(result: dict) -> str:
             f"{unmask:>27} {b['up_total']:>9} {b['down_total']:>8} {b['float32_contribution']:>9} "
             f"{b['ratio_up_over_float32']:>7.4f}{versus}{graph}"
         )
-    return "\n".join([*rows, *layers_table(result)])
+    return "\n".join([*rows, *layers_table(result), *growth_table(result)])
+
+
+def flower_cells(against: dict) -> str:
+    """Flower's columns of a session row: its masked-input stage, ours over it, its holders and threshold,
+    its unmask stage in each case and its ratio to ours ("-" where Flower did not run)."""
+    if not against:
+        return f" {'-':>8} {'-':>5} {'-':>4} {'-':>4} {'-':>17} {'-':>14}"
+    unmask = "/".join(f"{v:.3f}" for v in against["unmask_s_median"].values())
+    ratios = "/".join(f"{v:.1f}" for v in against["ratio_unmask_flower_over_ours"].values())
+    return (
+        f" {against['masked_input_stage_s_median']:>8.4f} {against['ratio_flower_over_ours']:>5.1f}"
+        f" {against['num_shares']:>4} {against['threshold']:>4} {unmask:>17} {ratios:>14}"
+    )
+
+
+def growth_table(result: dict) -> list[str]:
+    """Each graph's fitted growth (`fit_growth`): the best law, the log-log slope and every law's residual."""
+    rows = [
+        f"{'graph':>7} {'cost':>26} {'n':>16} {'best':>8} {'slope':>6} "
+        + " ".join(f"{'rms ' + law:>11}" for law in LAWS)
+    ]
+    for graph, fits in result.get("growth", {}).items():
+        for cost, fit in fits.items():
+            rows.append(
+                f"{graph:>7} {cost:>26} {','.join(map(str, fit['silos'])):>16} {fit['best'] or '-':>8} "
+                f"{fit['loglog_slope']:>6.3f} "
+                + " ".join(f"{fit['laws'][law]['rms_relative']:>11.4f}" for law in LAWS)
+            )
+    return rows if len(rows) > 1 else []
 
 
 def layers_table(result: dict) -> list[str]:
@@ -1101,7 +1267,16 @@ def main() -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     s = commands.add_parser("session", help="masking, unmasking and bytes on the wire, in one process")
     s.add_argument("--silos", type=int, nargs="+", default=[3, 10, 30])
-    s.add_argument("--repeats", type=int, default=5)
+    s.add_argument(
+        "--repeats", type=int, nargs="+", default=[5], help="at every n, or one count per n of --silos"
+    )
+    s.add_argument(
+        "--full-up-to",
+        type=int,
+        default=FULL_UP_TO,
+        metavar="N",
+        help="run the complete graph up to N silos only (its n² pairwise work)",
+    )
     s.add_argument("--model", default="resnet8")
     s.add_argument(
         "--graphs", nargs="+", choices=GRAPHS, default=["full"], help="secagg+: 2⌈log2 n⌉ neighbours per silo"
@@ -1132,14 +1307,25 @@ def main() -> None:
         "--flower",
         default="",
         metavar="PYTHON",
-        help="a Python with flwr installed (its own venv): Flower SecAgg+'s masked-input stage beside ours",
+        help="a Python with flwr installed (its own venv): Flower SecAgg+'s masked-input and unmask stages "
+        "beside ours",
     )
     args = parser.parse_args()
     if args.command == "session":
         if args.layers[0] != "secagg" or len(set(args.layers)) < len(args.layers):
             s.error("--layers starts with secagg, the others' baseline, and names each layer once")
+        try:
+            repeats_per_n(args.silos, args.repeats)
+        except ValueError as exc:
+            s.error(f"--repeats: {exc}")
         result = session(
-            args.silos, args.repeats, args.model, tuple(args.graphs), args.flower, tuple(args.layers)
+            args.silos,
+            args.repeats,
+            args.model,
+            tuple(args.graphs),
+            args.flower,
+            tuple(args.layers),
+            args.full_up_to,
         )
         table = session_table(result)
     else:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import json
 import logging
@@ -67,8 +68,10 @@ class Member:
     def cert(self) -> x509.Certificate:
         return load_certificate(self.certificate, source=f"the roster's certificate of {self.id}")
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
+        """Kept once computed: a lookup by certificate compares every member's, and parsing each PEM again
+        made a lookup 1.6 ms at 300 silos and a secure sum's credential checks O(n²) (issue 37)."""
         return fingerprint(self.cert)
 
 

@@ -291,11 +291,15 @@ def _sign_of(u: str, v: str) -> bool:
 
 
 def _check_enough(spec: SessionSpec, alive: set[str], stage: str) -> None:
-    if len(alive) < spec.t:
-        raise TooFewSurvivors(f"{stage}: {len(alive)} silos left, the threshold is {spec.t}")
-    thin = sorted(u for u in alive if len(set(spec.holders(u)) & alive) < spec.t)
+    """At least t silos alive, and t alive holders of each one's seeds (its alive neighbours and itself):
+    every silo runs this on each survivor list, so it reads the graph's sets rather than sorting holders."""
+    t = spec.t
+    if len(alive) < t:
+        raise TooFewSurvivors(f"{stage}: {len(alive)} silos left, the threshold is {t}")
+    graph = spec.graph
+    thin = sorted(u for u in alive if len(graph[u] & alive) + 1 < t)
     if thin:
-        raise TooFewSurvivors(f"{stage}: fewer than {spec.t} holders left for the seeds of {', '.join(thin)}")
+        raise TooFewSurvivors(f"{stage}: fewer than {t} holders left for the seeds of {', '.join(thin)}")
 
 
 def _check_usable(keys: AdvertisedKeys) -> None:
@@ -794,8 +798,8 @@ class SecAggServer:
         self._reveals[silo] = reveal
 
     def close_unmask(self) -> np.ndarray:
-        """Rebuild the seeds, remove every mask, and return Σ_{u ∈ U3} x_u in the ring (`unmasked`). A sum
-        silos recompute goes on to its transcript stage."""
+        """Rebuild the seeds, remove every mask, and return Σ_{u ∈ U3} x_u in the ring (`unmasked`: the masks
+        come off the running total itself). A sum silos recompute goes on to its transcript stage."""
         self._closing("unmask")
         self.stage = "transcript" if self.spec.recomputed else "done"
         return unmasked(
@@ -836,8 +840,10 @@ def unmasked(
 ) -> np.ndarray:
     """Σ_{u ∈ U3} x_u in the ring, from `total`, the sum of U3's masked inputs: rebuild the self-mask seed of
     every survivor and the mask key of every dropped silo that shares a mask with one, remove every mask.
-    The aggregator (`SecAggServer.close_unmask`) and every silo recomputing a sum (`SecAggClient.recompute`)
-    run this one function, so both get the same sum from the same messages.
+    The masks come off `total` itself, which is returned: both callers are done with their masked sum, and a
+    copy would be one more pass over megabytes. The aggregator (`SecAggServer.close_unmask`) and every silo
+    recomputing a sum (`SecAggClient.recompute`) run this one function, so both get the same sum from the
+    same messages.
 
     A holder that alters a self-mask share when exactly t shares arrive makes the sum wrong undetected
     (b_u carries no commitment); with more than t, `shamir.combine` catches it. A malicious silo can skew
@@ -854,9 +860,8 @@ def unmasked(
             raise ProtocolViolation(f"the shares rebuild a mask key that {v} never advertised")
         # u added PRG(s_uv) unless u < v; undo exactly what u did
         masks += [(pair_seed(spec, secret, v, keys[u].s_public, u), not _sign_of(u, v)) for u in partners]
-    out = total.copy()
-    apply_masks(spec.ring, out, masks)
-    return out
+    apply_masks(spec.ring, total, masks)
+    return total
 
 
 def _rebuild(
@@ -866,8 +871,8 @@ def _rebuild(
     pick: Callable[[Reveal], Mapping[str, bytes]],
 ) -> bytes:
     shares = {
-        spec.x_of(owner, h): _decode_share(pick(reveals[h])[owner])
-        for h in spec.holders(owner)
+        x: _decode_share(pick(reveals[h])[owner])
+        for x, h in enumerate(spec.holders(owner), start=1)  # x = place among the holders, as `x_of`
         if h in reveals
     }
     if len(shares) < spec.t:
