@@ -40,13 +40,13 @@ BACKENDS = {"serial": {"backend": "serial"}, "ray×1": {"backend": "ray", "worke
 BACKENDS["ray×2"] = {"backend": "ray", "workers": 2}
 
 
-def run(config: SimConfig) -> tuple[list[float], str, float]:
-    """Each round's seconds, the final state's digest, and the whole run's seconds."""
+def run(config: SimConfig) -> tuple[list[float], str, float, dict]:
+    """Each round's seconds, the final state's digest, the whole run's seconds and its last evaluation."""
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
         result = run_simulation(config, Path(out), echo=lambda _: None)
     rounds = [r["seconds"] for r in result.metrics["rounds"]]
-    return rounds, result.state.digest(), time.perf_counter() - started
+    return rounds, result.state.digest(), time.perf_counter() - started, result.metrics["rounds"][-1]
 
 
 def backends(args: argparse.Namespace) -> None:
@@ -56,7 +56,7 @@ def backends(args: argparse.Namespace) -> None:
     for repeat in range(args.repeats):
         digests = set()
         for name, setting in BACKENDS.items():
-            rounds, digest, _ = run(load_sim_config(str(CONFIG), {**flags, **setting}))
+            rounds, digest, _, _ = run(load_sim_config(str(CONFIG), {**flags, **setting}))
             seconds = statistics.median(rounds[1:])  # the first also starts Ray's workers
             times[name].append(seconds)
             digests.add(digest)
@@ -87,15 +87,19 @@ def study(args: argparse.Namespace) -> None:
         config = load_sim_config(
             str(CONFIG), {**flags, "backend": name}, tables={"data": {"min_silo_size": 1}}
         )
-        rounds, digest, whole = run(config)
+        rounds, digest, whole, final = run(config)
         digests.add(digest)
         seconds = statistics.median(rounds[1 : config.rounds])  # training rounds after the first
         lines.append(
-            f"| {name} | {len(rounds)} | {seconds:.2f} s | {rounds[-1]:.1f} s | {whole / 60:.1f} min |"
+            f"| {name} | {len(rounds)} | {seconds:.2f} s | {rounds[-1]:.1f} s | {whole / 60:.1f} min | "
+            f"{final['accuracy']:.1%} / {final['few'] or 0:.1%} |"
         )
         print(f"{name}: {seconds:.2f} s a round, {whole:.0f} s in all", flush=True)
     print(f"\n{machine()}; {args.silos} silos × {args.per_round} a round, {args.method}, {args.privacy}")
-    print("| backend | rounds | training round (median) | last round | whole run |\n|---|---|---|---|---|")
+    print(
+        "| backend | rounds | training round (median) | last round | whole run | accuracy / few-shot |\n"
+        "|---|---|---|---|---|---|"
+    )
     print("\n".join(lines))
     if len(digests) != 1:
         sys.exit(f"the backends ended with different states: {digests}")
