@@ -17,7 +17,7 @@ import torch
 from fedlt.errors import ConfigError
 from fedlt.methods import GlobalState
 from fedlt.sim.__main__ import main
-from fedlt.sim.backend import BackendConfig, BackendUnavailable, RayBackend
+from fedlt.sim.backend import BackendConfig, BackendUnavailable, RayBackend, _tensor_in, _tensor_out
 from fedlt.sim.config import load_sim_config
 from fedlt.sim.run import CHECKPOINT, run_simulation
 
@@ -59,6 +59,24 @@ def test_an_unreachable_head_node_is_a_clear_error(tmp_path):
 def test_the_backend_is_not_part_of_a_runs_identity():
     assert _config(backend="ray", workers=3).fingerprint() == _config(threads=0).fingerprint()
     assert _config(seed=1).fingerprint() != _config().fingerprint()
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.arange(6.0, dtype=torch.float64).reshape(2, 3).t(),  # a view, not contiguous
+        torch.tensor([1 + 2j]).conj(),  # a lazy conjugate
+        -torch.tensor([1.0, 2.0]),
+        torch.tensor([1.5], dtype=torch.bfloat16),  # no NumPy dtype: torch's own pickling
+        torch.ones(3, requires_grad=True) * 2,
+    ],
+)
+def test_a_tensor_crosses_to_and_from_a_ray_worker_unchanged(tensor):
+    """Tensors travel as NumPy arrays (`_tensor_out`, `_tensor_in`): same dtype and bits, a writable copy."""
+    back = _tensor_in(_tensor_out(tensor))
+    assert back.dtype == tensor.dtype
+    assert torch.equal(back, tensor.detach().resolve_conj().resolve_neg())
+    back.add_(1)  # writable, unlike the read-only array Ray hands over
 
 
 def test_ray_with_a_gpu_named_for_training_is_refused_at_load():

@@ -105,8 +105,8 @@ class RayBackend:
 @contextmanager
 def open_backend(config: BackendConfig, silos: Mapping[str, LabeledData]) -> Iterator[Backend]:
     """The configured backend for these silos, closed (a local Ray cluster stopped) when the run ends."""
-    ray = config.backend == "ray"
-    backend = RayBackend(silos, config) if ray else SerialBackend(silos, config.threads_per_silo())
+    on_ray = config.backend == "ray"
+    backend = RayBackend(silos, config) if on_ray else SerialBackend(silos, config.threads_per_silo())
     try:
         yield backend
     finally:
@@ -143,7 +143,7 @@ def _tensors_as_arrays(ray: Any) -> None:
 
 def _tensor_out(tensor: torch.Tensor) -> tuple[str, Any]:
     if tensor.device.type == "cpu" and tensor.layout == torch.strided and tensor.dtype in _NUMPY_DTYPES:
-        return "array", tensor.detach().numpy()
+        return "array", tensor.detach().resolve_conj().resolve_neg().numpy()
     buffer = io.BytesIO()
     torch.save(tensor, buffer)
     return "torch", buffer.getvalue()
