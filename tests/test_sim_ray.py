@@ -88,7 +88,7 @@ def test_ray_with_a_gpu_named_for_training_is_refused_at_load():
 def local_ray():
     """One local cluster for the tests below that need no cluster of their own (a start costs seconds); it
     stays up until the module ends, so the tests above, which need none running, come first."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -111,6 +111,7 @@ def test_a_run_begun_on_ray_resumes_serial_to_the_same_bits(tmp_path, local_ray)
     assert _without_timing(resumed.metrics) == _without_timing(whole.metrics)
 
 
+@pytest.mark.slow  # its parts are in the default run: a stream and a ledger that pickle (test_dp_*)
 def test_under_dp_each_silo_spends_on_ray_what_it_spends_serial(tmp_path, local_ray):
     """A silo's DP side (its ledger, its CSPRNG) travels with its task and comes back spent: the ledgers
     after two rounds are the serial backend's (the noise itself is fresh from the OS on either)."""
@@ -150,7 +151,7 @@ def test_a_task_whose_worker_dies_is_run_again(tmp_path, local_ray):
     silos = {"silo-0": _one_silo()}
     backend = RayBackend(silos, BackendConfig(backend="ray", threads=1))
     job = _exit_on_first_attempt(str(tmp_path / "died-once"))
-    results = backend.map(job, None, GlobalState(0, {}, {}), [("silo-0", 21)])
+    results = backend.submit(job, None, GlobalState(0, {}, {}), [("silo-0", 21)])()
     assert (tmp_path / "died-once").exists()  # the first attempt did die
     assert results == [(42, len(silos["silo-0"]))]
 
@@ -236,3 +237,17 @@ def test_an_accuracy_grid_runs_as_tasks_on_a_cluster(tmp_path):
     results = json.loads((tmp_path / "accuracy-table.json").read_text())
     assert sorted(r["seed"] for r in results) == [0, 1]
     assert all(r["rounds"] == 1 for r in results)
+
+
+@pytest.mark.slow
+def test_without_an_address_a_run_starts_its_own_cluster_beside_a_running_one(tmp_path):
+    """Ray's `init()` joins the cluster `ray start` left running here; the simulator, told no address, must
+    start its own (asking a running cluster for CPUs is refused)."""
+    from ray.cluster_utils import Cluster
+
+    running = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        result = run_simulation(_config(rounds=1, backend="ray", workers=2), tmp_path, echo=_quiet)
+    finally:
+        running.shutdown()
+    assert result.state.round == 1

@@ -60,8 +60,11 @@ class BackendUnavailable(FedltError):
 
 
 class Backend(Protocol):
-    def map(self, job: Job, method: Method, state: GlobalState, work: Sequence[tuple[str, Any]]) -> list[Any]:
-        """`job` for each (silo id, argument) of `work`, results in the same order."""
+    def submit(
+        self, job: Job, method: Method, state: GlobalState, work: Sequence[tuple[str, Any]]
+    ) -> Callable[[], list[Any]]:
+        """`job` for each (silo id, argument) of `work`, begun now or when the returned call asks for the
+        results, which come in the order of `work`."""
         ...
 
     def close(self) -> None: ...
@@ -73,9 +76,17 @@ class SerialBackend:
     def __init__(self, silos: Mapping[str, LabeledData], threads: int) -> None:
         self.silos, self.threads = silos, threads
 
-    def map(self, job: Job, method: Method, state: GlobalState, work: Sequence[tuple[str, Any]]) -> list[Any]:
-        with torch_threads(self.threads):
-            return [job(method, state, self.silos[silo_id], arg) for silo_id, arg in work]
+    def submit(
+        self, job: Job, method: Method, state: GlobalState, work: Sequence[tuple[str, Any]]
+    ) -> Callable[[], list[Any]]:
+        """Run when the results are asked for: one silo after another, in the order a serial run has always
+        had (a round's evaluation first, then the next round's silos)."""
+
+        def results() -> list[Any]:
+            with torch_threads(self.threads):
+                return [job(method, state, self.silos[silo_id], arg) for silo_id, arg in work]
+
+        return results
 
     def close(self) -> None:
         pass
@@ -92,10 +103,14 @@ class RayBackend:
         self._silos = {silo_id: ray.put(silo) for silo_id, silo in silos.items()}
         self._task = ray.remote(_run_job).options(num_cpus=self.threads, max_retries=RETRIES)
 
-    def map(self, job: Job, method: Method, state: GlobalState, work: Sequence[tuple[str, Any]]) -> list[Any]:
+    def submit(
+        self, job: Job, method: Method, state: GlobalState, work: Sequence[tuple[str, Any]]
+    ) -> Callable[[], list[Any]]:
+        """Begun now, so that the workers train while the driver evaluates the round before."""
         # in a list, so that Ray passes the reference and each worker reads the object once (`_shared`)
         shared = [self._ray.put((job, method, state, self.threads))]
-        return self._ray.get([self._task.remote(shared, self._silos[silo_id], arg) for silo_id, arg in work])
+        refs = [self._task.remote(shared, self._silos[silo_id], arg) for silo_id, arg in work]
+        return lambda: self._ray.get(refs)
 
     def close(self) -> None:
         if self._started:
@@ -226,7 +241,7 @@ def _connect(ray: Any, config: BackendConfig) -> None:
             cpus = (config.workers or max(1, (os.cpu_count() or 1) // config.threads_per_silo())) * (
                 config.threads_per_silo()
             )
-            ray.init(num_cpus=cpus, **quiet)
+            ray.init(address="local", num_cpus=cpus, **quiet)  # a new one, even where `ray start` runs one
     except ConnectionError as exc:
         raise BackendUnavailable(f"no Ray cluster at {config.address!r}: {exc}") from None
 

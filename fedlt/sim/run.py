@@ -38,7 +38,7 @@ from fedlt.selection import (
     mask_stream,
     simulated_mask_secret,
 )
-from fedlt.sim.backend import open_backend
+from fedlt.sim.backend import Backend, open_backend
 from fedlt.sim.config import SimConfig
 from fedlt.telemetry import TENSORBOARD, open_telemetry
 from fedlt.telemetry.to_mlflow import target_from_environment
@@ -111,29 +111,14 @@ def run_simulation(
     silos = {f"silo-{k}": silo for k, silo in enumerate(federation.silos)}
     private = _silo_privacy(config, method, silos, ledgers)
     with open_backend(config.sim, silos) as backend:
-        while method.remaining_rounds(state) > 0:
-            r, total = state.round + 1, state.round + method.remaining_rounds(state)
-            started = time.perf_counter()
-            trains = method.trains(state)
-            picked = (
-                choose_participants(config.selection, list(silos), r, config.seed, book)
-                if trains
-                else list(silos)
-            )
-            if trains and config.selection.discloses:  # every silo, so that all means share one encoder
-                work = [(u, (simulated_mask_secret(config.seed, u), config.selection)) for u in silos]
-                book.disclosures.update(zip(silos, backend.map(_disclose, method, state, work), strict=True))
-            training_started = time.perf_counter()
-            work = [(u, SiloContext(r, u, config.seed, private.get(u))) for u in picked]
-            contributions = []
-            for silo_id, (contribution, silo_private) in zip(
-                picked, backend.map(_train, method, state, work), strict=True
-            ):
-                contributions.append(contribution)
-                if silo_private is not None:  # its ledger and noise stream moved on where it trained
-                    private[silo_id] = silo_private
-            training = time.perf_counter() - training_started
-            if trains:
+        begun = _begin(config, method, state, silos, private, book, backend)
+        finished = time.perf_counter()
+        while begun is not None:
+            r, total, picked = begun.round, begun.total, begun.picked
+            waited = time.perf_counter()
+            contributions = begun.collect(book, private)
+            waited = time.perf_counter() - waited
+            if begun.trains:
                 book.record(r, picked)
             sums = layer.aggregate(
                 method.schema(state),
@@ -144,14 +129,15 @@ def run_simulation(
                 records={u: np.bincount(silos[u].y, minlength=silos[u].num_classes) for u in picked},
             )
             state = method.server_step(state, sums, ServerContext(r, config.seed))
+            begun = _begin(config, method, state, silos, private, book, backend)  # on Ray, trains meanwhile
             entry = recorder.evaluate(
                 r,
                 method.eval_model(state),
                 clipped_values=sum(c.clipped for c in contributions),
                 state_digest=state.digest(),
             )
-            entry["seconds"] = round(time.perf_counter() - started, 3)
-            entry["train_seconds"] = round(training, 3)  # the silos' local rounds
+            entry["seconds"], finished = round(time.perf_counter() - finished, 3), time.perf_counter()
+            entry["train_seconds"] = round(waited, 3)  # waiting for the silos (on Ray, beyond the overlap)
             if config.selection.per_round:
                 entry["participants"] = picked
             if config.selection.discloses:
@@ -166,6 +152,56 @@ def run_simulation(
                 on_round(r, total, entry)
     table = recorder.finish()
     return RunResult({**recorder.header, "rounds": recorder.rounds}, table, state)
+
+
+@dataclass
+class _Begun:
+    """A round whose silo work has been handed to the backend: on Ray it runs while the driver evaluates and
+    saves the round before; serially it runs when collected, as it always has."""
+
+    round: int
+    total: int
+    trains: bool
+    picked: list[str]
+    disclosures: tuple[list[str], Callable[[], list[torch.Tensor]]] | None  # MFSC's, from every silo
+    contributions: Callable[[], list[tuple[Contribution, PrivateRound | None]]]
+
+    def collect(self, book: SelectionBook, private: dict) -> list[Contribution]:
+        """The silos' contributions; their disclosures go into `book`, their DP sides into `private`."""
+        if self.disclosures is not None:
+            disclosing, results = self.disclosures
+            book.disclosures.update(zip(disclosing, results(), strict=True))
+        contributions = []
+        for silo_id, (contribution, silo_private) in zip(self.picked, self.contributions(), strict=True):
+            contributions.append(contribution)
+            if silo_private is not None:  # its ledger and noise stream moved on where it trained
+                private[silo_id] = silo_private
+        return contributions
+
+
+def _begin(
+    config: SimConfig,
+    method: Method,
+    state: GlobalState,
+    silos: dict[str, LabeledData],
+    private: dict,
+    book: SelectionBook,
+    backend: Backend,
+) -> _Begun | None:
+    """The next round's silo work handed to the backend, or None when the method is done."""
+    if method.remaining_rounds(state) <= 0:
+        return None
+    r, total = state.round + 1, state.round + method.remaining_rounds(state)
+    trains = method.trains(state)
+    picked = (
+        choose_participants(config.selection, list(silos), r, config.seed, book) if trains else list(silos)
+    )
+    disclosures = None
+    if trains and config.selection.discloses:  # every silo, so that all means share one encoder
+        work = [(u, (simulated_mask_secret(config.seed, u), config.selection)) for u in silos]
+        disclosures = list(silos), backend.submit(_disclose, method, state, work)
+    work = [(u, SiloContext(r, u, config.seed, private.get(u))) for u in picked]
+    return _Begun(r, total, trains, picked, disclosures, backend.submit(_train, method, state, work))
 
 
 def _train(
