@@ -14,7 +14,7 @@ from fedlt.data.embedded import EMBEDDED
 from fedlt.errors import FedltError
 from fedlt.methods import METHODS
 from fedlt.models import MODELS
-from fedlt.sim.config import SimConfig, load_sim_config
+from fedlt.sim.config import FLAG_KEYS, SimConfig, load_sim_config
 from fedlt.sim.run import run_simulation
 
 
@@ -57,29 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # force: Opacus configures the root logger when imported (opacus/utils/module_utils.py)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", force=True)
-    flags = {
-        k: getattr(args, k)
-        for k in (
-            "seed",
-            "rounds",
-            "method",
-            "dataset",
-            "imbalance",
-            "alpha",
-            "silos",
-            "local_epochs",
-            "device",
-            "model",
-            "privacy",
-            "per_round",
-            "selection",
-            "epsilon",
-            "backend",
-            "address",
-            "threads",
-            "workers",
-        )
-    }
+    flags = {k: getattr(args, k) for k in FLAG_KEYS}  # every flag that has a place in the settings
     try:
         config = load_sim_config(args.config, flags)
         out = args.out or Path("runs") / f"{config.method.name}-{config.data.dataset}-s{config.seed}"
